@@ -1,0 +1,238 @@
+"""Byte accounting per device: parameters, gradients, optimizer state and activations saved for backward.
+
+On CPU virtual devices this accounting is the only honest number (the process shares one heap), so it is what the
+course shows there; on CUDA it sits beside `torch.cuda.max_memory_allocated`.
+Activations are counted with `torch.autograd.graph.saved_tensors_hooks`: exactly what autograd keeps for backward,
+each storage once, parameters excluded, freed when the graph is freed.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def param_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(tensor_bytes(p) for p in params)
+
+
+def grad_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None = None) -> int:
+    """Bytes of optimizer state (Adam's two moments, momentum buffers, step counters) for `params` (default all)."""
+    wanted = None if params is None else {id(p) for p in params}
+    total = 0
+    for p, state in optimizer.state.items():
+        if wanted is not None and id(p) not in wanted:
+            continue
+        total += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
+    return total
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class DeviceMemory:
+    """Bytes on one device. `activations` is the peak of saved activations over the measured step."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """Upper bound of the peak: all four at once (gradients usually appear as activations are freed)."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+class _Saved:
+    """What autograd stores instead of the tensor; releases its bytes from the ledger when autograd drops it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class MemoryLedger:
+    """Per-device memory accounting for a model split over (virtual) devices.
+
+    `assign(label, module)` says which parameters live on which device; `track_activations(label)` counts what
+    autograd saves while code runs on that device (thread-safe: each worker thread enters its own context).
+    """
+
+    def __init__(self, labels: Iterable[str]):
+        self.labels = list(labels)
+        if not self.labels:
+            raise ValueError("a memory ledger needs at least one device label")
+        self._params: dict[str, list[torch.Tensor]] = {lb: [] for lb in self.labels}
+        self._param_storages: set[int] = set()
+        self._lock = threading.Lock()
+        self._live: dict[str, int] = dict.fromkeys(self.labels, 0)
+        self._peak: dict[str, int] = dict.fromkeys(self.labels, 0)
+        self._refs: dict[tuple[str, int], list[int]] = {}  # (label, storage ptr) -> [count, bytes]
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def _check(self, label: str) -> None:
+        if label not in self._live:
+            raise KeyError(f"unknown device {label!r}; this ledger has {self.labels}")
+
+    def assign(self, label: str, module: nn.Module) -> None:
+        self._check(label)
+        params = list(module.parameters())
+        self._params[label].extend(params)
+        self._param_storages.update(p.untyped_storage().data_ptr() for p in params)
+
+    def _pack(self, label: str, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_storages:
+            return t  # a weight autograd keeps is not an activation
+        key = (label, ptr)
+        with self._lock:
+            entry = self._refs.get(key)
+            if entry is None:
+                self._refs[key] = [1, t.untyped_storage().nbytes()]
+                self._live[label] += self._refs[key][1]
+                self._peak[label] = max(self._peak[label], self._live[label])
+            else:
+                entry[0] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    def _release(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            entry = self._refs[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self._live[key[0]] -= entry[1]
+                del self._refs[key]
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    @contextmanager
+    def track_activations(self, label: str) -> Iterator[None]:
+        """Count tensors autograd saves inside this block as activations of device `label`."""
+        self._check(label)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(label, t), self._unpack):
+            yield
+
+    def trackers(self) -> list:
+        """One `track_activations` factory per label, in label order (what the stage executors take)."""
+        return [lambda lb=lb: self.track_activations(lb) for lb in self.labels]
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self._peak = dict(self._live)
+
+    def live_activations(self, label: str) -> int:
+        return self._live[label]
+
+    def device(self, label: str) -> DeviceMemory:
+        params = self._params[label]
+        opt = optimizer_state_bytes(self.optimizer, params) if self.optimizer is not None else 0
+        return DeviceMemory(param_bytes(params), grad_bytes(params), opt, self._peak[label])
+
+    def report(self) -> dict[str, DeviceMemory]:
+        return {lb: self.device(lb) for lb in self.labels}
+
+    def current_bytes(self, label: str) -> int:
+        """Bytes in use right now on `label` (what the live widget draws on CPU)."""
+        params = self._params[label]
+        opt = optimizer_state_bytes(self.optimizer, params) if self.optimizer is not None else 0
+        return param_bytes(params) + grad_bytes(params) + opt + self._live[label]
+
+
+def ledger_for(modules: Iterable[nn.Module], labels: Iterable[str],
+               optimizer: torch.optim.Optimizer | None = None) -> MemoryLedger:
+    """A ledger with module i's parameters on device labels[i]."""
+    modules, labels = list(modules), list(labels)
+    if len(modules) != len(labels):
+        raise ValueError(f"{len(modules)} modules for {len(labels)} device labels")
+    ledger = MemoryLedger(labels)
+    for module, label in zip(modules, labels):
+        ledger.assign(label, module)
+    ledger.optimizer = optimizer
+    return ledger
+
+
+def measure_step_memory(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn,
+                        optimizer: torch.optim.Optimizer) -> DeviceMemory:
+    """Params, grads, optimizer state and peak saved activations of one training step on one device."""
+    ledger = ledger_for([model], ["device"], optimizer)
+    with ledger.track_activations("device"):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return ledger.device("device")
+
+
+# --- memory arithmetic: what a model needs before anything runs -------------------------------------------------
+
+BYTES_PER_PARAM = {  # weights + grads + optimizer state, per parameter (ZeRO paper, Rajbhandari et al. 2020)
+    "fp32 + SGD": (4, 4, 0),
+    "fp32 + SGD momentum": (4, 4, 4),
+    "fp32 + Adam": (4, 4, 8),
+    "mixed precision + Adam": (2, 2, 12),  # fp16/bf16 weights and grads; fp32 master copy + two moments
+}
+
+
+def training_state_bytes(n_params: int, recipe: str = "fp32 + Adam") -> DeviceMemory:
+    """Weights, gradients and optimizer state for `n_params` under a training recipe (no activations)."""
+    if recipe not in BYTES_PER_PARAM:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {list(BYTES_PER_PARAM)}")
+    w, g, o = BYTES_PER_PARAM[recipe]
+    return DeviceMemory(params=w * n_params, grads=g * n_params, optimizer=o * n_params)
+
+
+def transformer_activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
+                                 bytes_per_value: int = 2) -> int:
+    """Saved activations of a GPT-style stack without checkpointing.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): per layer
+    s*b*h*(34 + 5*a*s/h) bytes in 16-bit; scaled by bytes_per_value/2 for other precisions.
+    """
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
+    return int(per_layer * layers * bytes_per_value / 2)
+
+
+def cuda_peak_bytes(device: torch.device) -> int | None:
+    """`torch.cuda.max_memory_allocated` where CUDA exists, else None (never touches CUDA on CPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated(device)
+
+
+def recipe_table(n_params: int, capacity_bytes: int, activation_bytes: int = 0) -> list[dict]:
+    """For each training recipe: weights, grads, optimizer state, activations, total, and whether it fits."""
+    rows = []
+    for recipe in BYTES_PER_PARAM:
+        mem = training_state_bytes(n_params, recipe)
+        mem.activations = activation_bytes
+        rows.append({"recipe": recipe, **mem.as_dict(), "fits": mem.total <= capacity_bytes})
+    return rows

@@ -1,0 +1,134 @@
+"""Which rig are we on? Two GPUs, one GPU, or a CPU with virtual devices.
+
+Every technique in the course runs unchanged on three rigs. On CPU a *virtual device* is one thread (or one
+process) limited to one intra-op thread, so a 2-core laptop really behaves like two devices.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+GiB = 1024**3
+DEFAULT_CPU_BUDGET_GIB = 2.0
+FORCE_CPU_ENV = "LAB_FORCE_CPU"
+CPU_BUDGET_ENV = "LAB_CPU_BUDGET_GIB"
+
+RigKind = Literal["two_gpus", "one_gpu", "cpu"]
+
+
+@dataclass(frozen=True)
+class Rig:
+    """What a notebook needs to know about the machine it runs on."""
+
+    kind: RigKind
+    devices: tuple[torch.device, ...]  # one per (virtual) device; the one-GPU rig lists cuda:0 twice
+    names: tuple[str, ...]
+    capacity_bytes: tuple[int, ...]  # real memory on GPUs; a budget for the memory accounting on CPU
+    backend: str  # torch.distributed backend for one rank per device
+    max_ranks: int  # how many ranks the rig hosts without sharing a core or a GPU
+    peer_access: bool | None = None  # can GPU 0 read GPU 1 directly (P2P / NVLink)? None off two-GPU rigs
+    advice: tuple[str, ...] = field(default=())
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind != "cpu"
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Short per-device names for tables and the memory ledger."""
+        if self.kind == "one_gpu":
+            return tuple(f"cuda:0/stage{i}" for i in range(len(self.devices)))
+        return tuple(f"cpu:{i}" if self.is_cpu else str(d) for i, d in enumerate(self.devices))
+
+    def describe(self) -> str:
+        """One printable line: which rig this run is on."""
+        if self.is_cpu:
+            cores = os.cpu_count() or 1
+            budget = self.capacity_bytes[0] / GiB
+            return (f"CPU rig: {len(self.devices)} virtual devices (one thread each) on {cores} cores, "
+                    f"memory budget {budget:.1f} GiB per virtual device")
+        mem = ", ".join(f"{n} {c / GiB:.1f} GiB" for n, c in zip(self.names, self.capacity_bytes))
+        if self.kind == "one_gpu":
+            return f"one-GPU rig: both stages on cuda:0 ({mem})"
+        p2p = {True: "peer access yes", False: "peer access no (copies go through host memory)",
+               None: "peer access unknown"}[self.peer_access]
+        return f"two-GPU rig: {mem}; {p2p}"
+
+    def device(self, index: int) -> torch.device:
+        """The torch device of (virtual) device `index`, with a clear error when the rig has no such device."""
+        if not 0 <= index < len(self.devices):
+            raise ValueError(f"device {index} asked for, but this {self.kind} rig has devices "
+                             f"0..{len(self.devices) - 1}")
+        return self.devices[index]
+
+
+def _cpu_budget_bytes(budget_gib: float | None) -> int:
+    if budget_gib is None:
+        budget_gib = float(os.environ.get(CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_GIB))
+    if not budget_gib > 0:
+        raise ValueError(f"the CPU memory budget must be a positive number of GiB, got {budget_gib}")
+    return int(budget_gib * GiB)
+
+
+def _env_forces_cpu() -> bool:
+    return os.environ.get(FORCE_CPU_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def cpu_rig(n_devices: int = 2, budget_gib: float | None = None) -> Rig:
+    """The CPU rig: `n_devices` virtual devices, each one thread with a memory budget."""
+    if n_devices < 1:
+        raise ValueError(f"a rig needs at least one device, got {n_devices}")
+    budget = _cpu_budget_bytes(budget_gib)
+    cpu = torch.device("cpu")
+    return Rig(kind="cpu", devices=(cpu,) * n_devices, names=tuple(f"cpu:{i} (virtual)" for i in range(n_devices)),
+               capacity_bytes=(budget,) * n_devices, backend="gloo", max_ranks=max(1, os.cpu_count() or 1))
+
+
+def is_geforce(name: str) -> bool:
+    """GeForce cards (RTX 3090, 4090, ...) ship without PCIe peer-to-peer on the stock driver."""
+    return "geforce" in name.lower() or name.upper().startswith("NVIDIA RTX 30") or "RTX 40" in name.upper()
+
+
+def p2p_advice(names: tuple[str, ...], peer_access: bool) -> tuple[str, ...]:
+    """What a two-GPU owner should set, given the card names and whether peer access works."""
+    if not any(is_geforce(n) for n in names):
+        return ()
+    if peer_access:
+        return ("Peer access works on these GeForce cards: with a 3090 that means an NVLink bridge. On 4090s, "
+                "early drivers reported P2P that corrupted data; if DDP hangs or losses diverge, set "
+                "NCCL_P2P_DISABLE=1.",)
+    return ("GeForce cards have no PCIe peer-to-peer on the stock driver, so GPU-to-GPU copies go through host "
+            "memory. Set NCCL_P2P_DISABLE=1 before the process group starts so NCCL does not probe P2P (it can "
+            "hang or fall back slowly); expect ~11 GB/s one way between the cards.",)
+
+
+def _cuda_rig() -> Rig:
+    count = torch.cuda.device_count()
+    names = tuple(torch.cuda.get_device_name(i) for i in range(min(count, 2)))
+    capacities = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(min(count, 2)))
+    if count == 1:
+        dev = torch.device("cuda:0")
+        return Rig(kind="one_gpu", devices=(dev, dev), names=(names[0], names[0]),
+                   capacity_bytes=(capacities[0] // 2,) * 2, backend="gloo", max_ranks=1,
+                   advice=("One GPU: both stages share cuda:0 and its memory (each gets half in the accounting). "
+                           "Two ranks on one GPU use gloo, since NCCL refuses two ranks on the same device.",))
+    peer = bool(torch.cuda.can_device_access_peer(0, 1))
+    return Rig(kind="two_gpus", devices=(torch.device("cuda:0"), torch.device("cuda:1")), names=names,
+               capacity_bytes=capacities, backend="nccl", max_ranks=count, peer_access=peer,
+               advice=p2p_advice(names, peer))
+
+
+def detect_rig(force_cpu: bool | None = None, cpu_budget_gib: float | None = None) -> Rig:
+    """Detect the rig. `force_cpu=True` (or LAB_FORCE_CPU=1) gives the CPU rig even where GPUs exist."""
+    if force_cpu is None:
+        force_cpu = _env_forces_cpu()
+    if force_cpu or not torch.cuda.is_available():
+        return cpu_rig(2, cpu_budget_gib)
+    return _cuda_rig()

@@ -1,0 +1,139 @@
+"""Cut an ordered list of layers into stages on devices, and run a training step stage by stage.
+
+The classic naive split (`SplitModel` in PyTorch's model-parallel tutorial) is `split_model(layers, [k], devices)`.
+Each stage's input is cut from the graph (`detach().requires_grad_()`) and its gradient handed back explicitly,
+as torchgpipe does: that is what lets every stage record its own forward and backward on the timeline, and it is
+the mechanism the pipeline engines reuse.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from helpers.timeline import Recorder
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The model as an ordered list of layers; say what structure is expected when it is not one."""
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        return list(model)
+    raise TypeError(
+        f"cannot list the layers of a {type(model).__name__}: expected an nn.Sequential or a list of modules "
+        "applied in order (for a Hugging Face decoder use helpers.partition.hf_layers)")
+
+
+def check_boundaries(n_layers: int, boundaries: Sequence[int]) -> list[int]:
+    """Boundaries are the indices where a new stage starts: strictly increasing, inside 1..n_layers-1."""
+    bounds = list(boundaries)
+    for b in bounds:
+        if not 1 <= b <= n_layers - 1:
+            raise ValueError(f"split point {b} is outside the model's layers: a model of {n_layers} layers can "
+                             f"be split at 1..{n_layers - 1} (split point k puts layers 0..k-1 on the first stage)")
+    if any(b2 <= b1 for b1, b2 in zip(bounds, bounds[1:])):
+        raise ValueError(f"split points {bounds} must be strictly increasing")
+    return bounds
+
+
+def stage_ranges(n_layers: int, boundaries: Sequence[int]) -> list[tuple[int, int]]:
+    """[(start, end)] layer index ranges of each stage."""
+    edges = [0, *check_boundaries(n_layers, boundaries), n_layers]
+    return list(zip(edges, edges[1:]))
+
+
+class SplitModel(nn.Module):
+    """Stages on devices; `forward` moves activations from one device to the next (the naive split)."""
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.devices = list(devices)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage, device in zip(self.stages, self.devices):
+            x = stage(x.to(device))
+        return x
+
+
+def split_model(model: nn.Module | Sequence[nn.Module], boundaries: int | Sequence[int],
+                devices: Sequence[torch.device]) -> SplitModel:
+    """Move consecutive layers onto `devices` (one stage per device), cut at `boundaries`."""
+    layers = as_layers(model)
+    bounds = [boundaries] if isinstance(boundaries, int) else list(boundaries)
+    ranges = stage_ranges(len(layers), bounds)
+    if len(ranges) > len(devices):
+        raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
+    stages = [nn.Sequential(*layers[a:b]).to(dev) for (a, b), dev in zip(ranges, devices)]
+    return SplitModel(stages, devices[:len(stages)])
+
+
+@dataclass
+class StageStep:
+    """The state one stage keeps for one micro-batch between its forward and its backward."""
+
+    inp: torch.Tensor
+    out: torch.Tensor
+
+
+class StageExecutor:
+    """Runs one stage: forward on a cut input, backward from the gradient of its output.
+
+    Used by the naive step below and by the pipeline engines, so every strategy shares one mechanism.
+    """
+
+    def __init__(self, stage: nn.Module, device: torch.device, index: int, recorder: Recorder | None = None,
+                 track: Callable | None = None, loss_fn: LossFn | None = None):
+        self.stage, self.device, self.index = stage, device, index
+        self.recorder = recorder or Recorder(index, device)
+        self.track = track  # e.g. lambda: ledger.track_activations(label), entered around each forward
+        self.loss_fn = loss_fn  # set on the last stage: its forward then returns the loss
+        self.saved: dict[int, StageStep] = {}
+
+    def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.to(self.device)
+        if x.is_floating_point():
+            x = x.detach().requires_grad_()
+        with self.recorder.span("forward", mb), (self.track() if self.track else nullcontext()):
+            out = self.stage(x)
+            if self.loss_fn is not None:
+                out = self.loss_fn(out, target.to(self.device))
+        self.saved[mb] = StageStep(x, out)
+        return out
+
+    def backward(self, mb: int, grad: torch.Tensor | None, loss_scale: float = 1.0) -> torch.Tensor | None:
+        """Backward of micro-batch `mb`; `grad is None` means this stage's output is the loss."""
+        step = self.saved.pop(mb)
+        with self.recorder.span("backward", mb):
+            if grad is None:
+                (step.out * loss_scale).backward()
+            else:
+                step.out.backward(grad.to(self.device))
+        return step.inp.grad if step.inp.requires_grad else None
+
+
+def make_executors(model: SplitModel, loss_fn: LossFn, recorders: Sequence[Recorder] | None = None,
+                   tracks: Sequence[Callable] | None = None) -> list[StageExecutor]:
+    """One executor per stage; the last one computes the loss."""
+    n = len(model.stages)
+    return [StageExecutor(s, d, i, recorders[i] if recorders else None, tracks[i] if tracks else None,
+                          loss_fn if i == n - 1 else None)
+            for i, (s, d) in enumerate(zip(model.stages, model.devices))]
+
+
+def naive_train_step(executors: Sequence[StageExecutor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One forward + backward through the stages in order, one device at a time; returns the loss."""
+    h = x
+    for ex in executors[:-1]:
+        h = ex.forward(0, h)
+    loss = executors[-1].forward(0, h, y)
+    grad = None
+    for ex in reversed(executors):
+        grad = ex.backward(0, grad)
+    return loss.detach()

@@ -1,0 +1,165 @@
+"""What each device did, when: one event format for pipelines, data parallelism and the simulator.
+
+Events are recorded with `time.perf_counter` (on Linux a system-wide monotonic clock, so ranks on one machine share
+it) or, on GPUs, with CUDA events resolved after a synchronise. One function draws them all.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from typing import Iterable, Iterator
+
+import torch
+
+KIND_COLORS = {
+    "forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "recv": "#8C8C8C",
+    "allreduce": "#C44E52", "optimizer": "#8172B3", "recompute": "#937860", "compute": "#4C72B0",
+    "allgather": "#DA8BC3", "reducescatter": "#CCB974", "transfer": "#55A868", "loss": "#64B5CD",
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    device: int
+    kind: str  # forward / backward / send / recv / allreduce / optimizer / ...
+    start: float  # seconds
+    end: float
+    microbatch: int | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Recorder:
+    """Records spans for one device. On CUDA the spans are CUDA events on the current stream (no sync per span)."""
+
+    def __init__(self, device_index: int, torch_device: torch.device | None = None):
+        self.device_index = device_index
+        self._cuda = torch_device is not None and torch_device.type == "cuda" and torch.cuda.is_available()
+        self._events: list[Event] = []
+        self._pending: list[tuple[str, int | None, object, object]] = []
+        if self._cuda:
+            self._torch_device = torch_device
+            torch.cuda.synchronize(torch_device)
+            self._base_event = torch.cuda.Event(enable_timing=True)
+            self._base_event.record(torch.cuda.current_stream(torch_device))
+            torch.cuda.synchronize(torch_device)
+            self._base_time = time.perf_counter()
+
+    @contextmanager
+    def span(self, kind: str, microbatch: int | None = None) -> Iterator[None]:
+        if self._cuda:
+            stream = torch.cuda.current_stream(self._torch_device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            yield
+            end.record(stream)
+            self._pending.append((kind, microbatch, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._events.append(Event(self.device_index, kind, t0, time.perf_counter(), microbatch))
+
+    def add(self, kind: str, start: float, end: float, microbatch: int | None = None) -> None:
+        """Record a span measured elsewhere (e.g. by a library hook)."""
+        self._events.append(Event(self.device_index, kind, start, end, microbatch))
+
+    def events(self) -> list[Event]:
+        if self._pending:
+            torch.cuda.synchronize(self._torch_device)
+            for kind, mb, s, e in self._pending:
+                t0 = self._base_time + self._base_event.elapsed_time(s) / 1e3
+                t1 = self._base_time + self._base_event.elapsed_time(e) / 1e3
+                self._events.append(Event(self.device_index, kind, t0, t1, mb))
+            self._pending.clear()
+        return sorted(self._events, key=lambda e: e.start)
+
+    def clear(self) -> None:
+        self._events.clear()
+        self._pending.clear()
+
+
+def normalise(events: Iterable[Event]) -> list[Event]:
+    """Shift events so the earliest starts at 0."""
+    events = list(events)
+    if not events:
+        return []
+    t0 = min(e.start for e in events)
+    return sorted((replace(e, start=e.start - t0, end=e.end - t0) for e in events), key=lambda e: (e.device, e.start))
+
+
+def gather_events(events: list[Event]) -> list[Event]:
+    """All ranks' events, on every rank (call on all ranks of an initialised process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return list(events)
+    parts: list[list[Event] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(events))
+    return [e for part in parts for e in (part or [])]
+
+
+def makespan(events: Iterable[Event]) -> float:
+    events = list(events)
+    return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
+
+
+def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -> dict[int, float]:
+    """Per device: time spent in (non-overlapping) busy spans / the whole makespan."""
+    events = list(events)
+    span = makespan(events)
+    out: dict[int, float] = {}
+    for dev in sorted({e.device for e in events}):
+        spans = sorted((e.start, e.end) for e in events
+                       if e.device == dev and (busy_kinds is None or e.kind in busy_kinds))
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        out[dev] = busy / span if span > 0 else 0.0
+    return out
+
+
+COMPUTE_KINDS = {"forward", "backward", "recompute", "optimizer", "loss", "compute"}
+
+
+def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
+                  device_names: dict[int, str] | None = None, busy_kinds: set[str] | None = None):
+    """Gantt chart: one row per device, a bar per event, micro-batch numbers on the bars, busy % per row."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    events = normalise(events)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.7 * max(1, len({e.device for e in events}))))
+    busy = busy_fraction(events, busy_kinds or COMPUTE_KINDS)
+    devices = sorted({e.device for e in events})
+    span_ms = makespan(events) * 1e3 or 1.0
+    for row, dev in enumerate(devices):
+        for e in (e for e in events if e.device == dev):
+            ax.barh(row, e.duration * 1e3, left=e.start * 1e3, height=0.6, edgecolor="white", linewidth=0.5,
+                    color=KIND_COLORS.get(e.kind, "#999999"))
+            if e.microbatch is not None and e.duration * 1e3 > span_ms / 60:
+                ax.text((e.start + e.duration / 2) * 1e3, row, str(e.microbatch), ha="center", va="center",
+                        fontsize=7, color="white")
+    names = device_names or {}
+    ax.set_yticks(range(len(devices)), [f"{names.get(d, f'device {d}')}\nbusy {busy[d]:.0%}" for d in devices])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    kinds = [k for k in KIND_COLORS if any(e.kind == k for e in events)]
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=7,
+              ncol=len(kinds) or 1)
+    if title:
+        ax.set_title(title)
+    return ax

@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from helpers.rig import GiB, cpu_rig, detect_rig, is_geforce, p2p_advice
+
+
+def test_forced_cpu_rig_has_two_virtual_devices():
+    rig = detect_rig(force_cpu=True, cpu_budget_gib=1.5)
+    assert rig.is_cpu and rig.kind == "cpu"
+    assert rig.devices == (torch.device("cpu"), torch.device("cpu"))
+    assert rig.backend == "gloo"
+    assert rig.capacity_bytes == (int(1.5 * GiB),) * 2
+    assert "CPU rig" in rig.describe() and "1.5 GiB" in rig.describe()
+
+
+def test_env_forces_cpu(monkeypatch):
+    monkeypatch.setenv("LAB_FORCE_CPU", "1")
+    monkeypatch.setenv("LAB_CPU_BUDGET_GIB", "0.5")
+    rig = detect_rig()
+    assert rig.is_cpu and rig.capacity_bytes[0] == GiB // 2
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, float("nan")])
+def test_budget_must_be_positive(budget):
+    with pytest.raises(ValueError, match="positive"):
+        cpu_rig(2, budget)
+
+
+def test_device_index_out_of_range_is_explained():
+    with pytest.raises(ValueError, match="devices 0..1"):
+        cpu_rig().device(2)
+
+
+def test_detect_never_touches_cuda_without_it(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+
+    def boom(*a, **k):
+        raise AssertionError("torch.cuda touched on a CPU machine")
+
+    for name in ("device_count", "get_device_name", "get_device_properties", "can_device_access_peer"):
+        monkeypatch.setattr(torch.cuda, name, boom)
+    assert detect_rig().is_cpu
+
+
+def test_geforce_advice_names_nccl_p2p_disable():
+    assert is_geforce("NVIDIA GeForce RTX 3090")
+    assert not is_geforce("NVIDIA H200")
+    (advice,) = p2p_advice(("NVIDIA GeForce RTX 3090",) * 2, peer_access=False)
+    assert "NCCL_P2P_DISABLE=1" in advice and "host memory" in advice
+    assert p2p_advice(("NVIDIA A100-SXM4-80GB",) * 2, peer_access=True) == ()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpu_rig():
+    rig = detect_rig()
+    assert rig.kind == "two_gpus" and rig.backend == "nccl" and rig.peer_access in (True, False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA device")
+def test_one_gpu_rig_puts_both_stages_on_cuda0():
+    rig = detect_rig()
+    assert rig.kind == "one_gpu" and rig.devices == (torch.device("cuda:0"),) * 2

@@ -1,0 +1,34 @@
+import matplotlib
+
+matplotlib.use("Agg")
+
+from helpers import workers  # noqa: E402
+from helpers.launch import run  # noqa: E402
+from helpers.rig import cpu_rig  # noqa: E402
+from helpers.timeline import Event, Recorder, busy_fraction, makespan, normalise, plot_timeline  # noqa: E402
+
+
+def test_recorder_spans_and_busy_fraction():
+    rec = Recorder(0)
+    with rec.span("forward", 3):
+        sum(range(10000))
+    (e,) = rec.events()
+    assert e.kind == "forward" and e.microbatch == 3 and e.end >= e.start
+
+
+def test_busy_fraction_merges_overlaps():
+    ev = [Event(0, "forward", 0.0, 1.0), Event(0, "send", 0.5, 2.0), Event(1, "forward", 2.0, 4.0)]
+    assert makespan(ev) == 4.0
+    assert busy_fraction(ev) == {0: 0.5, 1: 0.5}
+    assert busy_fraction(ev, {"forward"}) == {0: 0.25, 1: 0.5}
+    assert normalise([Event(0, "f", 5.0, 6.0)])[0].start == 0.0
+
+
+def test_events_gathered_across_ranks():
+    per_rank = run(workers.timed_spans, 2, rig=cpu_rig())
+    assert per_rank[0] == per_rank[1]  # every rank sees everyone's events
+    events = per_rank[0]
+    assert sorted({e.device for e in events}) == [0, 1]
+    assert len(events) == 4
+    ax = plot_timeline(events, title="gathered")
+    assert len(ax.patches) == 4
