@@ -228,6 +228,16 @@ def cuda_peak_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device)
 
 
+def max_batch(static_bytes: int, activation_bytes_per_sample: float, budget_bytes: int) -> int:
+    """Largest batch whose training state plus saved activations fits `budget_bytes` (activations grow linearly
+    with the batch, as measured in notebook 00)."""
+    if not budget_bytes > 0:
+        raise ValueError(f"the memory budget must be positive, got {budget_bytes}")
+    if static_bytes >= budget_bytes:
+        return 0
+    return int((budget_bytes - static_bytes) // activation_bytes_per_sample)
+
+
 def recipe_table(n_params: int, capacity_bytes: int, activation_bytes: int = 0) -> list[dict]:
     """For each training recipe: weights, grads, optimizer state, activations, total, and whether it fits."""
     rows = []

@@ -158,8 +158,8 @@ def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     kinds = [k for k in KIND_COLORS if any(e.kind == k for e in events)]
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=7,
-              ncol=len(kinds) or 1)
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds], loc="upper left", fontsize=7,
+              bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
         ax.set_title(title)
     return ax

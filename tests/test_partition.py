@@ -1,0 +1,83 @@
+import itertools
+import math
+import random
+
+import pytest
+
+from helpers.partition import (NoFeasibleSplit, compare_splits, equal_count_split, evaluate, greedy_split,
+                               optimal_split)
+
+
+def brute_force(costs, k, memory=None, caps=None):
+    n, best = len(costs), math.inf
+    for bounds in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *bounds, n]
+        stages = list(zip(edges, edges[1:]))
+        if memory is not None and any(sum(memory[a:b]) > caps[j] for j, (a, b) in enumerate(stages)):
+            continue
+        best = min(best, max(sum(costs[a:b]) for a, b in stages))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_optimal_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    k = rng.randint(1, n)
+    costs = [rng.choice([0.0, rng.random() * 10]) for _ in range(n)]
+    split = optimal_split(costs, k)
+    assert len(split.boundaries) == k - 1
+    assert split.bottleneck == pytest.approx(brute_force(costs, k))
+    assert sum(split.stage_costs) == pytest.approx(sum(costs))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_optimal_with_caps_matches_brute_force(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(2, 8)
+    k = rng.randint(2, min(n, 4))
+    costs = [rng.random() for _ in range(n)]
+    memory = [rng.randint(1, 10) for _ in range(n)]
+    caps = [rng.randint(5, 30) for _ in range(k)]
+    expected = brute_force(costs, k, memory, caps)
+    if expected == math.inf:
+        with pytest.raises(NoFeasibleSplit):
+            optimal_split(costs, k, memory, caps)
+    else:
+        split = optimal_split(costs, k, memory, caps)
+        assert split.bottleneck == pytest.approx(expected)
+        for j, (a, b) in enumerate(split.ranges(n)):
+            assert sum(memory[a:b]) <= caps[j]
+
+
+def test_unequal_devices_shift_the_cut():
+    costs = [1.0] * 8
+    memory = [1.0] * 8
+    assert optimal_split(costs, 2).boundaries == (4,)
+    assert optimal_split(costs, 2, memory, caps=[3, 10]).boundaries == (3,)
+
+
+@pytest.mark.parametrize("costs, k, msg", [
+    ([], 2, "empty"), ([1, 2], 3, "cannot split 2 layers into 3 stages"), ([1, -1], 2, "layer 1 is -1.0"),
+    ([1, float("nan")], 2, "layer 1 is nan"), ([1, 2], 0, "k must be between 1 and 2")])
+def test_bad_input(costs, k, msg):
+    with pytest.raises(ValueError, match=msg):
+        optimal_split(costs, k)
+
+
+def test_infeasible_caps_say_what_does_not_fit():
+    with pytest.raises(NoFeasibleSplit, match=r"layer 2 \(5 B\) does not fit on any device \(largest: cuda:1"):
+        optimal_split([1, 1, 1], 2, [1, 1, 5], [2, 4], device_names=["cuda:0", "cuda:1"])
+    with pytest.raises(NoFeasibleSplit, match=r"layers 3..3 \(3 B\) are left over"):
+        optimal_split([1, 1, 1, 1], 2, [3, 3, 3, 3], [6, 3])
+
+
+def test_baselines():
+    assert equal_count_split(10, 2) == (5,)
+    assert equal_count_split(7, 3) == (3, 5)
+    assert greedy_split([1, 1, 1, 1], 2) == (2,)
+    assert greedy_split([10, 1, 1, 1, 1], 2) == (1,)
+    splits = compare_splits([1, 1, 1, 5], [4, 1, 1, 1], [4, 1, 1, 1])
+    assert splits["optimal time"].bottleneck == 5
+    assert all(s.bottleneck >= splits["optimal time"].bottleneck for s in splits.values())
+    assert evaluate([1, 2, 3], (1,), "x").stage_costs == (1, 5)

@@ -1,0 +1,80 @@
+import copy
+
+import pytest
+import torch
+
+from helpers.check import assert_same_grads
+from helpers.engine import ThreadedPipeline, split_batch
+from helpers.memory import ledger_for
+from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+from helpers.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
+from helpers.stages import split_model
+
+CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
+CPU2 = [torch.device("cpu")] * 2
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 13])
+def test_schedules_are_valid(p, m):
+    validate(gpipe(p, m), m)
+    assert all(peak_in_flight(stage) == m for stage in gpipe(p, m))
+    if m >= p:
+        sched = one_f_one_b(p, m)
+        validate(sched, m)
+        assert [peak_in_flight(stage) for stage in sched] == [p - s for s in range(p)]
+
+
+def test_deadlocking_schedule_is_refused():
+    bad = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+           [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        validate(bad, 2)
+    with pytest.raises(ValueError, match="exactly once"):
+        validate([[Action("F", 0)]], 1)
+
+
+def test_bad_pipeline_input():
+    with pytest.raises(ValueError, match="m=1 < p=2"):
+        one_f_one_b(2, 1)
+    with pytest.raises(ValueError, match="global batch 30 is not divisible by 4 micro-batches"):
+        split_batch(torch.zeros(30, 2), torch.zeros(30, 2), 4)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule("zb", 2, 2)
+    assert bubble_fraction(2, 4) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("schedule, m", [("gpipe", 1), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)])
+def test_threaded_pipeline_equals_one_device(schedule, m):
+    model = build_stack(CFG)
+    x, y = SyntheticTokens(8, CFG.seq_len, CFG.vocab).batch(0, 8)
+    split = split_model(copy.deepcopy(model), 3, CPU2)
+    pipe = ThreadedPipeline(split, lm_loss, schedule, m)
+    loss = pipe.step(x, y)
+    ref = lm_loss(model(x), y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert_same_grads(model, split)
+    events = pipe.events()
+    assert sum(e.kind == "forward" for e in events) == 2 * m
+    assert sum(e.kind == "backward" for e in events) == 2 * m
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    model = build_stack(CFG)
+    x, y = SyntheticTokens(16, CFG.seq_len, CFG.vocab).batch(0, 16)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        split = split_model(copy.deepcopy(model), 3, CPU2)
+        ledger = ledger_for(split.stages, ["d0", "d1"])
+        ThreadedPipeline(split, lm_loss, schedule, 8, ledger).step(x, y)
+        peaks[schedule] = ledger.device("d0").activations
+    assert peaks["1f1b"] * 3 <= peaks["gpipe"]  # 2 of 8 micro-batches in flight instead of 8
+
+
+def test_stage_error_reaches_caller():
+    split = split_model(build_stack(CFG), 3, CPU2)
+    pipe = ThreadedPipeline(split, lm_loss, "gpipe", 2)
+    x, y = SyntheticTokens(4, CFG.seq_len, CFG.vocab).batch(0, 4)
+    with pytest.raises(RuntimeError, match="stage 1 failed"):
+        pipe.step(x, y[:, :3])  # targets of the wrong shape fail in the last stage's loss
