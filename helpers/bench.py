@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from helpers.engine import ThreadedPipeline
+from helpers.models import StackConfig
 from helpers.measure import interleaved_medians
 from helpers.memory import MemoryLedger, ledger_for
 from helpers.stages import LossFn, split_model
@@ -40,12 +41,12 @@ class PipelineRun:
 
 def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], devices: Sequence[torch.device],
                       labels: Sequence[str], loss_fn: LossFn, schedule: str = "gpipe", microbatches: int = 4,
-                      lr: float = 0.0) -> PipelineRun:
+                      lr: float = 0.0, wire: str = "fp32") -> PipelineRun:
     """Copy `model`, split it at `boundaries` over `devices`, and wire a ledger and an SGD optimizer (lr=0 keeps
     the weights fixed so that every repeat times the same computation)."""
     split = split_model(copy.deepcopy(model), list(boundaries), devices)
     ledger = ledger_for(split.stages, labels[:len(split.stages)])
-    pipe = ThreadedPipeline(split, loss_fn, schedule, microbatches, ledger)
+    pipe = ThreadedPipeline(split, loss_fn, schedule, microbatches, ledger, wire)
     return PipelineRun(name, pipe, ledger, tuple(boundaries), torch.optim.SGD(split.parameters(), lr=lr))
 
 
@@ -77,3 +78,184 @@ def run_rows(runs: Sequence[PipelineRun], times: dict[str, float], batch: int,
                      "params": [m.params for m in report.values()],
                      "activations": [m.activations for m in report.values()]})
     return rows
+
+
+# --- python -m helpers.bench -------------------------------------------------------------------------------------
+
+def stage_costs_per_microbatch(events: Sequence[Event]) -> dict[int, float]:
+    """Median forward + median backward duration per micro-batch, per device, from a run's own timeline."""
+    import statistics
+
+    costs = {}
+    for dev in sorted({e.device for e in events}):
+        fwd = [e.duration for e in events if e.device == dev and e.kind == "forward"]
+        bwd = [e.duration for e in events if e.device == dev and e.kind == "backward"]
+        costs[dev] = (statistics.median(fwd) if fwd else 0.0) + (statistics.median(bwd) if bwd else 0.0)
+    return costs
+
+
+def ideal_step_time(events: Sequence[Event], m: int) -> float:
+    """A pipeline's step time with free communication and no scheduling overhead, from the measured per-micro-batch
+    stage costs c_s: sum(c_s) + (m - 1) * max(c_s) (fill, then the slowest stage sets the pace)."""
+    costs = list(stage_costs_per_microbatch(events).values())
+    return sum(costs) + (m - 1) * max(costs)
+
+
+@dataclass
+class BenchRow:
+    strategy: str
+    engine: str  # ours / torch / none
+    runner: str  # threads / processes / one thread
+    microbatches: int | None
+    step_s: float
+    events: list[Event]
+    peak_activation_bytes: list[int]
+
+    def as_dict(self, batch: int, single_s: float) -> dict:
+        ideal = ideal_step_time(self.events, self.microbatches) if self.microbatches else None
+        return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
+                "microbatches": self.microbatches, "step_s": self.step_s, "samples_per_s": batch / self.step_s,
+                "speedup": single_s / self.step_s, "ideal_fraction": ideal / self.step_s if ideal else None,
+                "peak_activation_bytes": self.peak_activation_bytes}
+
+
+BENCH_COLUMNS = ["strategy", "engine", "runner", "microbatches", "samples_per_s", "speedup", "ideal_fraction",
+                 "peak_activation_bytes"]
+
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the bench runs. Defaults: the model of REFERENCE.md's measurements, sized for a 2-core CPU."""
+
+    cfg: StackConfig
+    batch: int
+    steps: int
+    gpipe_microbatches: tuple[int, ...]
+    onefoneb_microbatches: int
+    torch_microbatches: tuple[int, ...]
+
+
+def default_config(quick: bool, rig) -> BenchConfig:
+    from helpers.models import StackConfig
+
+    scale = 1 if rig.is_cpu else 4
+    if quick:
+        return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=2,
+                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,))
+    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=5,
+                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,))
+
+
+def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = ()):
+    """One device, timed in the same interleaved rounds as the threaded pipelines."""
+    from helpers.memory import measure_step_memory
+    from helpers.timeline import Recorder
+
+    rec = Recorder(0)
+
+    def one_device_step():
+        model.zero_grad(set_to_none=False)
+        with rec.span("forward", 0):
+            loss = loss_fn(model(x), y)
+        with rec.span("backward", 0):
+            loss.backward()
+
+    times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device_step})
+    peak = measure_step_memory(model, x, y, loss_fn, torch.optim.SGD(model.parameters(), lr=0.0)).activations
+    rec.clear()
+    one_device_step()
+    return times, BenchRow("single", "none", "one thread", None, times["single"], rec.events(), [peak])
+
+
+def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
+    """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
+    in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B."""
+    from tqdm.auto import tqdm
+
+    from helpers.models import SyntheticTokens, build_stack, lm_loss
+    from helpers.mp_engine import PipelineJob, run_pipeline_job
+
+    if rig.is_cpu:
+        torch.set_num_threads(1)
+    model = build_stack(config.cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    cut = [len(model) // 2]
+    threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
+    runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, lm_loss, s, m) for s, m in threaded]
+    times, single = _single_row(model, x, y, lm_loss, config.steps, runs)
+    rows = [single]
+    for (s, m), r in zip(threaded, runs):
+        rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
+                             [v.activations for v in r.ledger.report().values()]))
+    jobs = [("naive", "ours", "gpipe", 1, False)]
+    jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
+    jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
+    jobs += [(s, "torch", s, m, True) for m in config.torch_microbatches for s in ("gpipe", "1f1b")]
+    for strategy, engine, sched, m, overlap in tqdm(jobs, desc="process pipelines", disable=not progress):
+        job = PipelineJob(config.cfg, tuple(cut), sched, m, config.batch, engine, overlap=overlap,
+                          steps=config.steps)
+        res = run_pipeline_job(job, rig)
+        rows.append(BenchRow(strategy, engine, "processes", m, res.step_s, res.events, res.peak_activations))
+    return rows
+
+
+def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir) -> list[dict]:
+    """bench.json (rig + rows) and one timeline PNG per row in `out_dir`; returns the row dicts."""
+    import json
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from helpers.timeline import plot_timeline
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    single_s = next(r.step_s for r in rows if r.strategy == "single")
+    dicts = [r.as_dict(config.batch, single_s) for r in rows]
+    (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
+                                                "model": repr(config.cfg), "rows": dicts}, indent=2))
+    for r in rows:
+        ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}, m={r.microbatches})")
+        ax.figure.savefig(out / f"timeline_{r.strategy}_{r.engine}_{r.runner.replace(' ', '-')}_m{r.microbatches}.png",
+                          dpi=90, bbox_inches="tight")
+        plt.close(ax.figure)
+    return dicts
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from helpers.report import table
+    from helpers.rig import detect_rig
+
+    parser = argparse.ArgumentParser(prog="python -m helpers.bench",
+                                     description="Every strategy side by side on this rig, in one run.")
+    parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
+    parser.add_argument("--quick", action="store_true", help="small model, few rows: a smoke test in <= 60 s")
+    parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
+    ns = parser.parse_args(argv)
+    rig = detect_rig(force_cpu=ns.cpu or None)
+    config = default_config(ns.quick, rig)
+    print(rig.describe())
+    rows = run_bench(config, rig)
+    dicts = write_results(rows, config, rig, ns.out)
+    print(table(dicts, BENCH_COLUMNS))
+    print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float]:
+    """Losses of `steps` optimizer steps of a pipeline run on consecutive batches of `data`."""
+    losses = []
+    for i in range(steps):
+        x, y = data.batch(i, batch)
+        losses.append(run.step(x, y).item())
+    return losses

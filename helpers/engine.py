@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from helpers.comm import Transfer, Wire, send_to
 from helpers.memory import MemoryLedger
 from helpers.schedules import Action, Schedule, make_schedule, validate
 from helpers.stages import LossFn, SplitModel, StageExecutor, make_executors
@@ -22,19 +23,19 @@ class PipelineAborted(RuntimeError):
 
 
 class Mailbox:
-    """Tensors addressed by micro-batch, handed from one stage thread to another."""
+    """Transfers addressed by micro-batch, handed from one stage thread to another."""
 
     def __init__(self, abort: threading.Event):
-        self._items: dict[int, torch.Tensor] = {}
+        self._items: dict[int, Transfer] = {}
         self._cond = threading.Condition()
         self._abort = abort
 
-    def put(self, mb: int, tensor: torch.Tensor) -> None:
+    def put(self, mb: int, item: Transfer) -> None:
         with self._cond:
-            self._items[mb] = tensor
+            self._items[mb] = item
             self._cond.notify_all()
 
-    def get(self, mb: int, timeout_s: float) -> torch.Tensor:
+    def get(self, mb: int, timeout_s: float) -> Transfer:
         with self._cond:
             ok = self._cond.wait_for(lambda: mb in self._items or self._abort.is_set(), timeout_s)
             if self._abort.is_set():
@@ -58,8 +59,11 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list[torch.Te
 
 
 def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, xs: list[torch.Tensor],
-                 ys: list[torch.Tensor], timeout_s: float = 300.0) -> torch.Tensor:
-    """Run the action lists with one thread per stage; return the mean loss over micro-batches."""
+                 ys: list[torch.Tensor], wire: Wire = Wire(), timeout_s: float = 300.0) -> torch.Tensor:
+    """Run the action lists with one thread per stage; return the mean loss over micro-batches.
+
+    Activations and gradients cross each boundary in `wire.dtype` and are cast back on arrival.
+    """
     p, m = len(executors), len(xs)
     if len(schedule) != p:
         raise ValueError(f"the schedule has {len(schedule)} stages but there are {p} stage executors")
@@ -69,21 +73,22 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, xs: lis
     grads = [Mailbox(abort) for _ in range(p)]  # grads[s]: gradients arriving at stage s
     losses: dict[int, torch.Tensor] = {}
     errors: list[tuple[int, BaseException]] = []
+    streams: dict = {}  # CUDA side streams for copies, one per sending device
 
     def do(s: int, action: Action) -> None:
         ex, mb, last = executors[s], action.microbatch, s == p - 1
         if action.kind == "F":
-            inp = xs[mb] if s == 0 else acts[s].get(mb, timeout_s)
+            inp = xs[mb] if s == 0 else wire.unpack(acts[s].get(mb, timeout_s).get())
             out = ex.forward(mb, inp, ys[mb] if last else None)
             if last:
                 losses[mb] = out.detach()
             else:
-                acts[s + 1].put(mb, out.detach())
+                acts[s + 1].put(mb, send_to(wire.pack(out.detach()), executors[s + 1].device, streams))
         else:
-            grad = None if last else grads[s].get(mb, timeout_s)
+            grad = None if last else wire.unpack(grads[s].get(mb, timeout_s).get())
             g = ex.backward(mb, grad, loss_scale=1.0 / m)
             if s > 0:
-                grads[s - 1].put(mb, g)
+                grads[s - 1].put(mb, send_to(wire.pack(g), executors[s - 1].device, streams))
 
     def worker(s: int) -> None:
         device = executors[s].device
@@ -115,8 +120,9 @@ class ThreadedPipeline:
     """A split model trained with a pipeline schedule, one thread per device, in this process."""
 
     def __init__(self, split: SplitModel, loss_fn: LossFn, schedule: str = "gpipe", microbatches: int = 4,
-                 ledger: MemoryLedger | None = None):
+                 ledger: MemoryLedger | None = None, wire: Wire | str = "fp32"):
         self.split, self.schedule_name, self.m = split, schedule, microbatches
+        self.wire = wire if isinstance(wire, Wire) else Wire.of(wire)  # refuses unsendable dtypes up front
         p = len(split.stages)
         self.schedule = make_schedule(schedule, p, microbatches)  # refuses m < p for 1F1B, before any thread
         self.recorders = [Recorder(i, d) for i, d in enumerate(split.devices)]
@@ -125,7 +131,7 @@ class ThreadedPipeline:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one global batch; gradients accumulate in the stages' parameters."""
         xs, ys = split_batch(x, y, self.m)
-        return run_schedule(self.executors, self.schedule, xs, ys)
+        return run_schedule(self.executors, self.schedule, xs, ys, self.wire)
 
     def events(self) -> list[Event]:
         return [e for r in self.recorders for e in r.events()]

@@ -112,10 +112,11 @@ def _child(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
     code = 0
     try:
         init_rank(backend, timeout_s)
-        conn.send((rank, "ok", fn(*args, **kwargs)))
+        # plain pickle: torch's multiprocessing reducers would share tensors through this process, which exits
+        conn.send_bytes(pickle.dumps((rank, "ok", fn(*args, **kwargs))))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the notebook
         code = 1
-        conn.send((rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+        conn.send_bytes(pickle.dumps((rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")))
     finally:
         conn.close()
         if dist.is_initialized():
@@ -152,7 +153,7 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
         for conn in mpc.wait(list(pending), left):
             rank = pending.pop(conn)
             try:
-                _, status, payload = conn.recv()
+                _, status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 procs[rank].join(5)
                 raise WorkerError(f"rank {rank} exited with code {procs[rank].exitcode} without a result "
