@@ -11,10 +11,17 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad.detach().cpu() if p.grad is not None else torch.zeros_like(p, device="cpu") for p in params]
 
 
+def _grads(source: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """A module's gradients, or a list that already holds gradient tensors (e.g. returned by ranks)."""
+    if isinstance(source, nn.Module):
+        return grads_of(source.parameters())
+    return [g.detach().cpu() for g in source]
+
+
 def max_grad_diff(reference: nn.Module | Iterable[torch.Tensor], other: nn.Module | Iterable[torch.Tensor]) -> float:
-    """Largest absolute difference between matching gradients (parameters in the same order)."""
-    ref = grads_of(reference.parameters() if isinstance(reference, nn.Module) else reference)
-    oth = grads_of(other.parameters() if isinstance(other, nn.Module) else other)
+    """Largest absolute difference between matching gradients (parameters in the same order). Each side is a
+    module (its parameters' .grad) or a list of gradient tensors."""
+    ref, oth = _grads(reference), _grads(other)
     if len(ref) != len(oth):
         raise ValueError(f"{len(ref)} reference parameters but {len(oth)} to compare")
     return max((a - b).abs().max().item() for a, b in zip(ref, oth))

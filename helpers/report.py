@@ -6,7 +6,7 @@ from typing import Any, Sequence
 from helpers.memory import fmt_bytes
 
 BYTE_COLUMNS = {"params", "grads", "optimizer", "activations", "total", "bytes", "peak_activation_bytes",
-                "free", "capacity", "weights", "kv_cache", "needed"}
+                "free", "capacity", "weights", "kv_cache", "needed", "state"}
 
 
 def _cell(column: str, value: Any) -> str:

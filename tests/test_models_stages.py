@@ -72,3 +72,14 @@ def test_hf_models_build_offline(family):
     assert count_params(model) > 0
     out = model(torch.randint(64, (2, 16)))
     assert out.logits.shape == (2, 16, 64)
+
+
+def test_grad_comparison_sees_differences():
+    from helpers.check import grads_of, max_grad_diff
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    for m, scale in ((a, 1.0), (b, 2.0)):
+        (m(torch.ones(1, 2)).sum() * scale).backward()
+    assert max_grad_diff(a, b) > 0
+    assert max_grad_diff(grads_of(a.parameters()), grads_of(b.parameters())) == max_grad_diff(a, b)
+    assert max_grad_diff(grads_of(a.parameters()), a) == 0
