@@ -41,13 +41,15 @@ class PipelineRun:
 
 def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], devices: Sequence[torch.device],
                       labels: Sequence[str], loss_fn: LossFn, schedule: str = "gpipe", microbatches: int = 4,
-                      lr: float = 0.0, wire: str = "fp32") -> PipelineRun:
-    """Copy `model`, split it at `boundaries` over `devices`, and wire a ledger and an SGD optimizer (lr=0 keeps
-    the weights fixed so that every repeat times the same computation)."""
+                      lr: float = 0.0, wire: str = "fp32", optimizer: str = "sgd") -> PipelineRun:
+    """Copy `model`, split it at `boundaries` over `devices`, and wire a ledger and an optimizer (SGD with lr=0
+    keeps the weights fixed so that every repeat times the same computation; "adam" for Adam at `lr`)."""
     split = split_model(copy.deepcopy(model), list(boundaries), devices)
     ledger = ledger_for(split.stages, labels[:len(split.stages)])
     pipe = ThreadedPipeline(split, loss_fn, schedule, microbatches, ledger, wire)
-    return PipelineRun(name, pipe, ledger, tuple(boundaries), torch.optim.SGD(split.parameters(), lr=lr))
+    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](split.parameters(), lr=lr)
+    ledger.optimizer = opt
+    return PipelineRun(name, pipe, ledger, tuple(boundaries), opt)
 
 
 def time_pipeline_runs(runs: Sequence[PipelineRun], x: torch.Tensor, y: torch.Tensor, repeats: int = 5,
@@ -110,17 +112,20 @@ class BenchRow:
     step_s: float
     events: list[Event]
     peak_activation_bytes: list[int]
+    optimizer: str = "none"  # what the timed step includes besides forward and backward
+    reference: str = "single"  # the one-device row this row's speed-up is taken against
 
-    def as_dict(self, batch: int, single_s: float) -> dict:
+    def as_dict(self, batch: int, reference_s: float) -> dict:
         ideal = ideal_step_time(self.events, self.microbatches) if self.microbatches else None
         return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
-                "microbatches": self.microbatches, "step_s": self.step_s, "samples_per_s": batch / self.step_s,
-                "speedup": single_s / self.step_s, "ideal_fraction": ideal / self.step_s if ideal else None,
+                "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
+                "samples_per_s": batch / self.step_s, "speedup": reference_s / self.step_s,
+                "speedup_vs": self.reference, "ideal_fraction": ideal / self.step_s if ideal else None,
                 "peak_activation_bytes": self.peak_activation_bytes}
 
 
-BENCH_COLUMNS = ["strategy", "engine", "runner", "microbatches", "samples_per_s", "speedup", "ideal_fraction",
-                 "peak_activation_bytes"]
+BENCH_COLUMNS = ["strategy", "engine", "runner", "microbatches", "optimizer", "samples_per_s", "speedup",
+                 "ideal_fraction", "peak_activation_bytes"]
 
 
 
@@ -153,19 +158,29 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     from helpers.timeline import Recorder
 
     rec = Recorder(0)
+    adam_model = copy.deepcopy(model)
+    adam = torch.optim.Adam(adam_model.parameters(), lr=1e-3)
 
-    def one_device_step():
-        model.zero_grad(set_to_none=False)
+    def one_device_step(m: nn.Module = model):
+        m.zero_grad(set_to_none=False)
         with rec.span("forward", 0):
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(m(x), y)
         with rec.span("backward", 0):
             loss.backward()
 
-    times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device_step})
+    def one_device_adam_step():
+        one_device_step(adam_model)
+        adam.step()
+
+    times = time_pipeline_runs(extra_runs, x, y, steps,
+                               extra={"single": one_device_step, "single_adam": one_device_adam_step})
     peak = measure_step_memory(model, x, y, loss_fn, torch.optim.SGD(model.parameters(), lr=0.0)).activations
     rec.clear()
     one_device_step()
-    return times, BenchRow("single", "none", "one thread", None, times["single"], rec.events(), [peak])
+    events = rec.events()
+    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak]),
+                   BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
+                            optimizer="adam", reference="single_adam")]
 
 
 def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
@@ -184,8 +199,7 @@ def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]
     cut = [len(model) // 2]
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
     runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, lm_loss, s, m) for s, m in threaded]
-    times, single = _single_row(model, x, y, lm_loss, config.steps, runs)
-    rows = [single]
+    times, rows = _single_row(model, x, y, lm_loss, config.steps, runs)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()]))
@@ -198,6 +212,26 @@ def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]
                           steps=config.steps)
         res = run_pipeline_job(job, rig)
         rows.append(BenchRow(strategy, engine, "processes", m, res.step_s, res.events, res.peak_activations))
+    return rows + data_parallel_rows(config, rig, progress)
+
+
+def data_parallel_rows(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
+    """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP."""
+    from tqdm.auto import tqdm
+
+    from helpers.parallel import DPJob, HybridJob, run_data_parallel, run_dp_x_pp
+
+    rows = []
+    for strategy in tqdm(("ddp", "zero1", "fsdp2"), desc="data parallel", disable=not progress):
+        res = run_data_parallel(DPJob(strategy, config.cfg, config.batch, steps=config.steps), rig)
+        rows.append(BenchRow(strategy, "torch", "processes", None, res.step_s, res.events,
+                             [m.activations for m in res.memory], optimizer="adam", reference="single_adam"))
+    if rig.is_cpu or torch.cuda.device_count() >= 4:
+        m = config.onefoneb_microbatches // 2
+        res = run_dp_x_pp(HybridJob(config.cfg, dp=2, pp=2, microbatches=m, batch=config.batch,
+                                    steps=config.steps), rig)
+        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, res.step_s, res.events,
+                             res.peak_activations))
     return rows
 
 
@@ -215,8 +249,8 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir) -
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    single_s = next(r.step_s for r in rows if r.strategy == "single")
-    dicts = [r.as_dict(config.batch, single_s) for r in rows]
+    reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
+    dicts = [r.as_dict(config.batch, reference[r.reference]) for r in rows]
     (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
                                                 "model": repr(config.cfg), "rows": dicts}, indent=2))
     for r in rows:

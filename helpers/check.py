@@ -8,7 +8,9 @@ from torch import nn
 
 
 def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad.detach().cpu() if p.grad is not None else torch.zeros_like(p, device="cpu") for p in params]
+    """Copies of the gradients (a snapshot: later steps must not change it)."""
+    return [p.grad.detach().cpu().clone() if p.grad is not None else torch.zeros_like(p, device="cpu")
+            for p in params]
 
 
 def _grads(source: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -21,6 +21,9 @@ MiB = 1024**2
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes held on this device: for a sharded DTensor (FSDP2), the local shard only."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     return t.numel() * t.element_size()
 
 
@@ -68,6 +71,14 @@ class DeviceMemory:
         return {**asdict(self), "total": self.total}
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Address of a tensor's storage, or None for tensors without a plain storage (DTensor wrappers)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 class _Saved:
     """What autograd stores instead of the tensor; releases its bytes from the ledger when autograd drops it."""
 
@@ -104,12 +115,14 @@ class MemoryLedger:
         self._check(label)
         params = list(module.parameters())
         self._params[label].extend(params)
-        self._param_storages.update(p.untyped_storage().data_ptr() for p in params)
+        self._param_storages.update(_storage_ptr(p.to_local() if hasattr(p, "to_local") else p) for p in params)
 
     def _pack(self, label: str, t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self._param_storages:
-            return t  # a weight autograd keeps is not an activation
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t  # a weight autograd keeps (FSDP2's gathered weights included) is not an activation
+        ptr = _storage_ptr(t)
+        if ptr is None or ptr in self._param_storages:
+            return t
         key = (label, ptr)
         with self._lock:
             entry = self._refs.get(key)
@@ -219,6 +232,12 @@ def transformer_activation_bytes(batch: int, seq: int, hidden: int, layers: int,
     """
     per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
     return int(per_layer * layers * bytes_per_value / 2)
+
+
+def checkpointed_fraction(seq: int, hidden: int, heads: int) -> float:
+    """Share of a layer's saved activations left when every block is checkpointed: only its 16-bit input
+    (2*s*b*h bytes) of the s*b*h*(34 + 5*a*s/h) of the Korthikanti et al. formula."""
+    return 2 / (34 + 5 * heads * seq / hidden)
 
 
 def cuda_peak_bytes(device: torch.device) -> int | None:

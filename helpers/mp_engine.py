@@ -103,11 +103,15 @@ def _boundary_shape(layers: list[nn.Module], upto: int, x_mb: torch.Tensor) -> t
 
 
 class _Links:
-    """Send/recv of one rank's activations (tag 2*mb) and gradients (tag 2*mb+1) to its neighbours."""
+    """Send/recv of one stage's activations (tag 2*mb) and gradients (tag 2*mb+1) to its neighbours.
+
+    `rank` is the stage index; `peers[i]` the global rank of stage i (default: stage i is rank i).
+    """
 
     def __init__(self, rank: int, p: int, shape_in, shape_out, wire: Wire, device, overlap: bool, m: int,
-                 recorder: Recorder):
+                 recorder: Recorder, peers: list[int] | None = None):
         self.rank, self.p, self.wire, self.device, self.overlap, self.m = rank, p, wire, device, overlap, m
+        self.peers = peers if peers is not None else list(range(p))
         self.shape_in, self.shape_out, self.rec = shape_in, shape_out, recorder
         self.sends: list = []
         self.posted: dict[tuple[str, int], tuple] = {}
@@ -122,10 +126,10 @@ class _Links:
         for mb in range(self.m):
             if self.rank > 0:
                 buf = self._buffer(self.shape_in)
-                self.posted[("act", mb)] = (buf, dist.irecv(buf, self.rank - 1, tag=2 * mb))
+                self.posted[("act", mb)] = (buf, dist.irecv(buf, self.peers[self.rank - 1], tag=2 * mb))
             if self.rank < self.p - 1:
                 buf = self._buffer(self.shape_out)
-                self.posted[("grad", mb)] = (buf, dist.irecv(buf, self.rank + 1, tag=2 * mb + 1))
+                self.posted[("grad", mb)] = (buf, dist.irecv(buf, self.peers[self.rank + 1], tag=2 * mb + 1))
 
     def _recv(self, kind: str, mb: int, src: int, shape, tag: int) -> torch.Tensor:
         with self.rec.span("recv", mb):
@@ -146,16 +150,16 @@ class _Links:
                 dist.send(data, dst, tag=tag)
 
     def recv_activation(self, mb: int) -> torch.Tensor:
-        return self._recv("act", mb, self.rank - 1, self.shape_in, 2 * mb)
+        return self._recv("act", mb, self.peers[self.rank - 1], self.shape_in, 2 * mb)
 
     def recv_grad(self, mb: int) -> torch.Tensor:
-        return self._recv("grad", mb, self.rank + 1, self.shape_out, 2 * mb + 1)
+        return self._recv("grad", mb, self.peers[self.rank + 1], self.shape_out, 2 * mb + 1)
 
     def send_activation(self, t: torch.Tensor, mb: int) -> None:
-        self._send(t, self.rank + 1, 2 * mb, mb)
+        self._send(t, self.peers[self.rank + 1], 2 * mb, mb)
 
     def send_grad(self, t: torch.Tensor, mb: int) -> None:
-        self._send(t, self.rank - 1, 2 * mb + 1, mb)
+        self._send(t, self.peers[self.rank - 1], 2 * mb + 1, mb)
 
     def finish(self) -> None:
         for _, work in self.sends:

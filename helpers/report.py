@@ -14,7 +14,8 @@ def _cell(column: str, value: Any) -> str:
         return "-"
     if isinstance(value, (list, tuple)):
         return " | ".join(_cell(column, v) for v in value)
-    if column in BYTE_COLUMNS and isinstance(value, (int, float)) and not isinstance(value, bool):
+    is_bytes = column in BYTE_COLUMNS or column.rsplit(" ", 1)[-1] in BYTE_COLUMNS  # "formula params", "cpu:0 grads"
+    if is_bytes and isinstance(value, (int, float)) and not isinstance(value, bool):
         return fmt_bytes(value)
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"

@@ -71,3 +71,10 @@ def test_training_state_arithmetic():
 def test_activation_formula_scales_linearly_in_batch_and_layers():
     one = transformer_activation_bytes(1, 128, 256, 1, 4)
     assert transformer_activation_bytes(4, 128, 256, 3, 4) == 12 * one
+
+
+def test_report_table_formats_byte_columns():
+    from helpers.report import table
+
+    text = table([{"": "a", "params": 2048, "formula params": 1024, "x": 1.5}])
+    assert "2.00 KiB" in text and "1.00 KiB" in text and "1.5" in text
