@@ -19,6 +19,21 @@ from helpers.stages import LossFn, split_model
 from helpers.timeline import Event, busy_fraction
 
 
+def one_device_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+                    optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
+    """A closure running one training step of `model` on its own device: the baseline every ratio is taken to."""
+    device = next(model.parameters()).device
+    x, y = x.to(device), y.to(device)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        if optimizer is not None:
+            optimizer.step()
+
+    return step
+
+
 @dataclass
 class PipelineRun:
     """A pipeline ready to time: the model split at `boundaries`, its memory ledger and its timeline."""
@@ -235,8 +250,9 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool = True) -> list[
     return rows
 
 
-def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir) -> list[dict]:
-    """bench.json (rig + rows) and one timeline PNG per row in `out_dir`; returns the row dicts."""
+def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
+                  extras: dict[str, list[dict]] | None = None) -> list[dict]:
+    """bench.json (rig, rows, and any extra tables) and one timeline PNG per row in `out_dir`; returns the rows."""
     import json
     from pathlib import Path
 
@@ -252,7 +268,8 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir) -
     reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
     dicts = [r.as_dict(config.batch, reference[r.reference]) for r in rows]
     (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
-                                                "model": repr(config.cfg), "rows": dicts}, indent=2))
+                                                "model": repr(config.cfg), "rows": dicts, **(extras or {})},
+                                               indent=2))
     for r in rows:
         ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}, m={r.microbatches})")
         ax.figure.savefig(out / f"timeline_{r.strategy}_{r.engine}_{r.runner.replace(' ', '-')}_m{r.microbatches}.png",
@@ -272,13 +289,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
     parser.add_argument("--quick", action="store_true", help="small model, few rows: a smoke test in <= 60 s")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
+    parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
     ns = parser.parse_args(argv)
     rig = detect_rig(force_cpu=ns.cpu or None)
     config = default_config(ns.quick, rig)
     print(rig.describe())
     rows = run_bench(config, rig)
-    dicts = write_results(rows, config, rig, ns.out)
+    extras = {} if ns.skip_extras else {"splits": split_comparison_rows(rig, ns.quick),
+                                        "checkpointing": checkpoint_sweep_rows(rig, ns.quick)}
+    dicts = write_results(rows, config, rig, ns.out, extras)
     print(table(dicts, BENCH_COLUMNS))
+    for name, extra_rows in extras.items():
+        print(f"\n{name}:\n" + table(extra_rows))
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
 
 
@@ -293,3 +315,48 @@ def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float
         x, y = data.batch(i, batch)
         losses.append(run.step(x, y).item())
     return losses
+
+
+def split_comparison_rows(rig, quick: bool = False) -> list[dict]:
+    """Notebook 02's four splits of the non-uniform model, each trained as a 4-micro-batch GPipe pipeline and timed
+    against one device in the same interleaved rounds."""
+    from helpers.models import SyntheticTokens, build_stack, lm_loss, nonuniform_config
+    from helpers.partition import compare_splits
+    from helpers.profile import profile_layers
+
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 5)
+    cfg = nonuniform_config(1 if rig.is_cpu else 4)
+    model = build_stack(cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    prof = profile_layers(model, x[:batch // m], repeats=repeats, loss_fn=lm_loss, target=y[:batch // m])
+    splits = compare_splits(prof.costs("time"), prof.costs("params"), prof.memory_bytes())
+    runs = [make_pipeline_run(name, model, s.boundaries, rig.devices, rig.labels, lm_loss, "gpipe", m)
+            for name, s in splits.items()]
+
+    times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss)})
+    rows = run_rows(runs, times, batch, baseline="one device")
+    for row, split in zip(rows, splits.values()):
+        row["predicted slowest/mean"] = split.imbalance
+    return rows
+
+
+def checkpoint_sweep_rows(rig, quick: bool = False) -> list[dict]:
+    """Notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline; step time and saved
+    activations per device."""
+    from helpers.checkpointing import checkpoint_layers, every_kth
+    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 5)
+    cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
+    model = build_stack(cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
+    blocks = list(range(1, cfg.n_blocks + 1))
+    variants = {"none": [], **{f"every {k}": every_kth(blocks, k) for k in (4, 2, 1)}}
+    runs = [make_pipeline_run(name, checkpoint_layers(model, which), [len(model) // 2], rig.devices, rig.labels,
+                              lm_loss, "gpipe", m) for name, which in variants.items()]
+    times = time_pipeline_runs(runs, x, y, repeats)
+    rows = run_rows(runs, times, batch, baseline="none")
+    for row in rows:
+        row["step vs none"] = times[row["split"]] / times["none"]
+    return rows

@@ -35,3 +35,12 @@ def assert_same_grads(reference, other, atol: float = 1e-5) -> float:
     if not diff <= atol:
         raise AssertionError(f"gradients differ from one device by {diff:.2e} (allowed {atol:.0e})")
     return diff
+
+
+def one_device_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn) -> tuple[float, list[torch.Tensor]]:
+    """The reference every strategy is checked against: loss and gradients of the whole batch on one device."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x.to(device)), y.to(device))
+    loss.backward()
+    return loss.item(), grads_of(model.parameters())

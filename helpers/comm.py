@@ -76,30 +76,29 @@ def default_sizes(max_bytes: int = 64 * 2**20) -> list[int]:
     return sizes
 
 
+def _round_trip(buf: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends `buf` to rank 1, which sends it back."""
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
 def gloo_pingpong(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
-    """Rank worker: rank 0 sends n bytes to rank 1, which sends them back; one-way time = round trip / 2."""
+    """Rank worker: one-way time of n bytes = round trip / 2, median of repeats, per size."""
     rank = dist.get_rank()
-    samples = []
-    warm = torch.zeros(1)
     for _ in range(3):  # the first messages pay for connection setup
-        if rank == 0:
-            dist.send(warm, 1)
-            dist.recv(warm, 1)
-        elif rank == 1:
-            dist.recv(warm, 0)
-            dist.send(warm, 0)
+        _round_trip(torch.zeros(1), rank)
+    samples = []
     for n in sizes:
         buf = torch.zeros(n // 4, dtype=torch.float32)
         times = []
         for r in range(repeats + 1):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            _round_trip(buf, rank)
             if r:
                 times.append((time.perf_counter() - t0) / 2)
         samples.append(LinkSample("gloo send/recv (CPU ranks)", n, statistics.median(times)))

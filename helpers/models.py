@@ -34,6 +34,14 @@ class StackConfig:
             raise ValueError(f"hidden {self.hidden} is not divisible by {self.heads} heads")
 
 
+def nonuniform_config(scale: int = 1) -> StackConfig:
+    """Notebook 02's model: a large vocabulary (big embedding, expensive head) and MLP widths growing from 256 to
+    2048 (x `scale`), so that equal-layer, equal-parameter and greedy splits all differ from the time-optimal one."""
+    widths = (256, 256, 256, 512, 512, 1024, 1024, 1536, 2048, 2048)
+    return StackConfig(vocab=8192, hidden=256 * scale, n_blocks=len(widths), seq_len=32,
+                       ffn_widths=tuple(w * scale for w in widths))
+
+
 class Embedding(nn.Module):
     """Token + learned position embedding."""
 

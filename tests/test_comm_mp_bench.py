@@ -87,6 +87,8 @@ def test_ideal_step_time_from_stage_costs():
 def test_bench_quick_writes_json_and_pngs(tmp_path):
     bench_main(["--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["split"] for r in data["splits"]} == {"equal layers", "equal params", "greedy memory", "optimal time"}
+    assert len(data["checkpointing"]) == 4
     assert "CPU rig" in data["rig"]
     strategies = {(r["strategy"], r["engine"]) for r in data["rows"]}
     assert {("single", "none"), ("naive", "ours"), ("gpipe", "ours"), ("1f1b", "ours"), ("gpipe", "torch"),
