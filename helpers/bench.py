@@ -304,9 +304,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
 
 
-if __name__ == "__main__":
-    main()
-
 
 def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float]:
     """Losses of `steps` optimizer steps of a pipeline run on consecutive batches of `data`."""
@@ -360,3 +357,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False) -> list[dict]:
     for row in rows:
         row["step vs none"] = times[row["split"]] / times["none"]
     return rows
+
+
+if __name__ == "__main__":
+    main()
