@@ -68,7 +68,7 @@ def check_ranks(rig: Rig, nranks: int, oversubscribe: bool) -> None:
     if nranks < 1:
         raise ValueError(f"nranks must be at least 1, got {nranks}")
     if nranks > rig.max_ranks and not oversubscribe:
-        what = f"{rig.max_ranks} cores" if rig.is_cpu else f"{rig.max_ranks} GPU(s)"
+        what = f"{rig.max_ranks} cores" if rig.is_cpu else f"room for {rig.max_ranks} rank(s)"
         raise ValueError(
             f"{nranks} ranks asked for, but this {rig.kind} rig has {what}. Use fewer ranks, or pass "
             f"oversubscribe=True to share them (the result is still correct, timings then mean little).")

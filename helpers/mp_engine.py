@@ -112,12 +112,14 @@ class _Links:
                  recorder: Recorder, peers: list[int] | None = None):
         self.rank, self.p, self.wire, self.device, self.overlap, self.m = rank, p, wire, device, overlap, m
         self.peers = peers if peers is not None else list(range(p))
+        # gloo sends CPU tensors only: two ranks sharing one GPU (the one-GPU rig) stage through host memory
+        self.wire_device = torch.device("cpu") if dist.get_backend() == "gloo" else device
         self.shape_in, self.shape_out, self.rec = shape_in, shape_out, recorder
         self.sends: list = []
         self.posted: dict[tuple[str, int], tuple] = {}
 
     def _buffer(self, shape) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.wire.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.wire.dtype, device=self.wire_device)
 
     def post_receives(self) -> None:
         """Overlap mode: every receive of the step posted before any compute, so data lands while we work."""
@@ -139,10 +141,10 @@ class _Links:
             else:
                 buf = self._buffer(shape)
                 dist.recv(buf, src, tag=tag)
-        return self.wire.unpack(buf)
+        return self.wire.unpack(buf.to(self.device))
 
     def _send(self, t: torch.Tensor, dst: int, tag: int, mb: int) -> None:
-        data = self.wire.pack(t.detach()).contiguous()
+        data = self.wire.pack(t.detach()).to(self.wire_device).contiguous()
         if self.overlap:
             self.sends.append((data, dist.isend(data, dst, tag=tag)))
         else:

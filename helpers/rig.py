@@ -116,7 +116,7 @@ def _cuda_rig() -> Rig:
     if count == 1:
         dev = torch.device("cuda:0")
         return Rig(kind="one_gpu", devices=(dev, dev), names=(names[0], names[0]),
-                   capacity_bytes=(capacities[0] // 2,) * 2, backend="gloo", max_ranks=1,
+                   capacity_bytes=(capacities[0] // 2,) * 2, backend="gloo", max_ranks=2,
                    advice=("One GPU: both stages share cuda:0 and its memory (each gets half in the accounting). "
                            "Two ranks on one GPU use gloo, since NCCL refuses two ranks on the same device.",))
     peer = bool(torch.cuda.can_device_access_peer(0, 1))
