@@ -254,6 +254,18 @@ def check_hybrid_job(job: HybridJob, world: int) -> None:
     check_job(PipelineJob(job.cfg, job.cut(), job.schedule, job.microbatches, job.batch // job.dp))
 
 
+def average_grads(params: list[nn.Parameter], group) -> None:
+    """Average gradients over `group` with one all-reduce of a flat buffer (one bucket, as DDP would)."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def dp_x_pp_worker(job: HybridJob) -> dict:
     """One rank of DP x PP: a pipeline stage of one replica; gradients averaged over the replicas of its stage."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -298,9 +310,7 @@ def dp_x_pp_worker(job: HybridJob) -> dict:
         t0 = time.perf_counter()
         loss = _our_step(ex, actions, links, xs, ys, job.microbatches)
         with rec.span("allreduce"):
-            for p in stage.parameters():
-                dist.all_reduce(p.grad, group=dp_group)
-                p.grad.div_(job.dp)
+            average_grads(list(stage.parameters()), dp_group)
         if 0 < i <= job.steps:
             times.append(time.perf_counter() - t0)
         if i == 0:
