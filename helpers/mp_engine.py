@@ -4,13 +4,12 @@
 seeded model and data, keeps its own stage, and executes its action list of the schedule with send/recv
 (blocking), or with every receive posted up front and sends in flight while it computes (`overlap=True`,
 isend/irecv). `engine="torch"` runs the same stages with `torch.distributed.pipelining` (ScheduleGPipe /
-Schedule1F1B) instead, its timeline taken from module hooks. Every rank records the common timeline events.
+Schedule1F1B) instead, its timeline taken from its stage's per-micro-batch methods. Every rank records the common timeline events.
 """
 from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -191,45 +190,32 @@ def _our_step(ex: StageExecutor, actions, links: _Links, xs, ys, m: int) -> floa
     return torch.stack(losses).mean().item() if losses else None
 
 
-def _hook_timeline(module: nn.Module, rec: Recorder) -> None:
-    """torch.distributed.pipelining runs the stage module; forward/backward hooks put its work on our timeline."""
-    state = {"f": 0, "b": 0, "t": 0.0}
+def _instrument_stage(pstage, rec: Recorder) -> None:
+    """Put torch.distributed.pipelining's per-micro-batch work on our timeline: its stage runs each micro-batch
+    through forward_one_chunk / backward_one_chunk, so wrapping those two methods records every span (the library's
+    sends and receives happen outside them and stay invisible)."""
+    forward, backward = pstage.forward_one_chunk, pstage.backward_one_chunk
 
-    def pre_forward(*_):
-        state["t"] = time.perf_counter()
+    def forward_one_chunk(fwd_chunk_id: int, *args, **kwargs):
+        with rec.span("forward", fwd_chunk_id):
+            return forward(fwd_chunk_id, *args, **kwargs)
 
-    def post_forward(*_):
-        rec.add("forward", state["t"], time.perf_counter(), state["f"])
-        state["f"] += 1
+    def backward_one_chunk(bwd_chunk_id: int, *args, **kwargs):
+        with rec.span("backward", bwd_chunk_id):
+            return backward(bwd_chunk_id, *args, **kwargs)
 
-    def pre_backward(*_):
-        state["tb"] = time.perf_counter()
-
-    def post_backward(*_):
-        rec.add("backward", state["tb"], time.perf_counter(), state["b"])
-        state["b"] += 1
-
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")  # stage 0's input is token ids
-    module.register_forward_pre_hook(pre_forward)
-    module.register_forward_hook(post_forward)
-    module.register_full_backward_pre_hook(pre_backward)
-    module.register_full_backward_hook(post_backward)
-
-    def reset():
-        state["f"] = state["b"] = 0
-
-    module._timeline_reset = reset
+    pstage.forward_one_chunk, pstage.backward_one_chunk = forward_one_chunk, backward_one_chunk
 
 
-def _torch_schedule(job: PipelineJob, stage: nn.Module, rank: int, device, xs_full, ys_full):
+def _torch_schedule(job: PipelineJob, stage: nn.Module, rank: int, device, xs_full, ys_full, rec: Recorder):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pstage = PipelineStage(stage, rank, job.stages, device)
+    _instrument_stage(pstage, rec)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[job.schedule]
     sched = cls(pstage, job.microbatches, loss_fn=lm_loss)
 
     def step() -> float | None:
-        stage._timeline_reset()
         if rank == 0:
             sched.step(xs_full)
             return None
@@ -266,8 +252,7 @@ def pipeline_worker(job: PipelineJob) -> dict:
         links = _Links(rank, p, shape_in, shape_out, Wire.of(job.wire), device, job.overlap, job.microbatches, rec)
         step = lambda: _our_step(ex, actions, links, xs, ys, job.microbatches)  # noqa: E731
     else:
-        _hook_timeline(stage, rec)
-        torch_step = _torch_schedule(job, stage, rank, device, x, y)
+        torch_step = _torch_schedule(job, stage, rank, device, x, y, rec)
 
         def step():
             with ledger.track_activations(label):
