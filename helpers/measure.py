@@ -10,8 +10,10 @@ import torch
 
 
 def _sync() -> None:
+    """Wait for every GPU (synchronize() alone waits for the current device only)."""
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
