@@ -84,9 +84,12 @@ def check_dp_job(job: DPJob, world: int, capacity_bytes: int | None = None) -> N
         raise ValueError(f"unknown strategy {job.strategy!r}; choose one of {DP_STRATEGIES}")
     if job.batch % world:
         raise ValueError(f"global batch {job.batch} is not divisible by the data-parallel size {world}")
+    with torch.device("meta"):
+        model = build_stack(job.cfg)
+    if job.strategy in ("zero2", "fsdp2"):
+        shardable_children(model)
     if job.strategy in ("ddp", "zero1") and capacity_bytes is not None:
-        with torch.device("meta"):
-            n = count_params(build_stack(job.cfg))
+        n = count_params(model)
         need = training_state_bytes(n, "fp32 + Adam") if job.strategy == "ddp" else zero_formula("zero1", n, world)
         if need.total > capacity_bytes:
             raise ValueError(
