@@ -101,16 +101,29 @@ def _boundary_shape(layers: list[nn.Module], upto: int, x_mb: torch.Tensor) -> t
     return h.shape
 
 
+def pipeline_groups(pipelines: list[list[int]]) -> dict[tuple[int, int], object]:
+    """One process group per direction of every link: (a, b) carries a -> b. Every rank calls this with the same
+    pipelines (lists of global ranks, stage order). NCCL runs all operations of one communicator in order on one
+    stream, so on a shared pair a gradient send would queue behind an activation receive that waits for it: one
+    communicator per direction keeps each direction in order and cannot deadlock. Gloo is happy either way."""
+    groups = {}
+    for ranks in pipelines:
+        for a, b in zip(ranks, ranks[1:]):
+            groups[(a, b)] = dist.new_group([a, b])
+            groups[(b, a)] = dist.new_group([a, b])
+    return groups
+
+
 class _Links:
     """Send/recv of one stage's activations (tag 2*mb) and gradients (tag 2*mb+1) to its neighbours.
 
-    `rank` is the stage index; `peers[i]` the global rank of stage i (default: stage i is rank i).
+    `rank` is the stage index; `peers[i]` the global rank of stage i; `groups` from `pipeline_groups`.
     """
 
     def __init__(self, rank: int, p: int, shape_in, shape_out, wire: Wire, device, overlap: bool, m: int,
-                 recorder: Recorder, peers: list[int] | None = None):
+                 recorder: Recorder, peers: list[int], groups: dict[tuple[int, int], object]):
         self.rank, self.p, self.wire, self.device, self.overlap, self.m = rank, p, wire, device, overlap, m
-        self.peers = peers if peers is not None else list(range(p))
+        self.peers, self.groups, self.me = peers, groups, peers[rank]
         # gloo sends CPU tensors only: two ranks sharing one GPU (the one-GPU rig) stage through host memory
         self.wire_device = torch.device("cpu") if dist.get_backend() == "gloo" else device
         self.shape_in, self.shape_out, self.rec = shape_in, shape_out, recorder
@@ -120,6 +133,9 @@ class _Links:
     def _buffer(self, shape) -> torch.Tensor:
         return torch.empty(shape, dtype=self.wire.dtype, device=self.wire_device)
 
+    def _irecv(self, buf: torch.Tensor, src: int, tag: int):
+        return dist.irecv(buf, src, group=self.groups[(src, self.me)], tag=tag)
+
     def post_receives(self) -> None:
         """Overlap mode: every receive of the step posted before any compute, so data lands while we work."""
         if not self.overlap:
@@ -127,28 +143,29 @@ class _Links:
         for mb in range(self.m):
             if self.rank > 0:
                 buf = self._buffer(self.shape_in)
-                self.posted[("act", mb)] = (buf, dist.irecv(buf, self.peers[self.rank - 1], tag=2 * mb))
+                self.posted[("act", mb)] = (buf, self._irecv(buf, self.peers[self.rank - 1], 2 * mb))
             if self.rank < self.p - 1:
                 buf = self._buffer(self.shape_out)
-                self.posted[("grad", mb)] = (buf, dist.irecv(buf, self.peers[self.rank + 1], tag=2 * mb + 1))
+                self.posted[("grad", mb)] = (buf, self._irecv(buf, self.peers[self.rank + 1], 2 * mb + 1))
 
     def _recv(self, kind: str, mb: int, src: int, shape, tag: int) -> torch.Tensor:
         with self.rec.span("recv", mb):
             if self.overlap:
                 buf, work = self.posted.pop((kind, mb))
-                work.wait()
             else:
                 buf = self._buffer(shape)
-                dist.recv(buf, src, tag=tag)
+                work = self._irecv(buf, src, tag)
+            work.wait()
         return self.wire.unpack(buf.to(self.device))
 
     def _send(self, t: torch.Tensor, dst: int, tag: int, mb: int) -> None:
         data = self.wire.pack(t.detach()).to(self.wire_device).contiguous()
+        work = dist.isend(data, dst, group=self.groups[(self.me, dst)], tag=tag)
         if self.overlap:
-            self.sends.append((data, dist.isend(data, dst, tag=tag)))
+            self.sends.append((data, work))
         else:
             with self.rec.span("send", mb):
-                dist.send(data, dst, tag=tag)
+                work.wait()
 
     def recv_activation(self, mb: int) -> torch.Tensor:
         return self._recv("act", mb, self.peers[self.rank - 1], self.shape_in, 2 * mb)
@@ -249,7 +266,8 @@ def pipeline_worker(job: PipelineJob) -> dict:
         actions = make_schedule(job.schedule, p, job.microbatches)[rank]
         shape_in = _boundary_shape(layers, a, xs[0]) if rank > 0 else None
         shape_out = _boundary_shape(layers, b, xs[0]) if rank < p - 1 else None
-        links = _Links(rank, p, shape_in, shape_out, Wire.of(job.wire), device, job.overlap, job.microbatches, rec)
+        links = _Links(rank, p, shape_in, shape_out, Wire.of(job.wire), device, job.overlap, job.microbatches, rec,
+                       list(range(p)), pipeline_groups([list(range(p))]))
         step = lambda: _our_step(ex, actions, links, xs, ys, job.microbatches)  # noqa: E731
     else:
         torch_step = _torch_schedule(job, stage, rank, device, x, y, rec)

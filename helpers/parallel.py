@@ -274,7 +274,7 @@ def dp_x_pp_worker(job: HybridJob) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from helpers.comm import Wire
-    from helpers.mp_engine import _Links, _our_step
+    from helpers.mp_engine import _Links, _our_step, pipeline_groups
     from helpers.schedules import make_schedule
     from helpers.stages import StageExecutor, stage_ranges
 
@@ -301,8 +301,9 @@ def dp_x_pp_worker(job: HybridJob) -> dict:
     with torch.no_grad():
         shape_in = nn.Sequential(*layers[:a])(xs[0]).shape if s > 0 else None
         shape_out = nn.Sequential(*layers[:b])(xs[0]).shape if not last else None
-    links = _Links(s, job.pp, shape_in, shape_out, Wire(), device, True, job.microbatches, rec,
-                   peers=pp_ranks)
+    # every rank creates every replica's link groups, in the same order
+    groups = pipeline_groups([[r * job.pp + k for k in range(job.pp)] for r in range(job.dp)])
+    links = _Links(s, job.pp, shape_in, shape_out, Wire(), device, True, job.microbatches, rec, pp_ranks, groups)
     actions = make_schedule(job.schedule, job.pp, job.microbatches)[s]
     times, losses = [], []
     for i in range(job.steps + 2):
