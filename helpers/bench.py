@@ -154,6 +154,7 @@ class BenchConfig:
     gpipe_microbatches: tuple[int, ...]
     onefoneb_microbatches: int
     torch_microbatches: tuple[int, ...]
+    rounds: int = 1  # launches of each multi-process job, interleaved across jobs
 
 
 def default_config(quick: bool, rig) -> BenchConfig:
@@ -162,9 +163,9 @@ def default_config(quick: bool, rig) -> BenchConfig:
     scale = 1 if rig.is_cpu else 4
     if quick:
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=2,
-                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,))
-    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=5,
-                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,))
+                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1)
+    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=4,
+                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,), rounds=2)
 
 
 def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = ()):
@@ -201,8 +202,6 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
 def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
     """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
     in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B."""
-    from tqdm.auto import tqdm
-
     from helpers.models import SyntheticTokens, build_stack, lm_loss
     from helpers.mp_engine import PipelineJob, run_pipeline_job
 
@@ -222,24 +221,44 @@ def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
     jobs += [(s, "torch", s, m, True) for m in config.torch_microbatches for s in ("gpipe", "1f1b")]
-    for strategy, engine, sched, m, overlap in tqdm(jobs, desc="process pipelines", disable=not progress):
-        job = PipelineJob(config.cfg, tuple(cut), sched, m, config.batch, engine, overlap=overlap,
-                          steps=config.steps)
-        res = run_pipeline_job(job, rig)
-        rows.append(BenchRow(strategy, engine, "processes", m, res.step_s, res.events, res.peak_activations))
+    results = run_in_rounds(
+        {j: (lambda j=j: run_pipeline_job(PipelineJob(config.cfg, tuple(cut), j[2], j[3], config.batch, j[1],
+                                                      overlap=j[4], steps=config.steps), rig)) for j in jobs},
+        config.rounds, "process pipelines", progress)
+    for (strategy, engine, _, m, _), (step_s, res) in results.items():
+        rows.append(BenchRow(strategy, engine, "processes", m, step_s, res.events, res.peak_activations))
     return rows + data_parallel_rows(config, rig, progress)
+
+
+def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool = True) -> dict:
+    """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
+    {key: (median step time pooled over all rounds, the last round's result)}."""
+    import statistics
+
+    from tqdm.auto import tqdm
+
+    pooled: dict = {k: [] for k in launches}
+    last: dict = {}
+    bar = tqdm(total=rounds * len(launches), desc=desc, disable=not progress)
+    for _ in range(rounds):
+        for key, launch in launches.items():
+            last[key] = launch()
+            pooled[key].extend(last[key].step_times)
+            bar.update()
+    bar.close()
+    return {k: (statistics.median(pooled[k]), last[k]) for k in launches}
 
 
 def data_parallel_rows(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
     """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP."""
-    from tqdm.auto import tqdm
-
     from helpers.parallel import DPJob, HybridJob, run_data_parallel, run_dp_x_pp
 
     rows = []
-    for strategy in tqdm(("ddp", "zero1", "fsdp2"), desc="data parallel", disable=not progress):
-        res = run_data_parallel(DPJob(strategy, config.cfg, config.batch, steps=config.steps), rig)
-        rows.append(BenchRow(strategy, "torch", "processes", None, res.step_s, res.events,
+    results = run_in_rounds({s: (lambda s=s: run_data_parallel(DPJob(s, config.cfg, config.batch, steps=config.steps),
+                                                               rig)) for s in ("ddp", "zero1", "fsdp2")},
+                            config.rounds, "data parallel", progress)
+    for strategy, (step_s, res) in results.items():
+        rows.append(BenchRow(strategy, "torch", "processes", None, step_s, res.events,
                              [m.activations for m in res.memory], optimizer="adam", reference="single_adam"))
     if rig.is_cpu or torch.cuda.device_count() >= 4:
         m = config.onefoneb_microbatches // 2
@@ -321,7 +340,7 @@ def split_comparison_rows(rig, quick: bool = False) -> list[dict]:
     from helpers.partition import compare_splits
     from helpers.profile import profile_layers
 
-    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 5)
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
     cfg = nonuniform_config(1 if rig.is_cpu else 4)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
@@ -344,7 +363,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False) -> list[dict]:
     from helpers.checkpointing import checkpoint_layers, every_kth
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 
-    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 5)
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
     cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)

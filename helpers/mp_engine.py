@@ -53,6 +53,7 @@ class PipelineJob:
 class PipelineResult:
     loss: float
     step_s: float  # median over steps of the slowest rank's step time
+    step_times: list[float]  # every timed step (slowest rank), for pooling rounds
     events: list[Event]
     peak_activations: list[int]  # per rank (device)
     grads: list[torch.Tensor] = field(default_factory=list)  # in model.parameters() order, if asked for
@@ -86,7 +87,8 @@ def run_pipeline_job(job: PipelineJob, rig, timeout: float = 300.0) -> PipelineR
     check_job(job, rig.max_ranks)
     parts = run(pipeline_worker, job, nranks=job.stages, rig=rig, timeout=timeout)
     per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
-    return PipelineResult(loss=parts[-1]["loss"], step_s=statistics.median(per_step), events=parts[0]["events"],
+    return PipelineResult(loss=parts[-1]["loss"], step_s=statistics.median(per_step), step_times=per_step,
+                          events=parts[0]["events"],
                           peak_activations=[p["peak_activations"] for p in parts],
                           grads=[g for p in parts for g in p["grads"]])
 

@@ -73,6 +73,7 @@ class DPJob:
 class DPResult:
     loss: float
     step_s: float
+    step_times: list[float]
     events: list[Event]
     memory: list[DeviceMemory]  # per rank, after one step
     grads: list[torch.Tensor] = field(default_factory=list)  # full gradients, model.parameters() order
@@ -211,7 +212,7 @@ def run_data_parallel(job: DPJob, rig, nranks: int = 2, timeout: float = 300.0) 
     check_dp_job(job, nranks, rig.capacity_bytes[0])
     parts = run(data_parallel_worker, job, nranks=nranks, rig=rig, timeout=timeout)
     per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
-    return DPResult(parts[0]["loss"], statistics.median(per_step), parts[0]["events"],
+    return DPResult(parts[0]["loss"], statistics.median(per_step), per_step, parts[0]["events"],
                     [p["memory"] for p in parts], parts[0]["grads"])
 
 

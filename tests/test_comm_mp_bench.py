@@ -5,8 +5,7 @@ import torch
 
 from helpers.bench import ideal_step_time, main as bench_main
 from helpers.check import grads_of, max_grad_diff
-from helpers.comm import Wire, gloo_pingpong, link_benchmark, resolve_dtype, send_to
-from helpers.launch import run
+from helpers.comm import Wire, link_benchmark, resolve_dtype, send_to
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.mp_engine import PipelineJob, check_job, run_pipeline_job
 from helpers.rig import cpu_rig
