@@ -141,6 +141,9 @@ def link_benchmark(rig, sizes: list[int] | None = None, repeats: int = 5) -> lis
     from helpers.launch import run
 
     sizes = sizes or default_sizes()
+    bad = [n for n in sizes if n < 4 or n % 4]
+    if bad:
+        raise ValueError(f"message sizes must be positive multiples of 4 bytes (fp32 elements), got {bad}")
     if rig.is_cuda:
         return cuda_copy_benchmark(sizes, repeats)
     return run(gloo_pingpong, sizes, repeats, rig=rig)[0]

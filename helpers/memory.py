@@ -257,6 +257,33 @@ def max_batch(static_bytes: int, activation_bytes_per_sample: float, budget_byte
     return int((budget_bytes - static_bytes) // activation_bytes_per_sample)
 
 
+def batch_budget(report: dict[str, DeviceMemory], batch: int, budget_bytes: int) -> dict:
+    """From one measured step at `batch`: the fullest device's training state, its saved activations per sample,
+    and the largest batch that keeps it within `budget_bytes`."""
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    state = max(m.params + m.grads + m.optimizer for m in report.values())
+    per_sample = max(m.activations for m in report.values()) / batch
+    return {"state": state, "per_sample": per_sample, "largest_batch": max_batch(state, per_sample, budget_bytes)}
+
+
+def plot_memory_bars(memory: dict[str, DeviceMemory], ax=None, title: str = "per-device memory, measured"):
+    """Stacked bars of params / grads / optimizer / activations, one bar per named setup."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.2))
+    names, bottom = list(memory), [0.0] * len(memory)
+    for part in ("params", "grads", "optimizer", "activations"):
+        values = [getattr(memory[n], part) / MiB for n in names]
+        ax.bar(names, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return ax
+
+
 def recipe_table(n_params: int, capacity_bytes: int, activation_bytes: int = 0) -> list[dict]:
     """For each training recipe: weights, grads, optimizer state, activations, total, and whether it fits."""
     rows = []

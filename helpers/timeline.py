@@ -163,3 +163,31 @@ def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
     if title:
         ax.set_title(title)
     return ax
+
+
+def concurrent_time(events: Iterable[Event], kinds: set[str] | None = None) -> float:
+    """Seconds during which two devices computed at the same time: 0 for a strictly sequential schedule (the naive
+    split), positive once a pipeline or data parallelism keeps both busy. A structural check, not a speed."""
+    kinds = kinds or COMPUTE_KINDS
+    spans = [(e.start, e.end, e.device) for e in events if e.kind in kinds]
+    points = sorted([(s, 1, d) for s, _, d in spans] + [(e, -1, d) for _, e, d in spans])
+    active: dict[int, int] = {}
+    total, last = 0.0, None
+    for t, step, dev in points:
+        if last is not None and sum(1 for n in active.values() if n > 0) >= 2:
+            total += t - last
+        active[dev] = active.get(dev, 0) + step
+        last = t
+    return total
+
+
+def plot_timelines(panels: dict[str, Iterable[Event]], device_names: dict[int, str] | None = None,
+                   busy_kinds: set[str] | None = None):
+    """Several timelines stacked on one time axis, one titled panel each (to compare schedules or strategies)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.8 * len(panels)), sharex=True, squeeze=False)
+    for ax, (title, events) in zip(axes[:, 0], panels.items()):
+        plot_timeline(events, ax=ax, title=title, device_names=device_names, busy_kinds=busy_kinds)
+    fig.tight_layout()
+    return fig

@@ -97,3 +97,8 @@ def test_bench_quick_writes_json_and_pngs(tmp_path):
                 "peak_activation_bytes"} <= set(row)
         assert row["samples_per_s"] > 0
     assert len(list(tmp_path.glob("timeline_*.png"))) == len(data["rows"])
+
+
+def test_bad_link_sizes_are_refused_before_spawning():
+    with pytest.raises(ValueError, match=r"multiples of 4 bytes .*\[6, 0\]"):
+        link_benchmark(cpu_rig(), [4096, 6, 0])

@@ -1,5 +1,4 @@
 import os
-import time
 
 import pytest
 
@@ -56,10 +55,8 @@ def test_rank_exception_reaches_caller_with_traceback():
 
 
 def test_hanging_rank_is_named_and_killed():
-    t0 = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"rank\(s\) \[1\] did not finish within 5 s"):
         run(bad.hang_on_rank_one, timeout=5, rig=cpu_rig())
-    assert time.monotonic() - t0 < 30
     assert _spawned_children() == []
 
 

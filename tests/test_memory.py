@@ -78,3 +78,13 @@ def test_report_table_formats_byte_columns():
 
     text = table([{"": "a", "params": 2048, "formula params": 1024, "x": 1.5}])
     assert "2.00 KiB" in text and "1.00 KiB" in text and "1.5" in text
+
+
+def test_batch_budget_from_a_measured_step():
+    from helpers.memory import DeviceMemory, batch_budget, plot_memory_bars
+
+    report = {"d0": DeviceMemory(100, 100, 200, 800), "d1": DeviceMemory(50, 50, 100, 1000)}
+    fit = batch_budget(report, batch=10, budget_bytes=1400)
+    assert fit == {"state": 400, "per_sample": 100.0, "largest_batch": 10}
+    assert batch_budget(report, 10, 300)["largest_batch"] == 0
+    assert len(plot_memory_bars(report).patches) == 8

@@ -5,7 +5,8 @@ matplotlib.use("Agg")
 from helpers import workers  # noqa: E402
 from helpers.launch import run  # noqa: E402
 from helpers.rig import cpu_rig  # noqa: E402
-from helpers.timeline import Event, Recorder, busy_fraction, makespan, normalise, plot_timeline  # noqa: E402
+from helpers.timeline import (Event, Recorder, busy_fraction, concurrent_time, makespan, normalise,  # noqa: E402
+                              plot_timeline, plot_timelines)
 
 
 def test_recorder_spans_and_busy_fraction():
@@ -32,3 +33,14 @@ def test_events_gathered_across_ranks():
     assert len(events) == 4
     ax = plot_timeline(events, title="gathered")
     assert len(ax.patches) == 4
+
+
+def test_concurrent_time_sees_only_overlap_across_devices():
+    sequential = [Event(0, "forward", 0, 1), Event(1, "forward", 1, 2), Event(1, "backward", 2, 3),
+                  Event(0, "backward", 3, 4)]
+    assert concurrent_time(sequential) == 0
+    overlapping = [Event(0, "forward", 0, 2), Event(1, "forward", 1, 3), Event(0, "send", 2, 5),
+                   Event(1, "backward", 4, 5)]
+    assert concurrent_time(overlapping) == 1.0  # only [1, 2]: sends are not compute
+    fig = plot_timelines({"a": sequential, "b": overlapping})
+    assert len(fig.axes) == 2
