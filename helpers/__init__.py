@@ -2,6 +2,6 @@
 
 Modules: rig, course, launch, workers, models, memory, monitor, timeline, report, measure, check, stages,
 profile, partition, checkpointing, comm, schedules, engine, mp_engine, parallel, bench.
-Import what you need: `from helpers.rig import detect_rig`.
+Import what you need: `from helpers.runtime.rig import detect_rig`.
 """
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from helpers.engine import ThreadedPipeline
 from helpers.models import StackConfig
 from helpers.measure import interleaved_medians
 from helpers.memory import MemoryLedger, ledger_for
-from helpers.stages import LossFn, split_model
+from helpers.pipeline.stages import LossFn, split_model
 from helpers.timeline import Event, busy_fraction
 
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from helpers.report import table
-    from helpers.rig import detect_rig
+    from helpers.runtime.rig import detect_rig
 
     parser = argparse.ArgumentParser(prog="python -m helpers.bench",
                                      description="Every strategy side by side on this rig, in one run.")

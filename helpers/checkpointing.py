@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers.stages import as_layers
+from helpers.pipeline.stages import as_layers
 
 
 class Checkpointed(nn.Module):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.rig import Rig, detect_rig
+from helpers.runtime.rig import Rig, detect_rig
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 

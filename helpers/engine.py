@@ -11,10 +11,10 @@ from typing import Sequence
 
 import torch
 
-from helpers.comm import Transfer, Wire, send_to
+from helpers.pipeline.comm import Transfer, Wire, send_to
 from helpers.memory import MemoryLedger
-from helpers.schedules import Action, Schedule, make_schedule, validate
-from helpers.stages import LossFn, SplitModel, StageExecutor, make_executors
+from helpers.pipeline.schedules import Action, Schedule, make_schedule, validate
+from helpers.pipeline.stages import LossFn, SplitModel, StageExecutor, make_executors
 from helpers.timeline import Event, Recorder
 
 

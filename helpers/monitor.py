@@ -13,7 +13,7 @@ import threading
 from typing import Callable
 
 from helpers.memory import MemoryLedger, fmt_bytes
-from helpers.rig import Rig
+from helpers.runtime.rig import Rig
 
 STATIC_ENV = "LAB_STATIC_WIDGETS"
 UsageFn = Callable[[], list[int]]

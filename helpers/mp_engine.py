@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.comm import Wire
-from helpers.launch import rank_device, run
+from helpers.pipeline.comm import Wire
+from helpers.runtime.launch import rank_device, run
 from helpers.memory import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
-from helpers.schedules import Schedule, make_schedule, validate
-from helpers.stages import StageExecutor, stage_ranges
+from helpers.pipeline.schedules import Schedule, make_schedule, validate
+from helpers.pipeline.stages import StageExecutor, stage_ranges
 from helpers.timeline import Event, Recorder, gather_events
 
 ENGINES = ("ours", "torch")

@@ -7,7 +7,7 @@
 - `fsdp2`: FSDP2 `fully_shard` (ZeRO-3: parameters sharded too, gathered per block when needed).
 - `dp_x_pp`: pipeline stages inside each data-parallel replica (our multi-process engine), gradients all-reduced
   across replicas, ranks laid out on a (dp, pp) DeviceMesh.
-Every strategy runs through `helpers.launch.run` (or torchrun) and is checked against one device.
+Every strategy runs through `helpers.runtime.launch.run` (or torchrun) and is checked against one device.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.launch import rank_device, run
+from helpers.runtime.launch import rank_device, run
 from helpers.memory import DeviceMemory, fmt_bytes, ledger_for, training_state_bytes
 from helpers.models import StackConfig, SyntheticTokens, build_stack, count_params, lm_loss
 from helpers.timeline import Event, Recorder, gather_events
@@ -274,10 +274,10 @@ def dp_x_pp_worker(job: HybridJob) -> dict:
     """One rank of DP x PP: a pipeline stage of one replica; gradients averaged over the replicas of its stage."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from helpers.comm import Wire
+    from helpers.pipeline.comm import Wire
     from helpers.mp_engine import _Links, _our_step, pipeline_groups
-    from helpers.schedules import make_schedule
-    from helpers.stages import StageExecutor, stage_ranges
+    from helpers.pipeline.schedules import make_schedule
+    from helpers.pipeline.stages import StageExecutor, stage_ranges
 
     world = dist.get_world_size()
     if world != job.world:
@@ -347,7 +347,7 @@ def run_dp_x_pp(job: HybridJob, rig, timeout: float = 300.0) -> HybridResult:
 
 
 def torchrun_dp_x_pp(dp: str = "2", pp: str = "2", batch: str = "16") -> str:
-    """Entry point for torchrun (string arguments): `torchrun --nproc-per-node 4 -m helpers.launch
+    """Entry point for torchrun (string arguments): `torchrun --nproc-per-node 4 -m helpers.runtime.launch
     helpers.parallel:torchrun_dp_x_pp 2 2 16`; across machines add --nnodes/--node-rank/--rdzv-endpoint."""
     job = HybridJob(StackConfig(hidden=64, n_blocks=4, heads=2), dp=int(dp), pp=int(pp), batch=int(batch))
     check_hybrid_job(job, dist.get_world_size())

@@ -16,7 +16,7 @@ from torch import nn
 
 from helpers.memory import ledger_for, param_bytes, tensor_bytes
 from helpers.report import table
-from helpers.stages import as_layers
+from helpers.pipeline.stages import as_layers
 
 COST_KINDS = ("time", "forward", "params", "count", "activations")
 

@@ -5,10 +5,10 @@ import torch
 
 from helpers.bench import ideal_step_time, main as bench_main
 from helpers.check import grads_of, max_grad_diff
-from helpers.comm import Wire, link_benchmark, resolve_dtype, send_to
+from helpers.pipeline.comm import Wire, link_benchmark, resolve_dtype, send_to
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.mp_engine import PipelineJob, check_job, run_pipeline_job
-from helpers.rig import cpu_rig
+from helpers.runtime.rig import cpu_rig
 from helpers.timeline import Event
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)

@@ -2,9 +2,9 @@ import os
 
 import pytest
 
-from helpers import workers
-from helpers.launch import WorkerError, WorkerTimeout, check_importable, run
-from helpers.rig import cpu_rig
+from helpers.runtime import workers
+from helpers.runtime.launch import WorkerError, WorkerTimeout, check_importable, run
+from helpers.runtime.rig import cpu_rig
 from tests import workers as bad
 
 

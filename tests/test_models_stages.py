@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from helpers.models import StackConfig, SyntheticTokens, build_hf_model, build_stack, count_params, lm_loss
-from helpers.stages import make_executors, naive_train_step, split_model
+from helpers.pipeline.stages import make_executors, naive_train_step, split_model
 from helpers.timeline import Recorder
 
 

@@ -4,7 +4,7 @@ from torch import nn
 
 from helpers.memory import ledger_for
 from helpers.monitor import MemoryMonitor, frontend_attached
-from helpers.rig import cpu_rig
+from helpers.runtime.rig import cpu_rig
 
 
 def test_no_frontend_under_tests():

@@ -4,7 +4,7 @@ from helpers.check import grads_of, max_grad_diff
 from helpers.models import StackConfig, SyntheticTokens, build_stack, count_params, lm_loss
 from helpers.parallel import (DPJob, HybridJob, check_dp_job, check_hybrid_job, run_data_parallel, run_dp_x_pp,
                               shardable_children, zero_formula)
-from helpers.rig import cpu_rig
+from helpers.runtime.rig import cpu_rig
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
 

@@ -9,7 +9,7 @@ from helpers.check import assert_same_grads
 from helpers.memory import measure_step_memory
 from helpers.models import StackConfig, SyntheticTokens, build_hf_model, build_stack, hf_layers, lm_loss
 from helpers.profile import profile_layers
-from helpers.stages import as_layers, make_executors, naive_train_step, split_model
+from helpers.pipeline.stages import as_layers, make_executors, naive_train_step, split_model
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
 

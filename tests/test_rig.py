@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from helpers.rig import GiB, cpu_rig, detect_rig, is_geforce, p2p_advice
+from helpers.runtime.rig import GiB, cpu_rig, detect_rig, is_geforce, p2p_advice
 
 
 def test_forced_cpu_rig_has_two_virtual_devices():

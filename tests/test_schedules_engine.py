@@ -7,8 +7,8 @@ from helpers.check import assert_same_grads
 from helpers.engine import ThreadedPipeline, split_batch
 from helpers.memory import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
-from helpers.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
-from helpers.stages import split_model
+from helpers.pipeline.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
+from helpers.pipeline.stages import split_model
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
 CPU2 = [torch.device("cpu")] * 2

@@ -2,9 +2,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from helpers import workers  # noqa: E402
-from helpers.launch import run  # noqa: E402
-from helpers.rig import cpu_rig  # noqa: E402
+from helpers.runtime import workers  # noqa: E402
+from helpers.runtime.launch import run  # noqa: E402
+from helpers.runtime.rig import cpu_rig  # noqa: E402
 from helpers.timeline import (Event, Recorder, busy_fraction, concurrent_time, makespan, normalise,  # noqa: E402
                               plot_timeline, plot_timelines)
 

@@ -6,7 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from helpers.launch import rank_device
+from helpers.runtime.launch import rank_device
 
 
 def whoami() -> dict:

@@ -138,7 +138,7 @@ def cuda_copy_benchmark(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
 
 def link_benchmark(rig, sizes: list[int] | None = None, repeats: int = 5) -> list[LinkSample]:
     """The link between this rig's two devices, measured: CUDA copies on GPUs, gloo send/recv on CPU."""
-    from helpers.launch import run
+    from helpers.runtime.launch import run
 
     sizes = sizes or default_sizes()
     bad = [n for n in sizes if n < 4 or n % 4]

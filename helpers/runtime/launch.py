@@ -4,7 +4,7 @@
 thread on CPU (a virtual device) or one GPU on CUDA, and returns each rank's return value. A rank that raises
 brings its traceback back; a rank that hangs is named after `timeout`; no child outlives the call.
 
-The same worker runs under torchrun unchanged: `torchrun --nproc-per-node 2 -m helpers.launch helpers.parallel:ddp_worker`.
+The same worker runs under torchrun unchanged: `torchrun --nproc-per-node 2 -m helpers.runtime.launch helpers.parallel:ddp_worker`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from helpers.rig import Rig, detect_rig
+from helpers.runtime.rig import Rig, detect_rig
 
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -1,0 +1,47 @@
+"""A deterministic synthetic token dataset and the language-model loss: same seed, same data, on every rig."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, mean over all tokens."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class SyntheticTokens:
+    """Deterministic token sequences with learnable structure: each token follows from the previous one by a fixed
+    random permutation, with a fraction of noise tokens. Same seed, same data, on every rig."""
+
+    n_samples: int
+    seq_len: int = 32
+    vocab: int = 256
+    noise: float = 0.1
+    seed: int = 0
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both [n_samples, seq_len] int64; targets are inputs shifted by one."""
+        if "data" not in self._cache:
+            g = torch.Generator().manual_seed(self.seed)
+            perm = torch.randperm(self.vocab, generator=g)
+            seq = torch.empty(self.n_samples, self.seq_len + 1, dtype=torch.long)
+            seq[:, 0] = torch.randint(self.vocab, (self.n_samples,), generator=g)
+            for t in range(1, self.seq_len + 1):
+                noisy = torch.rand(self.n_samples, generator=g) < self.noise
+                seq[:, t] = torch.where(noisy, torch.randint(self.vocab, (self.n_samples,), generator=g),
+                                        perm[seq[:, t - 1]])
+            self._cache["data"] = (seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+        return self._cache["data"]
+
+    def batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch `index` (wrapping around) of `batch_size` samples."""
+        x, y = self.tensors()
+        if not 0 < batch_size <= self.n_samples:
+            raise ValueError(f"batch size {batch_size} must be between 1 and the {self.n_samples} samples")
+        start = (index * batch_size) % (self.n_samples - batch_size + 1)
+        return x[start:start + batch_size], y[start:start + batch_size]
