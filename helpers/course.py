@@ -13,12 +13,12 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
 
 def setup(seed: int = 0, force_cpu: bool | None = None, quiet: bool = False) -> Rig:
-    """Seed everything, detect the rig, make each CPU virtual device one thread, print which rig this run is on."""
+    """Seed everything, detect the rig, give this process one virtual device's threads, print which rig this is."""
     random.seed(seed)
     torch.manual_seed(seed)
     rig = detect_rig(force_cpu=force_cpu)
     if rig.is_cpu:
-        torch.set_num_threads(1)  # one intra-op thread = one virtual device
+        torch.set_num_threads(rig.threads_per_device)  # one device's threads: the baseline every ratio uses
     if not quiet:
         print(rig.describe())
         for line in rig.advice:

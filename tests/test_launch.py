@@ -1,11 +1,20 @@
 import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from helpers.runtime import workers
-from helpers.runtime.launch import WorkerError, WorkerTimeout, check_importable, run
+from helpers.runtime.bootstrap import NO_DEATH_SIGNAL_ENV
+from helpers.runtime.launch import GRACE_S, WorkerError, WorkerTimeout, check_importable, run
 from helpers.runtime.rig import cpu_rig
 from tests import workers as bad
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _children_alive(pids):
@@ -100,3 +109,108 @@ def test_keyboard_interrupt_leaves_no_children():
     with pytest.raises(KeyboardInterrupt):
         run(bad.hang_on_rank_one, timeout=60, rig=cpu_rig())
     assert _spawned_children() == []
+
+
+# --- faults a caller can meet (issue: engine core, launcher) -------------------------------------------------------
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment carries `marker` (every rank inherits its caller's environment)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().split()[2]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker.encode() in env and state != "Z" and int(d) != os.getpid():
+            found.append(int(d))
+    return found
+
+
+def _start_caller(mode: str, marker: str, extra_env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, LAB_TEST_MARKER=marker, **(extra_env or {}))
+    caller = subprocess.Popen([sys.executable, "-m", "tests.orphan_caller", mode], env=env, stdout=subprocess.PIPE,
+                              cwd=REPO)
+    assert caller.stdout.readline().strip() == b"READY"
+    return caller
+
+
+def _wait_gone(marker: str, seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = _processes_with(marker)
+        if not left:
+            return []
+        time.sleep(0.1)
+    return _processes_with(marker)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("death_signal", [True, False], ids=["death-signal", "lifeline-only"])
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0, 3.0])
+def test_no_rank_outlives_a_killed_caller(delay, death_signal):
+    """SIGKILL the caller at several moments after it starts its ranks (before, during and after they import
+    torch): no rank may survive. Without the Linux death signal the lifeline pipe alone must do it (macOS)."""
+    marker = f"orphan-{uuid.uuid4().hex}"
+    extra = {} if death_signal else {NO_DEATH_SIGNAL_ENV: "1"}
+    caller = _start_caller("sleepy", marker, extra)
+    time.sleep(delay)
+    caller.kill()
+    caller.wait()
+    assert _wait_gone(marker) == [], f"ranks outlived their caller (killed {delay} s after start)"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_second_interrupt_during_cleanup_still_ends_everything():
+    """Ranks that ignore SIGTERM; Ctrl-C, then Ctrl-C again during the grace period: the caller ends promptly and
+    takes every rank with it."""
+    marker = f"stubborn-{uuid.uuid4().hex}"
+    caller = _start_caller("stubborn", marker)
+    deadline = time.monotonic() + 30
+    while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:  # the caller and both ranks
+        time.sleep(0.1)
+    time.sleep(1.0)
+    caller.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    caller.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    caller.wait(timeout=20)
+    assert time.monotonic() - t0 < GRACE_S, "the second Ctrl-C must not wait out the grace period"
+    assert _wait_gone(marker) == []
+
+
+def test_result_the_caller_cannot_read_names_the_rank():
+    with pytest.raises(WorkerError, match="rank 0 returned a result the caller cannot read"):
+        run(bad.return_unreadable, rig=cpu_rig(), timeout=60)
+    with pytest.raises(WorkerError, match="return value cannot be sent back"):
+        run(bad.return_unpicklable, rig=cpu_rig(), timeout=60)
+    assert _spawned_children() == []
+
+
+def test_import_error_inside_a_rank_comes_back_with_its_traceback():
+    from tests import fragile_module
+
+    with pytest.raises(WorkerError) as info:
+        run(fragile_module.worker, rig=cpu_rig(), timeout=60)
+    text = str(info.value)
+    assert "ImportError: this module refuses to load inside a rank" in text and "Traceback" in text
+
+
+def test_every_rank_gets_the_callers_rig():
+    rig = cpu_rig(budget_gib=0.75, threads=1)
+    out = run(bad.child_rig, rig=rig, timeout=60)
+    assert out == [{"kind": "cpu", "budget": rig.capacity_bytes[0], "threads": 1}] * 2
+
+
+def test_torchrun_entry_takes_json_arguments():
+    """The docstring's example, as written."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "helpers.runtime.launch",
+           "helpers.runtime.workers:all_reduce_sum", "--args", "[2.0]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "6.0"

@@ -27,3 +27,41 @@ def exit_hard_on_rank_one() -> int:
     if dist.get_rank() == 1:
         os._exit(3)
     return dist.get_rank()
+
+
+def ignore_sigterm_and_hang() -> int:
+    """A rank that ignores SIGTERM: only SIGKILL ends it."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    return dist.get_rank()
+
+
+def _refuse_to_load():
+    raise RuntimeError("this object cannot be rebuilt in the caller")
+
+
+class Unreadable:
+    """Pickles fine in the rank, fails to unpickle in the caller."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+
+def return_unreadable() -> Unreadable:
+    return Unreadable()
+
+
+def return_unpicklable():
+    return lambda: None
+
+
+def child_rig() -> dict:
+    """What a rank detects on its own: it must agree with the rig the caller passed."""
+    import torch
+
+    from helpers.runtime.rig import detect_rig
+
+    rig = detect_rig()
+    return {"kind": rig.kind, "budget": rig.capacity_bytes[0], "threads": torch.get_num_threads()}

@@ -1,38 +1,47 @@
 """Run a worker function on N ranks, from a notebook or under torchrun.
 
-`run(worker, ...)` spawns one process per rank, gives each a free 127.0.0.1 port, the rig's backend, one intra-op
-thread on CPU (a virtual device) or one GPU on CUDA, and returns each rank's return value. A rank that raises
-brings its traceback back; a rank that hangs is named after `timeout`; no child outlives the call.
+`run(worker, *args, nranks=2)` starts one process per rank, gives each a free 127.0.0.1 port, the caller's rig
+(force-CPU included), one intra-op thread per CPU virtual device or its own GPU, and returns each rank's return
+value in rank order. A rank that raises, fails to import the worker, or returns something that cannot come back
+raises `WorkerError` naming the rank, with its traceback; a rank that hangs raises `WorkerTimeout` naming it; a
+rank that dies in native code brings back the end of its stderr. No rank outlives the call, nor the caller: see
+`helpers.runtime.bootstrap` for how a rank ties its life to the caller's before it imports torch.
 
-The same worker runs under torchrun unchanged: `torchrun --nproc-per-node 2 -m helpers.runtime.launch helpers.parallel:ddp_worker`.
+The same worker runs under torchrun, with JSON arguments:
+    torchrun --nproc-per-node 2 -m helpers.runtime.launch helpers.runtime.workers:all_reduce_sum --args '[2.0]'
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
-import multiprocessing as mp
-import multiprocessing.connection as mpc
+import json
 import os
 import pickle
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-import traceback
+from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from helpers.runtime.rig import Rig, detect_rig
+from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, detect_rig
 
 DEFAULT_TIMEOUT_S = 120.0
+GRACE_S = 5.0  # how long a rank may take to exit after SIGTERM before it is killed
+STDERR_TAIL = 3000  # characters of a crashed rank's stderr shown in the error
 
 
 class WorkerError(RuntimeError):
-    """A rank raised; the message carries the rank's own exception and traceback."""
+    """A rank failed; the message names the rank and carries its own exception and traceback."""
 
 
 class WorkerTimeout(TimeoutError):
@@ -67,101 +76,215 @@ def check_ranks(rig: Rig, nranks: int, oversubscribe: bool) -> None:
     """Refuse more ranks than the rig hosts, before anything starts."""
     if nranks < 1:
         raise ValueError(f"nranks must be at least 1, got {nranks}")
-    if nranks > rig.max_ranks and not oversubscribe:
-        what = f"{rig.max_ranks} cores" if rig.is_cpu else f"room for {rig.max_ranks} rank(s)"
+    if nranks <= rig.max_ranks:
+        return
+    if rig.is_cpu and oversubscribe:
+        return
+    if rig.is_cpu:
         raise ValueError(
-            f"{nranks} ranks asked for, but this {rig.kind} rig has {what}. Use fewer ranks, or pass "
-            f"oversubscribe=True to share them (the result is still correct, timings then mean little).")
+            f"{nranks} ranks asked for, but this CPU rig has room for {rig.max_ranks} virtual devices. Use fewer "
+            "ranks, or pass oversubscribe=True to let ranks share cores (results stay exact; timings then mean "
+            "little).")
+    raise ValueError(
+        f"{nranks} ranks asked for, but this {rig.kind} rig has room for {rig.max_ranks}: on GPUs each rank needs "
+        "a GPU of its own (NCCL refuses two ranks on one GPU). Use fewer ranks, or the CPU rig (LAB_FORCE_CPU=1) "
+        "with oversubscribe=True to try the structure.")
 
 
 def rank_device(rig: Rig | None = None) -> torch.device:
-    """The device of the calling rank: its GPU on CUDA rigs, the CPU on the CPU rig."""
+    """The device of the calling rank: its own GPU on the two-GPU rig, cuda:0 on the one-GPU rig, CPU otherwise."""
     rig = rig or detect_rig()
     if rig.is_cpu:
         return torch.device("cpu")
+    if rig.kind == "one_gpu":
+        return torch.device("cuda:0")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device(f"cuda:{local % torch.cuda.device_count()}")
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise RuntimeError(f"local rank {local} has no GPU of its own: this machine shows {count} GPU(s) "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); NCCL "
+                           "cannot put two ranks on one GPU. Start at most one rank per GPU.")
+    return torch.device(f"cuda:{local}")
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this child if the notebook kernel dies, so no rank is ever orphaned."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def init_rank(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Rig:
-    """Join the process group from torchrun-style env vars; pin CPU ranks to one thread, CUDA ranks to one GPU."""
-    rig = detect_rig()
+def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Rig:
+    """Join the process group from torchrun-style env vars, the way PyTorch's own engines expect it: CPU ranks
+    pinned to their threads; CUDA ranks bound to their GPU *before* init, and NCCL given `device_id` so that its
+    communicator is created now, on every rank together, not lazily on a first send that could wait forever."""
+    rig = rig or detect_rig()
+    device = rank_device(rig)
     if rig.is_cpu:
-        torch.set_num_threads(1)
+        torch.set_num_threads(rig.threads_per_device)
     else:
-        torch.cuda.set_device(rank_device(rig))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or rig.backend, timeout=timedelta(seconds=timeout_s))
+        eager = {"device_id": device} if rig.backend == "nccl" else {}
+        dist.init_process_group(rig.backend, timeout=timedelta(seconds=timeout_s), **eager)
     return rig
 
 
-def _child(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, kwargs: dict,
-           conn: mpc.Connection, timeout_s: float) -> None:
-    _die_with_parent()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    code = 0
+def run_rank(fn: Callable, args: tuple, kwargs: dict, rig: Rig, timeout_s: float) -> Any:
+    """Inside a spawned rank (called by the bootstrap): join the group with the caller's rig, run the worker. The
+    group is left standing: the bootstrap reports the result first and then calls `finish_rank`, so that a rank's
+    own error reaches the caller before its peers fail on the torn-down group."""
+    init_rank(rig, timeout_s)
+    return fn(*args, **kwargs)
+
+
+def finish_rank() -> None:
+    """Leave the process group (a spawned rank's last step before `os._exit`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class _Rank:
+    """A started rank: its process, the pipe its result comes back on, and the files its output goes to."""
+
+    rank: int
+    proc: subprocess.Popen
+    conn: Connection
+    stdout: Path
+    stderr: Path
+
+    def output(self, path: Path) -> str:
+        try:
+            return path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def _child_env(rig: Rig, rank: int, world: int, port: int) -> dict[str, str]:
+    """The caller's environment, plus the rendezvous and the caller's rig (so a rank never re-detects it)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
+    if rig.is_cpu:
+        env.update({FORCE_CPU_ENV: "1", CPU_BUDGET_ENV: str(rig.capacity_bytes[0] / 2**30),
+                    "OMP_NUM_THREADS": str(rig.threads_per_device)})
+    return env
+
+
+def _start(rank: int, world: int, port: int, rig: Rig, payload: Path, lifeline_r: int, workdir: Path) -> _Rank:
+    result_r, result_w = os.pipe()
+    out, err = workdir / f"rank{rank}.out", workdir / f"rank{rank}.err"
+    cmd = [sys.executable, "-m", "helpers.runtime.bootstrap", "--parent", str(os.getpid()),
+           "--lifeline", str(lifeline_r), "--result", str(result_w), "--payload", str(payload), "--rank", str(rank)]
     try:
-        init_rank(backend, timeout_s)
-        # plain pickle: torch's multiprocessing reducers would share tensors through this process, which exits
-        conn.send_bytes(pickle.dumps((rank, "ok", fn(*args, **kwargs))))
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the notebook
-        code = 1
-        conn.send_bytes(pickle.dumps((rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")))
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            proc = subprocess.Popen(cmd, env=_child_env(rig, rank, world, port), stdin=subprocess.DEVNULL,
+                                    stdout=fo, stderr=fe, pass_fds=(lifeline_r, result_w), close_fds=True,
+                                    start_new_session=True)  # Ctrl-C in a terminal reaches only the caller
     finally:
-        conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip interpreter teardown: FSDP2 workers otherwise abort there now and then
+        os.close(result_w)
+    return _Rank(rank, proc, Connection(result_r, writable=False), out, err)
 
 
-def _stop_all(procs: list[mp.process.BaseProcess]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+def _crash_message(r: _Rank) -> str:
+    code = r.proc.wait()
+    tail = r.output(r.stderr)[-STDERR_TAIL:].strip()
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    return (f"rank {r.rank} {how} without a result (killed, out of memory, or crashed in native code)"
+            + (f"; the end of its stderr:\n{tail}" if tail else ""))
 
 
-def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
-    """Wait for every rank's pipe. A rank that dies closes its pipe (EOF), so a crash is noticed at once."""
+def _receive(r: _Rank) -> tuple[bool, Any]:
+    """(True, result) or (False, the error message naming the rank)."""
+    try:
+        data = r.conn.recv_bytes()
+    except EOFError:
+        return False, _crash_message(r)
+    try:
+        _, status, payload = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - e.g. a class the caller cannot import
+        return False, f"rank {r.rank} returned a result the caller cannot read: {type(exc).__name__}: {exc}"
+    if status == "error":
+        return False, f"rank {r.rank} raised {payload}"
+    return True, payload
+
+
+def _first_line(message: str) -> str:
+    return message.splitlines()[0][:300] if message else ""
+
+
+def _collect(ranks: list[_Rank], timeout_s: float, settle_s: float = 1.0) -> list[Any]:
+    """Wait for every rank's pipe. A rank that dies closes its pipe (end of file), so a crash is noticed at once.
+    After the first failure the others get `settle_s` to report: the first failure is the cause, the rest (peers
+    losing their connection) are listed after it."""
     results: dict[int, Any] = {}
-    pending = {c: r for r, c in enumerate(conns)}
+    errors: list[str] = []
+    pending = {r.conn: r for r in ranks}
     deadline = time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()
+        if errors:
+            left = min(left, settle_s)
         if left <= 0:
-            raise WorkerTimeout(
-                f"rank(s) {sorted(pending.values())} did not finish within {timeout_s:.0f} s (finished: "
-                f"{sorted(results)}). A rank that waits for a message or collective its peer never sends hangs "
-                "like this.")
-        for conn in mpc.wait(list(pending), left):
-            rank = pending.pop(conn)
+            break
+        ready = wait(list(pending), left)
+        if not ready and errors:
+            break
+        for conn in ready:
+            r = pending.pop(conn)
+            ok, value = _receive(r)
+            if ok:
+                results[r.rank] = value
+            else:
+                errors.append(value)
+    if errors:
+        others = "".join(f"\n  then {_first_line(e)}" for e in errors[1:])
+        raise WorkerError(errors[0] + (f"\n\nOther ranks failed after it:{others}" if others else ""))
+    if pending:
+        raise WorkerTimeout(
+            f"rank(s) {sorted(r.rank for r in pending.values())} did not finish within {timeout_s:.0f} s "
+            f"(finished: {sorted(results)}). A rank that waits for a message or collective its peer never "
+            "sends hangs like this.")
+    return [results[r.rank] for r in ranks]
+
+
+def _signal_all(ranks: list[_Rank], sig: int) -> None:
+    for r in ranks:
+        if r.proc.poll() is None:
             try:
-                _, status, payload = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                procs[rank].join(5)
-                raise WorkerError(f"rank {rank} exited with code {procs[rank].exitcode} without a result "
-                                  "(killed, out of memory, or crashed in native code)") from None
-            if status == "error":
-                raise WorkerError(f"rank {rank} raised {payload}")
-            results[rank] = payload
-    return [results[r] for r in range(len(conns))]
+                os.killpg(r.proc.pid, sig)  # the rank's whole session: anything it started goes too
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def stop_all(ranks: list[_Rank], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every rank, SIGKILL what is left after `grace_s`. A Ctrl-C during the grace kills at once instead of
+    interrupting the clean-up (which would leave ranks behind); the interrupt is raised again once all are gone."""
+    interrupted: BaseException | None = None
+    hurry = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda *_: hurry.set())
+    try:
+        _signal_all(ranks, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(r.proc.poll() is None for r in ranks):
+            try:
+                if hurry.is_set() or time.monotonic() > deadline:
+                    _signal_all(ranks, signal.SIGKILL)
+                time.sleep(0.02)
+            except KeyboardInterrupt as exc:  # run() called off the main thread: no handler of ours
+                interrupted = exc
+                hurry.set()
+        for r in ranks:
+            r.proc.wait()
+            r.conn.close()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if interrupted is not None or hurry.is_set():
+        raise interrupted or KeyboardInterrupt()
+
+
+def _relay_output(ranks: list[_Rank]) -> None:
+    """What the ranks printed, shown where the caller prints (in a notebook: under the cell)."""
+    for r in ranks:
+        text = r.output(r.stdout).strip()
+        if text:
+            print("\n".join(f"[rank {r.rank}] {line}" for line in text.splitlines()))
 
 
 def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIMEOUT_S, rig: Rig | None = None,
@@ -170,30 +293,35 @@ def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIME
     rig = rig or detect_rig()
     check_ranks(rig, nranks, oversubscribe)
     check_importable(fn)
-    try:
-        pickle.dumps((fn, args, kwargs))
-    except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"the worker's arguments cannot be sent to another process: {exc}") from None
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs, conns = [], []
     try:
-        for rank in range(nranks):
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(rank, nranks, port, rig.backend, fn, args, kwargs, child_end,
-                                                 timeout), daemon=True, name=f"lab-rank{rank}")
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-        return _collect(procs, conns, timeout)
-    finally:  # success, error, timeout or KeyboardInterrupt: no child survives
-        _stop_all(procs)
-        for c in conns:
-            c.close()
+        body = pickle.dumps((fn, args, kwargs, rig))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"the worker's arguments cannot be sent to another process: {exc}") from None
+    port = free_port()
+    ranks: list[_Rank] = []
+    lifeline_r, lifeline_w = os.pipe()
+    with tempfile.TemporaryDirectory(prefix="lab-run-") as tmp:
+        workdir = Path(tmp)
+        payload = workdir / "payload.pkl"
+        payload.write_bytes(pickle.dumps({"sys_path": list(sys.path), "body": body, "timeout_s": timeout}))
+        try:
+            for rank in range(nranks):
+                ranks.append(_start(rank, nranks, port, rig, payload, lifeline_r, workdir))
+            os.close(lifeline_r)
+            lifeline_r = -1
+            results = _collect(ranks, timeout)
+            _relay_output(ranks)
+            return results
+        finally:  # success, error, timeout or Ctrl-C: no rank survives
+            stop_all(ranks)
+            for fd in (lifeline_r, lifeline_w):
+                if fd >= 0:
+                    os.close(fd)
 
+
+# --- torchrun ------------------------------------------------------------------------------------------------------
 
 def _resolve(target: str) -> Callable:
     module, _, name = target.partition(":")
@@ -206,17 +334,26 @@ def _resolve(target: str) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """torchrun entry point: every rank calls the worker with the same JSON-free string arguments."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", help="worker as MODULE:FUNCTION, e.g. helpers.parallel:ddp_worker")
-    parser.add_argument("args", nargs="*", help="positional string arguments for the worker")
+    """torchrun entry point: every rank calls the worker with the same JSON-typed arguments; rank 0 prints the
+    result as JSON (or its repr when it is not JSON)."""
+    parser = argparse.ArgumentParser(prog="python -m helpers.runtime.launch",
+                                     description="Run MODULE:FUNCTION on every rank torchrun started.")
+    parser.add_argument("target", help="worker as MODULE:FUNCTION, e.g. helpers.runtime.workers:all_reduce_sum")
+    parser.add_argument("--args", default="[]", help="JSON list of positional arguments, e.g. '[2.0]'")
+    parser.add_argument("--kwargs", default="{}", help='JSON object of keyword arguments, e.g. \'{"n": 4}\'')
     ns = parser.parse_args(argv)
+    args, kwargs = json.loads(ns.args), json.loads(ns.kwargs)
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise SystemExit("--args must be a JSON list and --kwargs a JSON object")
     fn = _resolve(ns.target)
     init_rank()
     try:
-        result = fn(*ns.args)
+        result = fn(*args, **kwargs)
         if dist.get_rank() == 0:
-            print(result)
+            try:
+                print(json.dumps(result))
+            except TypeError:
+                print(repr(result))
     finally:
         dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ GiB = 1024**3
 DEFAULT_CPU_BUDGET_GIB = 2.0
 FORCE_CPU_ENV = "LAB_FORCE_CPU"
 CPU_BUDGET_ENV = "LAB_CPU_BUDGET_GIB"
+CPU_THREADS_ENV = "LAB_CPU_THREADS"
 
 RigKind = Literal["two_gpus", "one_gpu", "cpu"]
 
@@ -31,6 +32,7 @@ class Rig:
     max_ranks: int  # how many ranks the rig hosts without sharing a core or a GPU
     peer_access: bool | None = None  # can GPU 0 read GPU 1 directly (P2P / NVLink)? None off two-GPU rigs
     advice: tuple[str, ...] = field(default=())
+    threads_per_device: int = 1  # intra-op threads of one CPU virtual device (the one-device baseline gets as many)
 
     @property
     def is_cpu(self) -> bool:
@@ -50,9 +52,9 @@ class Rig:
     def describe(self) -> str:
         """One printable line: which rig this run is on."""
         if self.is_cpu:
-            cores = os.cpu_count() or 1
             budget = self.capacity_bytes[0] / GiB
-            return (f"CPU rig: {len(self.devices)} virtual devices (one thread each) on {cores} cores, "
+            threads = "one thread" if self.threads_per_device == 1 else f"{self.threads_per_device} threads"
+            return (f"CPU rig: {len(self.devices)} virtual devices ({threads} each) on {usable_cores()} cores, "
                     f"memory budget {budget:.1f} GiB per virtual device")
         mem = ", ".join(f"{n} {c / GiB:.1f} GiB" for n, c in zip(self.names, self.capacity_bytes))
         if self.kind == "one_gpu":
@@ -81,14 +83,37 @@ def _env_forces_cpu() -> bool:
     return os.environ.get(FORCE_CPU_ENV, "").strip().lower() in {"1", "true", "yes"}
 
 
-def cpu_rig(n_devices: int = 2, budget_gib: float | None = None) -> Rig:
-    """The CPU rig: `n_devices` virtual devices, each one thread with a memory budget."""
+def usable_cores() -> int:
+    """Cores this process may run on (a container or `taskset` can give fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
+
+
+def cpu_threads_per_device(n_devices: int = 2, threads: int | None = None) -> int:
+    """Threads of one virtual device: the cores shared equally by the devices (floor(cores / 2) for two), so a
+    speed-up still means "two devices instead of one" and a many-core laptop is not left idle. LAB_CPU_THREADS or
+    `threads` overrides."""
+    if threads is None and os.environ.get(CPU_THREADS_ENV, "").strip():
+        threads = int(os.environ[CPU_THREADS_ENV])
+    if threads is None:
+        return max(1, usable_cores() // n_devices)
+    if threads < 1:
+        raise ValueError(f"a virtual device needs at least one thread, got {threads}")
+    return threads
+
+
+def cpu_rig(n_devices: int = 2, budget_gib: float | None = None, threads: int | None = None) -> Rig:
+    """The CPU rig: `n_devices` virtual devices with `threads` intra-op threads each and a memory budget."""
     if n_devices < 1:
         raise ValueError(f"a rig needs at least one device, got {n_devices}")
     budget = _cpu_budget_bytes(budget_gib)
+    per_device = cpu_threads_per_device(n_devices, threads)
     cpu = torch.device("cpu")
     return Rig(kind="cpu", devices=(cpu,) * n_devices, names=tuple(f"cpu:{i} (virtual)" for i in range(n_devices)),
-               capacity_bytes=(budget,) * n_devices, backend="gloo", max_ranks=max(1, os.cpu_count() or 1))
+               capacity_bytes=(budget,) * n_devices, backend="gloo",
+               max_ranks=max(1, usable_cores() // per_device), threads_per_device=per_device)
 
 
 def is_geforce(name: str) -> bool:
