@@ -11,15 +11,17 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from helpers.engine import ThreadedPipeline
-from helpers.models import StackConfig
 from helpers.measure import interleaved_medians
 from helpers.memory import MemoryLedger, ledger_for
-from helpers.pipeline.stages import LossFn, split_model
+from helpers.models import StackConfig, lm_loss
+from helpers.pipeline.stages import split_model
+from helpers.pipeline.threaded import ThreadedPipeline
 from helpers.timeline import Event, busy_fraction
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-def one_device_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+
+def one_device_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = lm_loss,
                     optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
     """A closure running one training step of `model` on its own device: the baseline every ratio is taken to."""
     device = next(model.parameters()).device
@@ -55,13 +57,13 @@ class PipelineRun:
 
 
 def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], devices: Sequence[torch.device],
-                      labels: Sequence[str], loss_fn: LossFn, schedule: str = "gpipe", microbatches: int = 4,
+                      labels: Sequence[str], schedule: str = "gpipe", microbatches: int = 4,
                       lr: float = 0.0, wire: str = "fp32", optimizer: str = "sgd") -> PipelineRun:
     """Copy `model`, split it at `boundaries` over `devices`, and wire a ledger and an optimizer (SGD with lr=0
     keeps the weights fixed so that every repeat times the same computation; "adam" for Adam at `lr`)."""
     split = split_model(copy.deepcopy(model), list(boundaries), devices)
     ledger = ledger_for(split.stages, labels[:len(split.stages)])
-    pipe = ThreadedPipeline(split, loss_fn, schedule, microbatches, ledger, wire)
+    pipe = ThreadedPipeline(split, schedule, microbatches, ledger, wire)
     opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](split.parameters(), lr=lr)
     ledger.optimizer = opt
     return PipelineRun(name, pipe, ledger, tuple(boundaries), opt)
@@ -158,8 +160,6 @@ class BenchConfig:
 
 
 def default_config(quick: bool, rig) -> BenchConfig:
-    from helpers.models import StackConfig
-
     scale = 1 if rig.is_cpu else 4
     if quick:
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=2,
@@ -173,7 +173,7 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     from helpers.memory import measure_step_memory
     from helpers.timeline import Recorder
 
-    rec = Recorder(0)
+    rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
     adam_model = copy.deepcopy(model)
     adam = torch.optim.Adam(adam_model.parameters(), lr=1e-3)
 
@@ -202,17 +202,18 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
 def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
     """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
     in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B."""
-    from helpers.models import SyntheticTokens, build_stack, lm_loss
-    from helpers.mp_engine import PipelineJob, run_pipeline_job
+    from helpers.models import SyntheticTokens, build_stack
+    from helpers.training.job import TrainJob
+    from helpers.training.loop import run_training
 
     if rig.is_cpu:
-        torch.set_num_threads(1)
+        torch.set_num_threads(rig.threads_per_device)
     model = build_stack(config.cfg).to(rig.devices[0])
     x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     cut = [len(model) // 2]
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
-    runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, lm_loss, s, m) for s, m in threaded]
+    runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, s, m) for s, m in threaded]
     times, rows = _single_row(model, x, y, lm_loss, config.steps, runs)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
@@ -222,8 +223,9 @@ def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
     jobs += [(s, "torch", s, m, True) for m in config.torch_microbatches for s in ("gpipe", "1f1b")]
     results = run_in_rounds(
-        {j: (lambda j=j: run_pipeline_job(PipelineJob(config.cfg, tuple(cut), j[2], j[3], config.batch, j[1],
-                                                      overlap=j[4], steps=config.steps), rig)) for j in jobs},
+        {j: (lambda j=j: run_training(TrainJob(config.cfg, pp=2, boundaries=tuple(cut), schedule=j[2],
+                                               microbatches=j[3], batch=config.batch, engine=j[1], overlap=j[4],
+                                               steps=config.steps), rig)) for j in jobs},
         config.rounds, "process pipelines", progress)
     for (strategy, engine, _, m, _), (step_s, res) in results.items():
         rows.append(BenchRow(strategy, engine, "processes", m, step_s, res.events, res.peak_activations))
@@ -251,19 +253,20 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool = True)
 
 def data_parallel_rows(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
     """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP."""
-    from helpers.parallel import DPJob, HybridJob, run_data_parallel, run_dp_x_pp
+    from helpers.training.job import TrainJob
+    from helpers.training.loop import run_training
 
     rows = []
-    results = run_in_rounds({s: (lambda s=s: run_data_parallel(DPJob(s, config.cfg, config.batch, steps=config.steps),
-                                                               rig)) for s in ("ddp", "zero1", "fsdp2")},
-                            config.rounds, "data parallel", progress)
+    results = run_in_rounds({s: (lambda s=s: run_training(TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch,
+                                                                   steps=config.steps, optimizer="adam"), rig))
+                             for s in ("ddp", "zero1", "fsdp2")}, config.rounds, "data parallel", progress)
     for strategy, (step_s, res) in results.items():
         rows.append(BenchRow(strategy, "torch", "processes", None, step_s, res.events,
                              [m.activations for m in res.memory], optimizer="adam", reference="single_adam"))
     if rig.is_cpu or torch.cuda.device_count() >= 4:
         m = config.onefoneb_microbatches // 2
-        res = run_dp_x_pp(HybridJob(config.cfg, dp=2, pp=2, microbatches=m, batch=config.batch,
-                                    steps=config.steps), rig)
+        res = run_training(TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
+                                    steps=config.steps), rig, oversubscribe=rig.is_cpu)
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, res.step_s, res.events,
                              res.peak_activations))
     return rows
@@ -336,7 +339,7 @@ def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float
 def split_comparison_rows(rig, quick: bool = False) -> list[dict]:
     """Notebook 02's four splits of the non-uniform model, each trained as a 4-micro-batch GPipe pipeline and timed
     against one device in the same interleaved rounds."""
-    from helpers.models import SyntheticTokens, build_stack, lm_loss, nonuniform_config
+    from helpers.models import SyntheticTokens, build_stack, nonuniform_config
     from helpers.partition import compare_splits
     from helpers.profile import profile_layers
 
@@ -347,7 +350,7 @@ def split_comparison_rows(rig, quick: bool = False) -> list[dict]:
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     prof = profile_layers(model, x[:batch // m], repeats=repeats, loss_fn=lm_loss, target=y[:batch // m])
     splits = compare_splits(prof.costs("time"), prof.costs("params"), prof.memory_bytes())
-    runs = [make_pipeline_run(name, model, s.boundaries, rig.devices, rig.labels, lm_loss, "gpipe", m)
+    runs = [make_pipeline_run(name, model, s.boundaries, rig.devices, rig.labels, "gpipe", m)
             for name, s in splits.items()]
 
     times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss)})
@@ -361,7 +364,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False) -> list[dict]:
     """Notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline; step time and saved
     activations per device."""
     from helpers.checkpointing import checkpoint_layers, every_kth
-    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+    from helpers.models import SyntheticTokens, build_stack
 
     batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
     cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
@@ -370,7 +373,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False) -> list[dict]:
     blocks = list(range(1, cfg.n_blocks + 1))
     variants = {"none": [], **{f"every {k}": every_kth(blocks, k) for k in (4, 2, 1)}}
     runs = [make_pipeline_run(name, checkpoint_layers(model, which), [len(model) // 2], rig.devices, rig.labels,
-                              lm_loss, "gpipe", m) for name, which in variants.items()]
+                              "gpipe", m) for name, which in variants.items()]
     times = time_pipeline_runs(runs, x, y, repeats)
     rows = run_rows(runs, times, batch, baseline="none")
     for row in rows:

@@ -19,6 +19,9 @@ KIND_COLORS = {
 }
 
 
+COMPUTE_KINDS = {"forward", "backward", "recompute", "optimizer", "loss", "compute"}
+
+
 @dataclass(frozen=True)
 class Event:
     device: int
@@ -51,19 +54,30 @@ class Recorder:
             torch.cuda.synchronize(torch_device)
             self._base_time = time.perf_counter()
 
+    def start(self):
+        """A start mark: a CUDA event on this device's current stream, or the wall clock on CPU."""
+        if self._cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(torch.cuda.current_stream(self._torch_device))
+            return mark
+        return time.perf_counter()
+
+    def finish(self, mark, kind: str, microbatch: int | None = None) -> None:
+        """Close a span opened with `start`. On CUDA the end is an event on the *current* stream, so a callback
+        that runs once a collective has finished on the GPU (a DDP comm hook's future) marks that moment, not the
+        moment the host queued the work."""
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self._torch_device))
+            self._pending.append((kind, microbatch, mark, end))
+        else:
+            self._events.append(Event(self.device_index, kind, mark, time.perf_counter(), microbatch))
+
     @contextmanager
     def span(self, kind: str, microbatch: int | None = None) -> Iterator[None]:
-        if self._cuda:
-            stream = torch.cuda.current_stream(self._torch_device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            yield
-            end.record(stream)
-            self._pending.append((kind, microbatch, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._events.append(Event(self.device_index, kind, t0, time.perf_counter(), microbatch))
+        mark = self.start()
+        yield
+        self.finish(mark, kind, microbatch)
 
     def add(self, kind: str, start: float, end: float, microbatch: int | None = None) -> None:
         """Record a span measured elsewhere (e.g. by a library hook)."""
@@ -110,13 +124,14 @@ def makespan(events: Iterable[Event]) -> float:
 
 
 def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -> dict[int, float]:
-    """Per device: time spent in (non-overlapping) busy spans / the whole makespan."""
+    """Per device: time spent computing (merged spans of `busy_kinds`, by default the compute kinds: waiting for a
+    message is not work) / the whole makespan."""
     events = list(events)
+    busy_kinds = COMPUTE_KINDS if busy_kinds is None else busy_kinds
     span = makespan(events)
     out: dict[int, float] = {}
     for dev in sorted({e.device for e in events}):
-        spans = sorted((e.start, e.end) for e in events
-                       if e.device == dev and (busy_kinds is None or e.kind in busy_kinds))
+        spans = sorted((e.start, e.end) for e in events if e.device == dev and e.kind in busy_kinds)
         busy, cur_s, cur_e = 0.0, None, None
         for s, e in spans:
             if cur_e is None or s > cur_e:
@@ -131,9 +146,6 @@ def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -
     return out
 
 
-COMPUTE_KINDS = {"forward", "backward", "recompute", "optimizer", "loss", "compute"}
-
-
 def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
                   device_names: dict[int, str] | None = None, busy_kinds: set[str] | None = None):
     """Gantt chart: one row per device, a bar per event, micro-batch numbers on the bars, busy % per row."""
@@ -143,7 +155,7 @@ def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
     events = normalise(events)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.7 * max(1, len({e.device for e in events}))))
-    busy = busy_fraction(events, busy_kinds or COMPUTE_KINDS)
+    busy = busy_fraction(events, busy_kinds)
     devices = sorted({e.device for e in events})
     span_ms = makespan(events) * 1e3 or 1.0
     for row, dev in enumerate(devices):

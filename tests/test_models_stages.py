@@ -39,7 +39,7 @@ def test_naive_split_equals_one_device():
     loss_ref.backward()
     split = split_model(model, 3, [torch.device("cpu")] * 2)
     recs = [Recorder(0), Recorder(1)]
-    loss = naive_train_step(make_executors(split, lm_loss, recs), x, y)
+    loss = naive_train_step(make_executors(split, recs), x, y)
     assert torch.allclose(loss, loss_ref, atol=1e-6)
     for p_ref, p in zip(ref.parameters(), split.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-5)

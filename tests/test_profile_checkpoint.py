@@ -43,7 +43,7 @@ def test_hf_decoder_split_equals_one_device(family):
     ids, targets = SyntheticTokens(4, 8, 64).batch(0, 4)
     torch.testing.assert_close(layers(ids), model(ids).logits)
     split = split_model(copy.deepcopy(layers), [2], [torch.device("cpu")] * 2)
-    loss = naive_train_step(make_executors(split, lm_loss), ids, targets)
+    loss = naive_train_step(make_executors(split), ids, targets)
     ref = lm_loss(layers(ids), targets)
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-6

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from helpers.check import assert_same_grads
-from helpers.engine import ThreadedPipeline, split_batch
+from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan
+from helpers.pipeline.threaded import ThreadedPipeline, split_batch
 from helpers.memory import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
@@ -49,7 +50,7 @@ def test_threaded_pipeline_equals_one_device(schedule, m):
     model = build_stack(CFG)
     x, y = SyntheticTokens(8, CFG.seq_len, CFG.vocab).batch(0, 8)
     split = split_model(copy.deepcopy(model), 3, CPU2)
-    pipe = ThreadedPipeline(split, lm_loss, schedule, m)
+    pipe = ThreadedPipeline(split, schedule, m)
     loss = pipe.step(x, y)
     ref = lm_loss(model(x), y)
     ref.backward()
@@ -67,14 +68,39 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     for schedule in ("gpipe", "1f1b"):
         split = split_model(copy.deepcopy(model), 3, CPU2)
         ledger = ledger_for(split.stages, ["d0", "d1"])
-        ThreadedPipeline(split, lm_loss, schedule, 8, ledger).step(x, y)
+        ThreadedPipeline(split, schedule, 8, ledger).step(x, y)
         peaks[schedule] = ledger.device("d0").activations
     assert peaks["1f1b"] * 3 <= peaks["gpipe"]  # 2 of 8 micro-batches in flight instead of 8
 
 
 def test_stage_error_reaches_caller():
     split = split_model(build_stack(CFG), 3, CPU2)
-    pipe = ThreadedPipeline(split, lm_loss, "gpipe", 2)
+    pipe = ThreadedPipeline(split, "gpipe", 2)
     x, y = SyntheticTokens(4, CFG.seq_len, CFG.vocab).batch(0, 4)
     with pytest.raises(RuntimeError, match="stage 1 failed"):
         pipe.step(x, y[:, :3])  # targets of the wrong shape fail in the last stage's loss
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_communication_plans_cannot_deadlock_on_nccl(name):
+    """Every exchange posts the previous action's sends with the next action's receives (Megatron, picotron and
+    torch.distributed.pipelining do the same): replayed under NCCL's in-order rules, no stage count and no
+    micro-batch count can hang or misdeliver."""
+    for p in range(1, 7):
+        for m in range(p if name == "1f1b" else 1, 17):
+            check_p2p_plan(make_schedule(name, p, m))
+
+
+def test_the_plan_checker_finds_the_old_deadlock_and_misdeliveries():
+    """The previous engine posted every receive of a step up front on one communicator per link: on NCCL that
+    waits forever (stage 0 blocks on gradients before it has sent an activation)."""
+    act = [Message("act", i) for i in range(2)]
+    grad = [Message("grad", i) for i in range(2)]
+    up_front = [[([], grad), ([act[0]], []), ([act[1]], []), ([], [])],
+                [([], act), ([], []), ([grad[0]], []), ([grad[1]], [])]]
+    with pytest.raises(ValueError, match="deadlocks on NCCL"):
+        check_exchanges(up_front)
+    crossed = [[Action("F", 0), Action("F", 1), Action("B", 1), Action("B", 0)],
+               [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]]
+    with pytest.raises(ValueError, match="wrong receive"):
+        check_p2p_plan(crossed)

@@ -20,8 +20,8 @@ def test_recorder_spans_and_busy_fraction():
 def test_busy_fraction_merges_overlaps():
     ev = [Event(0, "forward", 0.0, 1.0), Event(0, "send", 0.5, 2.0), Event(1, "forward", 2.0, 4.0)]
     assert makespan(ev) == 4.0
-    assert busy_fraction(ev) == {0: 0.5, 1: 0.5}
-    assert busy_fraction(ev, {"forward"}) == {0: 0.25, 1: 0.5}
+    assert busy_fraction(ev, {"forward", "send"}) == {0: 0.5, 1: 0.5}  # overlapping spans merged
+    assert busy_fraction(ev) == {0: 0.25, 1: 0.5}  # by default only compute counts: a send is not work
     assert normalise([Event(0, "f", 5.0, 6.0)])[0].start == 0.0
 
 

@@ -3,10 +3,13 @@ anywhere, with per-block widths for non-uniform models."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from helpers.models.layered import materialize_seeded
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,41 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def build_stack(cfg: StackConfig = StackConfig(), seed: int = 0) -> nn.Sequential:
-    """embedding, blocks..., head as one nn.Sequential: an ordered list of layers the course can cut anywhere."""
-    torch.manual_seed(seed)
-    blocks = [Block(cfg.hidden, w, cfg.heads, cfg.attention) for w in cfg.widths()]
-    return nn.Sequential(Embedding(cfg), *blocks, Head(cfg))
+@dataclass(frozen=True)
+class StackModel:
+    """The block stack as a `LayeredModel`: what a rank needs to build exactly its own layers (see
+    helpers.models.layered). Layer i is initialised from its own seed, so any subset equals one device's."""
+
+    cfg: StackConfig = StackConfig()
+    seed: int = 0
+
+    def meta_layers(self) -> list[nn.Module]:
+        with torch.device("meta"):
+            blocks = [Block(self.cfg.hidden, w, self.cfg.heads, self.cfg.attention) for w in self.cfg.widths()]
+            return [Embedding(self.cfg), *blocks, Head(self.cfg)]
+
+    def materialize(self, layers: list[nn.Module], indices: Iterable[int], device: torch.device) -> None:
+        materialize_seeded(layers, indices, device, self.seed)
+
+    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        return None  # causal attention over the whole sequence: nothing per micro-batch
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_blocks + 2
+
+
+def build_stack(cfg: StackConfig = StackConfig(), seed: int = 0, device: torch.device | str = "cpu") -> nn.Sequential:
+    """embedding, blocks..., head as one nn.Sequential: an ordered list of layers the course can cut anywhere.
+    The weights are those every engine's ranks build for themselves from the same seed."""
+    model = StackModel(cfg, seed)
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), torch.device(device))
+    return nn.Sequential(*layers)
 
 
 def count_params(model: nn.Module) -> int:

@@ -149,29 +149,56 @@ def link_benchmark(rig, sizes: list[int] | None = None, repeats: int = 5) -> lis
     return run(gloo_pingpong, sizes, repeats, rig=rig)[0]
 
 
+class CopyStreams:
+    """Side streams for copies between GPUs, as torchgpipe uses them: per device one stream for what leaves it and
+    one for what arrives, so neither device's compute stream waits for a copy, and the two directions of a link
+    run at once."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[torch.device, str], object] = {}
+
+    def get(self, device: torch.device, role: str):
+        key = (device, role)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
+
 class Transfer:
-    """A tensor on its way to another device. On CUDA the copy runs on a side stream of the sending device, so the
-    sender's next kernels overlap it; `get` makes the receiving device's current stream wait for the copy."""
+    """A tensor on its way to another device (or stream). `get` makes the receiver's current stream wait for the
+    copy, and tells the allocator the tensor is now used there (`record_stream`), so its memory is not reused while
+    the receiver still reads it."""
 
     def __init__(self, tensor: torch.Tensor, event=None):
         self.tensor, self.event = tensor, event
 
     def get(self) -> torch.Tensor:
         if self.event is not None:
-            torch.cuda.current_stream(self.tensor.device).wait_event(self.event)
+            stream = torch.cuda.current_stream(self.tensor.device)
+            stream.wait_event(self.event)
+            self.tensor.record_stream(stream)
         return self.tensor
 
 
-def send_to(t: torch.Tensor, device: torch.device, streams: dict | None = None) -> Transfer:
-    """Start moving `t` to `device`. GPU to another GPU: non-blocking copy on a per-device side stream (record_stream
-    keeps the source alive until the copy is done). Anything else: a plain `.to()`."""
-    if t.device.type != "cuda" or device.type != "cuda" or t.device == device or streams is None:
+def send_to(t: torch.Tensor, device: torch.device, streams: CopyStreams | None = None) -> Transfer:
+    """Start moving `t` to `device`.
+
+    Between GPUs (with `streams`): the copy runs on the sender's outgoing and the receiver's incoming copy stream,
+    after the kernels that produced `t`; the sender's compute stream goes on at once. On one GPU shared by two
+    stages (each on its own compute stream) nothing is copied: the receiver waits for the producer's event.
+    Anything else (CPU virtual devices): a plain `.to()`.
+    """
+    if t.device.type != "cuda" or device.type != "cuda" or streams is None:
         return Transfer(t.to(device))
-    stream = streams.get(t.device) or streams.setdefault(t.device, torch.cuda.Stream(t.device))
-    stream.wait_stream(torch.cuda.current_stream(t.device))  # the data must exist before it is copied
-    with torch.cuda.stream(stream):
+    producer = torch.cuda.current_stream(t.device)
+    event = torch.cuda.Event()
+    if t.device == device:
+        event.record(producer)
+        return Transfer(t, event)
+    outgoing, incoming = streams.get(t.device, "out"), streams.get(device, "in")
+    outgoing.wait_stream(producer)  # the data must exist before it is copied
+    with torch.cuda.stream(outgoing), torch.cuda.stream(incoming):  # a cross-GPU copy syncs both current streams
         out = t.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    t.record_stream(stream)
+        event.record(incoming)
+    t.record_stream(outgoing)
     return Transfer(out, event)

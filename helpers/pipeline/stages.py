@@ -3,7 +3,10 @@
 The classic naive split (`SplitModel` in PyTorch's model-parallel tutorial) is `split_model(layers, [k], devices)`.
 Each stage's input is cut from the graph (`detach().requires_grad_()`) and its gradient handed back explicitly,
 as torchgpipe does: that is what lets every stage record its own forward and backward on the timeline, and it is
-the mechanism the pipeline engines reuse.
+the mechanism every pipeline engine reuses (see helpers.pipeline.interpreter).
+
+The last stage computes its micro-batch's share of the global loss: the summed token loss divided by the kept
+tokens of the whole global batch. Shares add up to exactly the one-device loss, whatever the padding.
 """
 from __future__ import annotations
 
@@ -14,14 +17,14 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from helpers.models.data import kept_tokens, lm_loss_sum
+from helpers.models.layered import Stage
 from helpers.timeline import Recorder
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """The model as an ordered list of layers; say what structure is expected when it is not one."""
-    if isinstance(model, nn.Sequential):
+    if isinstance(model, (nn.Sequential, Stage)):
         return list(model)
     if isinstance(model, (list, tuple, nn.ModuleList)):
         return list(model)
@@ -56,9 +59,9 @@ class SplitModel(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.devices = list(devices)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: object | None = None) -> torch.Tensor:
         for stage, device in zip(self.stages, self.devices):
-            x = stage(x.to(device))
+            x = stage(x.to(device), ctx)
         return x
 
 
@@ -70,7 +73,7 @@ def split_model(model: nn.Module | Sequence[nn.Module], boundaries: int | Sequen
     ranges = stage_ranges(len(layers), bounds)
     if len(ranges) > len(devices):
         raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
-    stages = [nn.Sequential(*layers[a:b]).to(dev) for (a, b), dev in zip(ranges, devices)]
+    stages = [Stage(layers[a:b]).to(dev) for (a, b), dev in zip(ranges, devices)]
     return SplitModel(stages, devices[:len(stages)])
 
 
@@ -85,30 +88,35 @@ class StageStep:
 class StageExecutor:
     """Runs one stage: forward on a cut input, backward from the gradient of its output.
 
-    Used by the naive step below and by the pipeline engines, so every strategy shares one mechanism.
+    Used by the naive step below and by every pipeline engine, so every strategy shares one mechanism. The last
+    stage (`computes_loss=True`) returns its micro-batch's share of the global loss.
     """
 
     def __init__(self, stage: nn.Module, device: torch.device, index: int, recorder: Recorder | None = None,
-                 track: Callable | None = None, loss_fn: LossFn | None = None):
+                 track: Callable | None = None, computes_loss: bool = False):
         self.stage, self.device, self.index = stage, device, index
         self.recorder = recorder or Recorder(index, device)
         self.track = track  # e.g. lambda: ledger.track_activations(label), entered around each forward
-        self.loss_fn = loss_fn  # set on the last stage: its forward then returns the loss
+        self.computes_loss = computes_loss
         self.saved: dict[int, StageStep] = {}
 
-    def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None, ctx: object | None = None,
+                normalizer: float = 1.0) -> torch.Tensor:
+        """The stage's output for micro-batch `mb`; on the last stage, its loss summed over kept tokens divided by
+        `normalizer` (the kept tokens of the global batch)."""
         x = x.to(self.device)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
         with self.recorder.span("forward", mb), (self.track() if self.track else nullcontext()):
-            out = self.stage(x)
-            if self.loss_fn is not None:
-                out = self.loss_fn(out, target.to(self.device))
+            out = self.stage(x, ctx) if ctx is not None else self.stage(x)
+            if self.computes_loss:
+                out = lm_loss_sum(out, target.to(self.device)) / normalizer
         self.saved[mb] = StageStep(x, out)
         return out
 
     def backward(self, mb: int, grad: torch.Tensor | None, loss_scale: float = 1.0) -> torch.Tensor | None:
-        """Backward of micro-batch `mb`; `grad is None` means this stage's output is the loss."""
+        """Backward of micro-batch `mb`; `grad is None` means this stage's output is the loss (scaled by
+        `loss_scale`, e.g. a gradient scaler's factor)."""
         step = self.saved.pop(mb)
         with self.recorder.span("backward", mb):
             if grad is None:
@@ -118,12 +126,12 @@ class StageExecutor:
         return step.inp.grad if step.inp.requires_grad else None
 
 
-def make_executors(model: SplitModel, loss_fn: LossFn, recorders: Sequence[Recorder] | None = None,
+def make_executors(model: SplitModel, recorders: Sequence[Recorder] | None = None,
                    tracks: Sequence[Callable] | None = None) -> list[StageExecutor]:
     """One executor per stage; the last one computes the loss."""
     n = len(model.stages)
     return [StageExecutor(s, d, i, recorders[i] if recorders else None, tracks[i] if tracks else None,
-                          loss_fn if i == n - 1 else None)
+                          computes_loss=i == n - 1)
             for i, (s, d) in enumerate(zip(model.stages, model.devices))]
 
 
@@ -132,7 +140,7 @@ def naive_train_step(executors: Sequence[StageExecutor], x: torch.Tensor, y: tor
     h = x
     for ex in executors[:-1]:
         h = ex.forward(0, h)
-    loss = executors[-1].forward(0, h, y)
+    loss = executors[-1].forward(0, h, y, normalizer=kept_tokens(y))
     grad = None
     for ex in reversed(executors):
         grad = ex.backward(0, grad)

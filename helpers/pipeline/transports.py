@@ -1,0 +1,141 @@
+"""How a pipeline stage's messages travel (the `Transport` of helpers.pipeline.interpreter).
+
+- `MailboxTransport`: stages are threads of one process. A send puts the tensor in the next stage's mailbox (on
+  GPUs: copied on side streams, see `helpers.pipeline.comm.send_to`); a receive waits for it.
+- `P2PTransport`: stages are processes. Each exchange is one `dist.batch_isend_irecv` on the pipeline's process
+  group, so NCCL runs its sends and receives as one group; sends stay in flight while the stage computes on.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from helpers.pipeline.comm import CopyStreams, Transfer, Wire, send_to
+from helpers.pipeline.interpreter import Message
+from helpers.timeline import Recorder
+
+
+class PipelineAborted(RuntimeError):
+    """Another stage failed; this one stopped waiting."""
+
+
+class Mailbox:
+    """Transfers addressed by micro-batch, handed from one stage thread to another."""
+
+    def __init__(self, abort: threading.Event):
+        self._items: dict[int, Transfer] = {}
+        self._cond = threading.Condition()
+        self._abort = abort
+
+    def put(self, mb: int, item: Transfer) -> None:
+        with self._cond:
+            self._items[mb] = item
+            self._cond.notify_all()
+
+    def get(self, mb: int, timeout_s: float) -> Transfer:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: mb in self._items or self._abort.is_set(), timeout_s)
+            if self._abort.is_set():
+                raise PipelineAborted("another stage failed")
+            if not ok:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for micro-batch {mb}")
+            return self._items.pop(mb)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class Mailboxes:
+    """Every stage's incoming activations and gradients, and the flag that stops all waits when a stage fails."""
+
+    def __init__(self, p: int):
+        self.abort = threading.Event()
+        self.boxes = {(s, kind): Mailbox(self.abort) for s in range(p) for kind in ("act", "grad")}
+
+    def fail(self) -> None:
+        self.abort.set()
+        for box in self.boxes.values():
+            box.wake()
+
+
+class MailboxTransport:
+    """Threads in one process: sends are non-blocking puts, receives wait on the mailbox (recorded as `recv`)."""
+
+    def __init__(self, stage: int, boxes: Mailboxes, devices: Sequence[torch.device], wire: Wire,
+                 recorder: Recorder, streams: CopyStreams | None, timeout_s: float):
+        self.stage, self.boxes, self.devices, self.wire = stage, boxes, devices, wire
+        self.rec, self.streams, self.timeout_s = recorder, streams, timeout_s
+
+    def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> list[torch.Tensor]:
+        for msg, t in sends:
+            dst = msg.peer(self.stage, sending=True)
+            self.boxes.boxes[(dst, msg.kind)].put(msg.microbatch,
+                                                   send_to(self.wire.pack(t), self.devices[dst], self.streams))
+        out = []
+        for msg in recvs:
+            with self.rec.span("recv", msg.microbatch):
+                arrived = self.boxes.boxes[(self.stage, msg.kind)].get(msg.microbatch, self.timeout_s).get()
+            out.append(self.wire.unpack(arrived))
+        return out
+
+    def flush(self) -> None:
+        """Puts complete at once; copies finish on their streams, which the consumer waits for."""
+
+
+class P2PTransport:
+    """Processes: each exchange is one `batch_isend_irecv` on the pipeline group `group`, whose rank i is stage i.
+
+    `shapes[kind]` is the shape of an incoming `act` (this stage's input) or `grad` (its output). Gloo carries CPU
+    tensors only, so with gloo (the CPU rig, and two ranks sharing one GPU) messages are staged through host memory.
+    With `overlap=False` every send is waited for before the stage computes on (recorded as `send`): the blocking
+    baseline that notebook 04 compares with.
+    """
+
+    def __init__(self, group, stage: int, shapes: dict[str, tuple], wire: Wire, device: torch.device,
+                 recorder: Recorder, overlap: bool = True):
+        self.group, self.stage, self.shapes, self.wire = group, stage, shapes, wire
+        self.device, self.rec, self.overlap = device, recorder, overlap
+        self.wire_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+        self.in_flight: list[tuple[torch.Tensor, object]] = []  # (tensor, work): kept alive until sent
+
+    def _ops(self, sends, recvs) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
+        ops, data, bufs = [], [], []
+        for msg, t in sends:
+            d = self.wire.pack(t.detach()).to(self.wire_device).contiguous()
+            ops.append(dist.P2POp(dist.isend, d, group=self.group, group_peer=msg.peer(self.stage, True)))
+            data.append(d)
+        for msg in recvs:
+            b = torch.empty(self.shapes[msg.kind], dtype=self.wire.dtype, device=self.wire_device)
+            ops.append(dist.P2POp(dist.irecv, b, group=self.group, group_peer=msg.peer(self.stage, False)))
+            bufs.append(b)
+        return ops, data, bufs
+
+    def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> list[torch.Tensor]:
+        ops, data, bufs = self._ops(sends, recvs)
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):  # one work per operation (gloo): wait for the receives only
+            send_works, recv_works = works[:len(data)], works[len(data):]
+        else:  # NCCL coalesces the batch into one work: waiting on it is a stream wait, not a host wait
+            send_works, recv_works = ([], works) if recvs else (works, [])
+        if recv_works:
+            mb = recvs[0].microbatch
+            with self.rec.span("recv", mb):
+                for w in recv_works:
+                    w.wait()
+        pending = list(zip(data, send_works)) if len(send_works) == len(data) else [(data, w) for w in send_works]
+        if self.overlap:
+            self.in_flight.extend(pending)
+        elif pending:
+            with self.rec.span("send", sends[0][0].microbatch):
+                for _, w in pending:
+                    w.wait()
+        return [self.wire.unpack(b.to(self.device, non_blocking=False)) for b in bufs]
+
+    def flush(self) -> None:
+        for _, work in self.in_flight:
+            work.wait()
+        self.in_flight.clear()

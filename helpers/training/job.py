@@ -1,0 +1,157 @@
+"""A multi-process training run, described once: pipeline, data parallelism (DDP, ZeRO-1, ZeRO-2-like, FSDP2) or
+both, laid out on a (dp, pp) DeviceMesh. `check_job` refuses, before any process starts, everything that cannot
+run, in the user's terms."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helpers.memory import fmt_bytes, training_state_bytes
+from helpers.models.layered import LayeredModel
+from helpers.models.stack import StackConfig, StackModel
+from helpers.pipeline.comm import resolve_dtype
+from helpers.pipeline.interpreter import check_p2p_plan
+from helpers.pipeline.schedules import make_schedule
+from helpers.pipeline.stages import stage_ranges
+from helpers.runtime.launch import check_ranks
+from helpers.runtime.rig import Rig
+from helpers.training.support import DATA_PARALLEL_STRATEGIES, support
+
+OPTIMIZERS = ("none", "sgd", "adam")
+PIPELINE_ENGINES = ("ours", "torch")
+
+
+def as_layered(model: LayeredModel | StackConfig) -> LayeredModel:
+    """A StackConfig stands for the course's block stack with seed 0."""
+    return StackModel(model) if isinstance(model, StackConfig) else model
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """dp replicas x pp pipeline stages; rank = replica * pp + stage. Every rank rebuilds the same seeded data and
+    materialises only what it owns: its stage, or (FSDP2) its shards."""
+
+    model: LayeredModel | StackConfig
+    dp: int = 1
+    pp: int = 1
+    data_parallel: str = "ddp"  # with dp > 1: ddp | zero1 | zero2 | fsdp2 (dp x pp: ddp)
+    boundaries: tuple[int, ...] = ()  # where stages 1.. start; () = equal layers per stage
+    schedule: str = "gpipe"
+    microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
+    engine: str = "ours"  # pipeline engine: ours (the interpreter) | torch (torch.distributed.pipelining)
+    wire: str = "fp32"  # dtype of boundary transfers
+    overlap: bool = True  # False: wait for every send before computing on (the blocking baseline)
+    batch: int = 32  # global batch
+    seq_len: int | None = None  # default: the model's
+    steps: int = 3  # timed steps, after one warm-up step whose gradients are the parity check
+    optimizer: str = "none"
+    lr: float = 1e-3
+    bucket_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
+    data_seed: int = 0
+    return_grads: bool = False
+
+    @property
+    def layered(self) -> LayeredModel:
+        return as_layered(self.model)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def strategy(self) -> str:
+        """The name the support matrix and the bench use."""
+        if self.pp > 1 and self.dp > 1:
+            return "dp_x_pp"
+        if self.pp > 1:
+            return "naive" if self.microbatches == 1 and self.schedule == "gpipe" else self.schedule
+        return self.data_parallel
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layered.meta_layers())
+
+    def cut(self) -> tuple[int, ...]:
+        """The job's boundaries, or equal layers per stage."""
+        from helpers.partition import equal_count_split
+
+        return self.boundaries or (equal_count_split(self.n_layers, self.pp) if self.pp > 1 else ())
+
+    def sequence_length(self) -> int:
+        if self.seq_len is not None:
+            return self.seq_len
+        cfg = getattr(self.layered, "cfg", None)
+        if cfg is None or not hasattr(cfg, "seq_len"):
+            raise ValueError("give the job a seq_len: the model does not say how long its sequences are")
+        return cfg.seq_len
+
+
+def _positive(job: TrainJob) -> None:
+    for name in ("dp", "pp", "batch", "steps", "microbatches"):
+        value = getattr(job, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _check_batches(job: TrainJob) -> None:
+    if job.batch % job.dp:
+        raise ValueError(f"global batch {job.batch} is not divisible by the data-parallel size {job.dp}")
+    per_replica = job.batch // job.dp
+    if per_replica % job.microbatches:
+        where = f"global batch {job.batch}" if job.dp == 1 else \
+            f"each replica's batch {per_replica} (global {job.batch} over {job.dp} replicas)"
+        raise ValueError(f"{where} is not divisible by {job.microbatches} micro-batches")
+
+
+def _check_pipeline(job: TrainJob) -> None:
+    if job.engine not in PIPELINE_ENGINES:
+        raise ValueError(f"unknown engine {job.engine!r}; choose one of {PIPELINE_ENGINES}")
+    resolve_dtype(job.wire)
+    if job.engine == "torch" and job.wire != "fp32":
+        raise ValueError("torch.distributed.pipelining sends in the compute dtype: use wire='fp32' with it")
+    bounds = job.cut()
+    if len(bounds) != job.pp - 1:
+        raise ValueError(f"{len(bounds)} boundaries give {len(bounds) + 1} stages, but pp={job.pp}")
+    stage_ranges(job.n_layers, bounds)
+    schedule = make_schedule(job.schedule, job.pp, job.microbatches)  # refuses m < p for 1F1B
+    check_p2p_plan(schedule)
+
+
+def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
+    if job.data_parallel not in DATA_PARALLEL_STRATEGIES:
+        raise ValueError(f"unknown data-parallel strategy {job.data_parallel!r}; choose one of "
+                         f"{DATA_PARALLEL_STRATEGIES}")
+    if job.pp > 1 and job.data_parallel != "ddp":
+        raise ValueError(f"DP x PP here averages each stage's gradients over its replicas (data_parallel='ddp'); "
+                         f"{job.data_parallel} inside pipeline stages is not part of this course")
+    layers = job.layered.meta_layers()
+    if job.data_parallel in ("zero2", "fsdp2") and not any(any(True for _ in l.parameters()) for l in layers):
+        raise ValueError("FSDP2 shards layer by layer, but the model has no layers with parameters")
+    if job.data_parallel in ("ddp", "zero1") and capacity_bytes is not None and job.pp == 1:
+        from helpers.training.strategies import zero_formula
+
+        n = sum(p.numel() for l in layers for p in l.parameters())
+        need = training_state_bytes(n, "fp32 + Adam") if job.data_parallel == "ddp" else \
+            zero_formula("zero1", n, job.dp)
+        if need.total > capacity_bytes:
+            raise ValueError(
+                f"{job.data_parallel} keeps a full replica on every device: {fmt_bytes(need.total)} of weights, "
+                f"gradients and Adam state, but a device has {fmt_bytes(capacity_bytes)}. Shard it (data_parallel="
+                "'zero2' or 'fsdp2') or split it into pipeline stages (notebooks 05-06).")
+
+
+def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
+    """Everything that cannot run, refused with the reason before any process starts."""
+    _positive(job)
+    if job.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {job.optimizer!r}; choose one of {OPTIMIZERS}")
+    _check_batches(job)
+    if job.pp > 1:
+        _check_pipeline(job)
+    if job.dp > 1:
+        _check_data_parallel(job, rig.capacity_bytes[0])
+    if job.world > 1:
+        engine = "torch" if job.pp > 1 and job.engine == "torch" else "processes"
+        support(rig, job.strategy, engine, job.world).require(f"{job.strategy} with engine {engine!r}")
+    check_ranks(rig, job.world, oversubscribe)
+    if job.sequence_length() < 1:
+        raise ValueError(f"seq_len must be >= 1, got {job.sequence_length()}")

@@ -1,0 +1,73 @@
+"""Which strategy runs on which rig with which engine, and why not where it does not: checked before any process
+starts, printed by the doctor, and shown as a table in README.
+
+Engines: `threads` (one thread per device in the notebook's process), `processes` (our interpreter, one rank per
+device), `torch` (torch.distributed.pipelining, one rank per device). Data-parallel strategies run on processes
+with PyTorch's own wrappers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helpers.runtime.rig import Rig
+
+PIPELINE_STRATEGIES = ("naive", "gpipe", "1f1b")
+DATA_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
+STRATEGIES = (*PIPELINE_STRATEGIES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp")
+ENGINES = ("threads", "processes", "torch")
+
+GLOO_CUDA = ("gloo cannot carry CUDA tensors for {what} (PyTorch's backend table; pytorch#45995 for send/recv), and "
+             "NCCL refuses two ranks on one GPU")
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str = ""
+
+    def require(self, what: str) -> None:
+        if not self.ok:
+            raise ValueError(f"{what} cannot run here: {self.reason}")
+
+
+def engines_for(strategy: str) -> tuple[str, ...]:
+    """The engines a strategy can run with."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if strategy in PIPELINE_STRATEGIES:
+        return ("threads", "processes") if strategy == "naive" else ENGINES
+    return ("processes",) if strategy in DATA_PARALLEL_STRATEGIES else ("processes", "torch")
+
+
+def support(rig: Rig, strategy: str, engine: str, ranks: int = 2) -> Support:
+    """Whether `strategy` with `engine` on `ranks` devices works on `rig`, and if not, why."""
+    if engine not in engines_for(strategy):
+        return Support(False, f"{strategy} runs with {' or '.join(engines_for(strategy))}, not {engine!r}")
+    if strategy == "dp_x_pp":
+        ranks = max(ranks, 4)
+    if engine != "threads" and ranks > rig.max_ranks:
+        if rig.is_cpu:
+            return Support(True, f"{ranks} ranks share {rig.max_ranks} virtual devices' cores (oversubscribe=True): "
+                                 "exact results, timings mean little")
+        return Support(False, f"{ranks} ranks need {ranks} GPUs, this rig has {rig.max_ranks}")
+    if rig.kind == "one_gpu":
+        if engine == "torch":
+            return Support(False, GLOO_CUDA.format(what="send/recv") + ": torch.distributed.pipelining sends CUDA "
+                                  "tensors; use engine='processes', which stages them through host memory")
+        if strategy in ("zero2", "fsdp2"):
+            return Support(False, GLOO_CUDA.format(what="reduce-scatter and all-gather") + ": FSDP2 needs both")
+    return Support(True)
+
+
+def support_rows(rigs: dict[str, Rig]) -> list[dict]:
+    """The whole matrix: one row per strategy and engine, one column per named rig ('yes', 'yes*' with a note,
+    or 'no: reason')."""
+    rows = []
+    for strategy in STRATEGIES:
+        for engine in engines_for(strategy):
+            row = {"strategy": strategy, "engine": engine}
+            for name, rig in rigs.items():
+                s = support(rig, strategy, engine)
+                row[name] = ("yes" if not s.reason else "yes*") if s.ok else f"no: {s.reason}"
+            rows.append(row)
+    return rows

@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from helpers.pipeline.comm import Wire, link_benchmark, resolve_dtype, send_to
+from helpers.runtime.rig import cpu_rig
+
+
+def test_wire_halves_bytes_and_round_trips():
+    t = torch.randn(4, 8)
+    assert Wire.of("bf16").bytes(t) * 2 == Wire.of("fp32").bytes(t) == t.numel() * 4
+    back = Wire.of("fp16").unpack(Wire.of("fp16").pack(t))
+    assert back.dtype == torch.float32 and torch.allclose(back, t, rtol=1e-3, atol=1e-3)
+    assert Wire.of("bf16").pack(torch.arange(3)).dtype == torch.int64  # token ids travel untouched
+    assert send_to(t, torch.device("cpu")).get() is t
+
+
+@pytest.mark.parametrize("bad", ["int8", torch.int8, torch.float64, "fp8"])
+def test_unsendable_dtype_is_refused(bad):
+    with pytest.raises(ValueError, match="cannot send activations as"):
+        resolve_dtype(bad)
+
+
+def test_gloo_link_benchmark_measures_each_size():
+    samples = link_benchmark(cpu_rig(), [4096, 65536], repeats=2)
+    assert [s.bytes for s in samples] == [4096, 65536]
+    assert all(s.seconds > 0 and s.gb_per_s > 0 for s in samples)
+
+
+def test_bad_link_sizes_are_refused_before_spawning():
+    with pytest.raises(ValueError, match=r"multiples of 4 bytes .*\[6, 0\]"):
+        link_benchmark(cpu_rig(), [4096, 6, 0])

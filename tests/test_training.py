@@ -1,0 +1,199 @@
+"""Every multi-process strategy against one device, the meta-device stage construction, and the refusals."""
+import pytest
+import torch
+
+from helpers.check import grads_of, max_grad_diff
+from helpers.models import StackConfig, StackModel, SyntheticTokens, build_stack, count_params, lm_loss
+from helpers.models.layered import boundary_shapes, is_meta, owned_layers
+from helpers.runtime.rig import Rig, cpu_rig
+from helpers.training.job import TrainJob, check_job
+from helpers.training.loop import run_training
+from helpers.training.strategies import zero_formula
+from helpers.training.support import STRATEGIES, engines_for, support, support_rows
+
+CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = build_stack(CFG)
+    x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    return loss.item(), grads_of(model.parameters()), count_params(model)
+
+
+PIPELINES = [dict(schedule="gpipe", microbatches=1),  # the naive split, one process per device
+             dict(schedule="gpipe", microbatches=4, overlap=False),
+             dict(schedule="gpipe", microbatches=4),
+             dict(schedule="1f1b", microbatches=4),
+             dict(schedule="1f1b", microbatches=4, overlap=False),  # blocking 1F1B no longer deadlocks
+             dict(schedule="gpipe", microbatches=4, engine="torch"),
+             dict(schedule="1f1b", microbatches=4, engine="torch")]
+
+
+@pytest.mark.parametrize("kw", PIPELINES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_pipelines_equal_one_device(kw, reference):
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), batch=BATCH, steps=1, return_grads=True, **kw),
+                       cpu_rig())
+    assert abs(res.loss - loss) < 1e-5
+    assert max_grad_diff(grads, res.grads) <= 1e-5
+    assert {e.device for e in res.events} == {0, 1}
+    assert sum(e.kind == "forward" for e in res.events) == 2 * kw["microbatches"]
+    assert all(p > 0 for p in res.peak_activations)
+    if kw.get("overlap", True):
+        assert not any(e.kind == "send" for e in res.events), "overlapped sends never block"
+
+
+def test_three_stages_on_two_cores_with_oversubscribe(reference):
+    loss, grads, _ = reference
+    job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, steps=1,
+                   return_grads=True)
+    with pytest.raises(ValueError, match="oversubscribe=True"):
+        run_training(job, _two_core_rig())
+    res = run_training(job, _two_core_rig(), oversubscribe=True)
+    assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
+
+
+def _two_core_rig() -> Rig:
+    """The CPU rig as a 2-core laptop sees it, whatever this machine has."""
+    from dataclasses import replace
+
+    return replace(cpu_rig(threads=1), max_ranks=2)
+
+
+def test_bf16_wire_trains_close_to_fp32(reference):
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), microbatches=2, batch=BATCH, wire="bf16", steps=1,
+                                return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-2
+    assert 0 < max_grad_diff(grads, res.grads) < 1e-2  # rounded, not exact
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp2"])
+def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, reference):
+    loss, grads, n = reference
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, batch=BATCH, steps=1, return_grads=True,
+                                optimizer="adam"), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5
+    assert max_grad_diff(grads, res.grads) <= 1e-5
+    formula = zero_formula(strategy, n, 2)
+    for mem in res.memory:  # measured at rest, after a step
+        assert mem.grads == formula.grads
+        expected_params = n * 4 // 2 if strategy in ("zero2", "fsdp2") else n * 4  # FSDP2 keeps shards at rest
+        assert mem.params == expected_params
+    # ZeroRedundancyOptimizer shards whole tensors: the shards add up to the state, each close to half of it
+    world_opt = sum(m.optimizer for m in res.memory)
+    expected = formula.optimizer * (1 if strategy == "ddp" else 2)
+    assert 0 <= world_opt - expected * (2 if strategy == "ddp" else 1) <= 2 * 8 * len(grads)
+    if strategy in ("ddp", "zero1"):
+        assert any(e.kind == "allreduce" for e in res.events), "DDP buckets appear on the timeline"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_gradient_accumulation_equals_one_device(strategy, reference):
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, steps=1,
+                                return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
+
+
+def test_dp_x_pp_on_a_2x2_mesh_equals_one_device(reference):
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH, steps=1,
+                                return_grads=True), cpu_rig(), oversubscribe=True)
+    assert abs(res.loss - loss) < 1e-5
+    assert max_grad_diff(grads, res.grads) <= 1e-5
+    assert len(res.peak_activations) == 4
+
+
+def test_a_rank_materialises_only_its_own_layers():
+    """Layers a rank does not own stay on the meta device: using one by mistake fails on the CPU rig, as it
+    would on a GPU (the old engine ran them on the CPU to find shapes: a device mismatch on every CUDA rig)."""
+    model = StackModel(CFG)
+    layers = owned_layers(model, range(3, 6), torch.device("cpu"))
+    reference = build_stack(CFG)
+    assert [is_meta(l) for l in layers] == [True, True, True, False, False, False]
+    for i in range(3, 6):
+        for a, b in zip(layers[i].parameters(), reference[i].parameters()):
+            assert torch.equal(a, b), "the owned layers carry exactly one device's weights"
+    x, _ = SyntheticTokens(2, CFG.seq_len, CFG.vocab).batch(0, 2)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        h = x
+        for layer in layers:  # the accidental use: run the whole model on real data
+            h = layer(h)
+        h.sum().item()
+    assert boundary_shapes(model, [3], 4, CFG.seq_len) == [((4, CFG.seq_len, CFG.hidden), torch.float32)]
+
+
+@pytest.mark.parametrize("job, msg", [
+    (TrainJob(CFG, pp=2, batch=30, microbatches=4), "global batch 30 is not divisible by 4 micro-batches"),
+    (TrainJob(CFG, dp=2, batch=12, microbatches=4),
+     r"each replica's batch 6 \(global 12 over 2 replicas\) is not divisible by 4 micro-batches"),
+    (TrainJob(CFG, pp=2, schedule="1f1b", microbatches=1, batch=8), "m=1 < p=2"),
+    (TrainJob(CFG, pp=2, wire="int8"), "cannot send activations as int8"),
+    (TrainJob(CFG, pp=2, boundaries=(9,)), "split point 9 is outside"),
+    (TrainJob(CFG, pp=3, boundaries=(3,)), "1 boundaries give 2 stages, but pp=3"),
+    (TrainJob(CFG, pp=2, engine="torch", wire="bf16"), "use wire='fp32'"),
+    (TrainJob(CFG, dp=2, batch=9), "global batch 9 is not divisible by the data-parallel size 2"),
+    (TrainJob(CFG, dp=2, data_parallel="zero9"), "unknown data-parallel strategy"),
+    (TrainJob(CFG, dp=2, pp=2, data_parallel="fsdp2"), "DP x PP here averages"),
+    (TrainJob(CFG, microbatches=0), "microbatches must be a whole number >= 1"),
+    (TrainJob(CFG, batch=0), "batch must be a whole number >= 1"),
+    (TrainJob(CFG, steps=0), "steps must be a whole number >= 1"),
+    (TrainJob(CFG, optimizer="lion"), "unknown optimizer"),
+    (TrainJob(CFG, dp=2, pp=2, batch=8), "oversubscribe=True"),
+])
+def test_bad_jobs_are_refused_before_spawning(job, msg):
+    with pytest.raises(ValueError, match=msg):
+        check_job(job, _two_core_rig())
+
+
+def test_ddp_of_a_model_too_big_points_to_sharding():
+    from dataclasses import replace
+
+    small = replace(cpu_rig(), capacity_bytes=(1000, 1000))
+    with pytest.raises(ValueError, match="Shard it .* or split it into pipeline stages"):
+        check_job(TrainJob(CFG, dp=2), small)
+    check_job(TrainJob(CFG, dp=2, data_parallel="fsdp2"), small)  # sharding is the way out, not refused
+
+
+def _gpu_rig(kind: str, n: int) -> Rig:
+    """A GPU rig described without touching CUDA: what `detect_rig` returns on such a machine."""
+    dev = [torch.device(f"cuda:{i}") for i in range(n)] if kind == "two_gpus" else [torch.device("cuda:0")] * 2
+    return Rig(kind=kind, devices=tuple(dev), names=("NVIDIA GeForce RTX 3090",) * len(dev),
+               capacity_bytes=(24 * 2**30,) * len(dev), backend="nccl" if kind == "two_gpus" else "gloo",
+               max_ranks=n if kind == "two_gpus" else 2)
+
+
+def test_every_rig_strategy_engine_works_or_says_why():
+    rigs = {"cpu": _two_core_rig(), "one GPU": _gpu_rig("one_gpu", 1), "two GPUs": _gpu_rig("two_gpus", 2)}
+    rows = support_rows(rigs)
+    assert len(rows) == sum(len(engines_for(s)) for s in STRATEGIES)
+    for row in rows:
+        for name in rigs:
+            assert row[name].startswith("yes") or len(row[name]) > 20, row  # a refusal carries its reason
+    assert not support(rigs["one GPU"], "gpipe", "torch").ok
+    assert "stages them through host memory" in support(rigs["one GPU"], "gpipe", "torch").reason
+    assert not support(rigs["one GPU"], "fsdp2", "processes").ok
+    assert support(rigs["one GPU"], "ddp", "processes").ok
+    assert not support(rigs["two GPUs"], "dp_x_pp", "processes").ok
+    assert support(rigs["cpu"], "dp_x_pp", "processes").ok
+    with pytest.raises(ValueError, match="cannot run here: .*gloo cannot carry CUDA tensors"):
+        check_job(TrainJob(CFG, pp=2, engine="torch", microbatches=2), rigs["one GPU"])
+    with pytest.raises(ValueError, match="need 4 GPUs"):
+        check_job(TrainJob(CFG, dp=2, pp=2), rigs["two GPUs"])
+
+
+def test_two_gpu_plan_prefers_the_simplest_that_fits():
+    from helpers.training.guide import choose_two_gpus, plan_two_gpus
+
+    gib = 2**30
+    small = plan_two_gpus(10**8, 1e6, 16, 24 * gib, 0.05)
+    assert choose_two_gpus(small).startswith("DDP")
+    huge = plan_two_gpus(10**10, 1e6, 16, 24 * gib, 0.05)
+    assert choose_two_gpus(huge).startswith("does not fit")
+    mid = plan_two_gpus(2 * 10**9, 50e6, 16, 24 * gib, 0.05)  # 32 GB of state: only halved state fits
+    assert not mid[0].fits and any(o.fits for o in mid[1:])
