@@ -1,0 +1,11 @@
+"""Big-model inference across a few GPUs.
+
+`plan` answers "will it fit, and where does each layer go?" for a Hugging Face decoder: exact weight bytes counted on
+the meta device, the KV cache, the prefill workspace and logits, a runtime reserve per GPU, and the contiguous split
+that decodes fastest, as a `device_map` for `from_pretrained`. `compare` sets that plan beside accelerate's own
+`balanced` / `balanced_low_0` / `sequential` maps; `widget` is the "will it fit?" form. The command line is
+`python -m helpers.plan`.
+
+Import the modules you need (`from helpers.inference.plan import plan`): they load transformers, so this package
+itself imports nothing.
+"""

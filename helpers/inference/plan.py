@@ -1,0 +1,798 @@
+"""Plan big-model inference on a few GPUs: what each device holds, and the split that decodes fastest.
+
+For a Hugging Face decoder (a bundled config from data/inference.json, or any local config.json) the planner counts
+every parameter exactly on the meta device, prices each tensor in the chosen weight format, and adds what
+`from_pretrained(device_map="auto")` leaves out (accelerate budgets parameter bytes only): the KV cache of each decoder
+layer, the prefill workspace on every device and the logits on the device that holds the head, and a runtime reserve
+per GPU (CUDA context + allocator margin, sourced in data/inference.json). It returns the contiguous split that fits
+every device and minimises the slowest stage, found by `helpers.partition.optimal_split`, as a `device_map` that
+`from_pretrained(device_map=...)` and accelerate's `dispatch_model` accept.
+
+Time proxy: decoding one token is memory-bandwidth bound (every weight and the whole KV cache are read once per step,
+while the arithmetic per byte is tiny), so a stage costs the bytes it reads per decoded token, and its time is those
+bytes / its memory bandwidth. The split minimises the bytes; with unequal cards this assumes equal bandwidth.
+
+When nothing fits, `DoesNotFit` says by how many bytes and computes what would fit: the longest context, the largest
+batch, the same model in 4 bits, and how many decoder layers would have to wait in CPU RAM.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+from torch import nn
+
+from helpers.course import load_data
+from helpers.memory import MiB, fmt_bytes
+from helpers.partition import NoFeasibleSplit, Split, optimal_split
+
+LogitsMode = Literal["prompt", "last"]
+LOGITS_MODES = ("prompt", "last")
+FP32_BYTES = 4  # logits are upcast to fp32: by generate() for the next token, by the loss for a whole prompt
+FOUR_BIT = "nf4"
+
+
+@lru_cache(maxsize=1)
+def inference_data() -> dict:
+    """data/inference.json (read once; treat it as read-only)."""
+    return load_data("inference")
+
+
+# --- weight formats -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a weight is stored: its bits, plus the scaling constants a quantised format keeps beside it.
+
+    Quantised formats (bitsandbytes int8 / 4-bit, as transformers applies them) quantise only the weights of the
+    decoder layers' nn.Linear modules; embeddings, norms, biases and the head stay in the activation dtype.
+    """
+
+    name: str
+    weight_bits: int
+    scales: tuple[tuple[int | str, int], ...] = ()  # (one constant per `every` weights, or per "row"; its bits)
+    activation_bytes: int = 2  # activations, the KV cache, and every tensor a quantised format leaves alone
+    source: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.scales)
+
+    def tensor_bytes(self, shape: Sequence[int], quantize: bool) -> int:
+        """Bytes of one tensor of `shape`; `quantize` says whether a quantised format applies to it."""
+        numel = math.prod(shape)
+        if not self.quantized:
+            return numel * self.weight_bits // 8
+        if not quantize:
+            return numel * self.activation_bytes
+        bits = numel * self.weight_bits
+        for every, scale_bits in self.scales:
+            bits += (shape[0] if every == "row" else math.ceil(numel / every)) * scale_bits
+        return math.ceil(bits / 8)
+
+    def bytes_per_weight(self, features: int = 4096) -> float:
+        """Average bytes per weight of a features x features matrix, scaling constants included."""
+        return self.tensor_bytes((features, features), quantize=True) / features**2
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return f"{self.name}, {self.bytes_per_weight():g} bytes per weight"
+        return (f"{self.name}, {self.bytes_per_weight():.4g} bytes per decoder-layer linear weight (scales included), "
+                f"{self.activation_bytes} for the other tensors")
+
+
+def known_formats() -> list[str]:
+    return sorted(inference_data()["weight_formats"])
+
+
+def weight_format(name: str | WeightFormat) -> WeightFormat:
+    """A format from data/inference.json by name or alias ("fp16", "bf16", "int8", "nf4", "4bit", ...)."""
+    if isinstance(name, WeightFormat):
+        return name
+    data = inference_data()
+    key = str(name).strip().lower()
+    key = data["weight_format_aliases"].get(key, key)
+    entry = data["weight_formats"].get(key)
+    if entry is None:
+        raise ValueError(f"no byte size known for weight format {name!r}: choose one of {', '.join(known_formats())} "
+                         f"(or an alias: {', '.join(sorted(data['weight_format_aliases']))})")
+    scales = tuple((s["every"], s["bits"]) for s in entry.get("scales", ()))
+    return WeightFormat(key, entry["weight_bits"], scales, entry["activation_bytes"], entry["source"])
+
+
+# --- model shapes -------------------------------------------------------------------------------------------------
+
+def known_models() -> list[str]:
+    return sorted(inference_data()["models"])
+
+
+def load_config(model):
+    """(name, transformers config) for a bundled model name, its Hugging Face id, a local directory holding a
+    config.json (or that file), or a config object. Nothing is downloaded."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return (getattr(model, "name_or_path", "") or model.model_type), model
+    models = inference_data()["models"]
+    key = str(model).strip()
+    by_id = {entry["hf_id"].lower(): name for name, entry in models.items()}
+    name = key.lower() if key.lower() in models else by_id.get(key.lower())
+    if name is not None:
+        fields = dict(models[name]["config"])
+        return name, AutoConfig.for_model(fields.pop("model_type"), **fields)
+    path = Path(key).expanduser()
+    folder = path.parent if path.name == "config.json" else path
+    if (folder / "config.json").is_file():
+        return folder.name, AutoConfig.from_pretrained(folder)
+    raise ValueError(f"unknown model {model!r}: known models are {', '.join(known_models())}; "
+                     "or give a directory that holds a config.json")
+
+
+@lru_cache(maxsize=8)
+def _meta_model_from_json(config_json: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(config_json)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM built on the meta device: exact shapes, no memory. Cached per config: do not modify it."""
+    return _meta_model_from_json(config.to_json_string(use_diff=False))
+
+
+def placement_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a device_map names, in forward order: the base model's children with its layer list expanded
+    (embedding, decoder layers, final norm, rotary embedding), then the head. accelerate's infer_auto_device_map stops
+    at the same modules for these models: their decoder layers are `_no_split_modules` and the rest are leaves."""
+    units = []
+    for name, child in model.named_children():
+        if child is not model.base_model:
+            units.append((name, child))
+            continue
+        for sub, grandchild in child.named_children():
+            if isinstance(grandchild, nn.ModuleList):
+                units += [(f"{name}.{sub}.{i}", layer) for i, layer in enumerate(grandchild)]
+            else:
+                units.append((f"{name}.{sub}", grandchild))
+    return units
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One module of the device_map and what it costs on the device that holds it."""
+
+    name: str
+    kind: str  # "embedding", "decoder", "norm", "head" or "buffers" (no parameters: the rotary embedding)
+    params: int
+    weight_bytes: int  # parameters in the weight format, plus buffers
+    streamed_bytes: int  # weight bytes one decode step reads: all of them, except for the embedding...
+    row_bytes: int = 0  # ...which reads one row per sequence
+    kv_bytes_per_token: int = 0  # per sequence: 2 (K and V) x kv_heads x head_dim x bytes; decoder layers only
+    window: int | None = None  # a sliding-window layer keeps at most this many tokens
+
+    def kv_tokens(self, context: int) -> int:
+        """Tokens this layer's cache holds at its peak: transformers' DynamicCache keeps the last window - 1 tokens
+        of a sliding layer and concatenates the new one (cache_utils.DynamicSlidingWindowLayer), so min(context,
+        window) during a decode step."""
+        return context if self.window is None else min(context, self.window)
+
+    def kv_bytes(self, context: int, batch: int) -> int:
+        return batch * self.kv_tokens(context) * self.kv_bytes_per_token
+
+    def read_bytes(self, context: int, batch: int) -> int:
+        """Bytes one decode step reads here (the time proxy): streamed weights, looked-up rows, the whole KV cache."""
+        return self.streamed_bytes + batch * self.row_bytes + self.kv_bytes(context, batch)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's placement units priced in one weight format, and the sizes the workspace estimate needs."""
+
+    name: str
+    format: WeightFormat
+    layers: tuple[Layer, ...]
+    tied: bool  # the head shares the embedding's weight: both must sit on one device
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    config: object = field(compare=False, repr=False)
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(layer.weight_bytes for layer in self.layers)
+
+    @property
+    def decoder_layers(self) -> list[Layer]:
+        return [layer for layer in self.layers if layer.kind == "decoder"]
+
+    def kv_bytes(self, context: int, batch: int) -> int:
+        return sum(layer.kv_bytes(context, batch) for layer in self.layers)
+
+
+def _kv_windows(config, n_layers: int) -> list[int | None]:
+    """Each decoder layer's sliding window, or None. `layer_types` says which layers slide (Qwen2 with
+    use_sliding_window=False: none); without it a set `sliding_window` makes every layer slide (Mistral v0.1), as
+    transformers' cache_utils.get_layer_types_and_kwargs decides for DynamicCache."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def _unit_kind(module: nn.Module, model: nn.Module) -> str:
+    if module is model.get_input_embeddings():
+        return "embedding"
+    if module is model.get_output_embeddings():
+        return "head"
+    if type(module).__name__ in (model._no_split_modules or ()):
+        return "decoder"
+    return "norm" if any(True for _ in module.parameters()) else "buffers"
+
+
+def model_shape(model="llama-2-13b", dtype: str | WeightFormat = "fp16") -> ModelShape:
+    """Every placement unit of `model` with its exact parameter count and bytes in the weight format `dtype`."""
+    name, config = load_config(model)
+    return _shape(name, config.to_json_string(use_diff=False), weight_format(dtype))
+
+
+@lru_cache(maxsize=32)
+def _shape(name: str, config_json: str, fmt: WeightFormat) -> ModelShape:
+    model = _meta_model_from_json(config_json)
+    config = model.config
+    head = model.get_output_embeddings()
+    quantizable = {id(m) for m in model.modules() if isinstance(m, nn.Linear) and m is not head}
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    windows = iter(_kv_windows(config, config.num_hidden_layers))
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    seen: set[int] = set()
+    layers = []
+    for unit_name, module in placement_units(model):
+        kind = _unit_kind(module, model)
+        params, weight_bytes = 0, 0
+        for owner in module.modules():
+            for pname, p in owner.named_parameters(recurse=False):
+                if id(p) in seen:  # a tied weight is stored once, on the module listed first (the embedding)
+                    continue
+                seen.add(id(p))
+                params += p.numel()
+                weight_bytes += fmt.tensor_bytes(p.shape, id(owner) in quantizable and pname == "weight")
+        weight_bytes += sum(b.numel() * b.element_size() for b in module.buffers())
+        streamed = weight_bytes
+        if kind == "head" and tied:
+            streamed = fmt.tensor_bytes(head.weight.shape, quantize=False)  # reads the embedding's matrix
+        row = 0
+        if kind == "embedding":
+            streamed, row = 0, weight_bytes // module.weight.shape[0]
+        kv = 2 * kv_heads * head_dim * fmt.activation_bytes if kind == "decoder" else 0
+        layers.append(Layer(unit_name, kind, params, weight_bytes, streamed, row, kv,
+                            next(windows) if kind == "decoder" else None))
+    return ModelShape(name, fmt, tuple(layers), tied, config.hidden_size,
+                      getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+                      config.num_attention_heads, kv_heads, head_dim, config.vocab_size, config)
+
+
+# --- GPUs ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as the planner sees it: the memory CUDA reports, the runtime reserve, the memory bandwidth."""
+
+    name: str
+    capacity_bytes: int
+    reserve_bytes: int
+    bandwidth_gb_s: float | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.capacity_bytes - self.reserve_bytes
+
+
+def runtime_reserve_bytes() -> int:
+    """Per GPU: the CUDA context (ollama's figure) plus an allocator margin (llama.cpp's --fit margin)."""
+    reserve = inference_data()["runtime_reserve"]
+    return (reserve["cuda_context"]["mib"] + reserve["allocator_margin"]["mib"]) * MiB
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|MiB|GB|MB)\s*$", re.IGNORECASE)
+_UNITS = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
+_COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+)$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24268 MiB', '24GB' -> bytes (GiB = 2**30, GB = 10**9)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"cannot read {text!r} as a memory size: write e.g. '24GiB', '24268MiB' or '24GB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def gpu(spec: str) -> Gpu:
+    """A GPU from its name in data/hardware.json ('RTX 3090'), NAME=SIZE ('RTX 5090=32GiB') or a bare size ('24GiB').
+
+    Capacity: the memory CUDA reports where data/inference.json has it (RTX 3090), else hardware.json's memory_gb in
+    GB (10**9 bytes, the unit its key names).
+    """
+    spec = spec.strip()
+    known = load_data("hardware")["gpus"]
+    by_name = {name.lower(): name for name in known}
+    name, _, size = spec.partition("=")
+    name, size = name.strip(), size.strip()
+    if not size and _SIZE.match(name):
+        name, size = f"GPU ({name})", name
+    canonical = by_name.get(name.lower())
+    bandwidth = known[canonical]["memory_bandwidth_gb_s"] if canonical else None
+    if size:
+        capacity = parse_size(size)
+    elif canonical:
+        measured = inference_data()["gpu_memory"].get(canonical)
+        capacity = measured["cuda_total_mib"] * MiB if measured else int(known[canonical]["memory_gb"] * 10**9)
+    else:
+        raise ValueError(f"no memory size known for GPU {spec!r}: use one of {', '.join(known)} or give its memory "
+                         f"as NAME=SIZE, e.g. '{name or 'my GPU'}=24GiB'")
+    reserve = runtime_reserve_bytes()
+    if capacity <= reserve:
+        raise ValueError(f"{name or spec} has {fmt_bytes(capacity)}, no more than the runtime reserve of "
+                         f"{fmt_bytes(reserve)} (CUDA context + allocator margin): nothing would be left for a model")
+    return Gpu(canonical or name, capacity, reserve, bandwidth)
+
+
+def parse_gpus(text: str) -> list[Gpu]:
+    """'2 x RTX 3090', 'RTX 3090, RTX 4090', '2x24GiB' -> GPUs in device order."""
+    gpus = []
+    for item in (part for part in text.split(",") if part.strip()):
+        match = _COUNT.match(item)
+        count, spec = (int(match.group(1)), match.group(2)) if match else (1, item)
+        gpus += [gpu(spec)] * count
+    if not gpus:
+        raise ValueError(f"no GPUs in {text!r}: list them like '2 x RTX 3090' or 'RTX 3090, RTX 4090'")
+    return gpus
+
+
+def describe_gpus(gpus: Sequence[Gpu]) -> str:
+    """'2 x RTX 3090' or 'RTX 3090 + RTX 4090'."""
+    names = [g.name for g in gpus]
+    return f"{len(names)} x {names[0]}" if len(set(names)) == 1 and len(names) > 1 else " + ".join(names)
+
+
+def default_gpus() -> list[Gpu]:
+    """The course's target rig: two RTX 3090s."""
+    return parse_gpus("2 x RTX 3090")
+
+
+def _check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
+    if gpus is None:
+        return default_gpus()
+    if isinstance(gpus, str):
+        return parse_gpus(gpus)
+    gpus = list(gpus)
+    if not gpus:
+        raise ValueError("no GPUs given: plan for at least one (the default is two RTX 3090s)")
+    for g in gpus:
+        if not g.usable_bytes > 0:
+            raise ValueError(f"{g.name} has no memory left after its runtime reserve "
+                             f"({fmt_bytes(g.capacity_bytes)} - {fmt_bytes(g.reserve_bytes)})")
+    return gpus
+
+
+def _check_workload(context: int, batch: int, logits: str) -> None:
+    for what, value in (("context", context), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a whole number of at least 1 (tokens per sequence for the context, "
+                             f"sequences for the batch), got {value!r}")
+    if logits not in LOGITS_MODES:
+        raise ValueError(f"logits must be 'prompt' (a forward over the whole prompt) or 'last' (generate(): the last "
+                         f"position only), got {logits!r}")
+
+
+# --- workspace ----------------------------------------------------------------------------------------------------
+
+def activation_workspace_bytes(shape: ModelShape, context: int, batch: int) -> int:
+    """Transient memory of one decoder layer, the most any device needs while its layers run (an estimate read off
+    the Hugging Face Llama code, reserved on every GPU that holds any module):
+
+    - prefill of a `context`-token prompt: the residual stream and its normed copy (2 x hidden per token), plus the
+      larger of the MLP's gate, up and gated product (3 x intermediate) and attention's q, k, v, the rotated q and k
+      and the output (3 x heads x head_dim + 3 x kv_heads x head_dim), in the activation dtype. PyTorch SDPA's flash
+      or memory-efficient kernel is assumed: eager attention would add batch x heads x context^2 scores;
+    - decode: DynamicCache.update concatenates the new token onto a layer's K, then V (torch.cat copies), so half the
+      largest layer's KV cache is briefly held twice.
+    """
+    per_token = 2 * shape.hidden + max(3 * shape.intermediate,
+                                       3 * shape.heads * shape.head_dim + 3 * shape.kv_heads * shape.head_dim)
+    prefill = batch * context * per_token * shape.format.activation_bytes
+    cat_copy = max((layer.kv_bytes(context, batch) for layer in shape.decoder_layers), default=0) // 2
+    return max(prefill, cat_copy)
+
+
+def logits_workspace_bytes(shape: ModelShape, context: int, batch: int, logits: LogitsMode = "prompt") -> int:
+    """Logits on the device that holds the head, in the activation dtype plus their fp32 copy.
+
+    "prompt" (the default, the safe choice): a forward over a whole `context`-token prompt with a loss, or an older
+    transformers, materialises batch x context x vocab logits. "last": generate() in transformers 5 asks for the last
+    position only (logits_to_keep=1) and copies it to fp32 for sampling.
+    """
+    positions = context if logits == "prompt" else 1
+    return batch * positions * shape.vocab * (shape.format.activation_bytes + FP32_BYTES)
+
+
+# --- placements: what a device_map puts on each GPU -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """What one GPU holds under a device_map, by kind, and the bytes it reads per decoded token."""
+
+    device: int
+    gpu: Gpu
+    layers: tuple[str, ...]
+    weights_bytes: int
+    kv_cache_bytes: int
+    workspace_bytes: int
+    read_bytes: int
+
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.device} {self.gpu.name}"
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.gpu.reserve_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Capacity left after everything; negative when the device is over-full."""
+        return self.gpu.capacity_bytes - self.weights_bytes - self.kv_cache_bytes - self.workspace_bytes \
+            - self.reserve_bytes
+
+    @property
+    def kv_room_bytes(self) -> int:
+        """Room left for the KV cache once weights, workspace and reserve are placed."""
+        return self.free_bytes + self.kv_cache_bytes
+
+    @property
+    def ms_per_token(self) -> float | None:
+        """Bandwidth-bound time of this stage per decode step (GB/s = 10**9 bytes per second)."""
+        return None if not self.gpu.bandwidth_gb_s else self.read_bytes / (self.gpu.bandwidth_gb_s * 1e9) * 1e3
+
+    def as_dict(self) -> dict:
+        return {"name": self.label, "gpu": self.gpu.name, "capacity_bytes": self.gpu.capacity_bytes,
+                "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+                "workspace_bytes": self.workspace_bytes, "reserve_bytes": self.reserve_bytes,
+                "free_bytes": self.free_bytes, "read_bytes_per_token": self.read_bytes,
+                "ms_per_token": self.ms_per_token, "layers": _span(self.layers)}
+
+
+def _span(names: Sequence[str]) -> str:
+    """Module names with runs of numbered siblings folded: 'model.embed_tokens, model.layers.0-19, model.norm'."""
+    parts: list[list] = []  # [prefix, first index, last index] or [name, None, None]
+    for name in names:
+        prefix, _, index = name.rpartition(".")
+        if index.isdigit() and parts and parts[-1][0] == prefix and parts[-1][2] == int(index) - 1:
+            parts[-1][2] = int(index)
+        elif index.isdigit():
+            parts.append([prefix, int(index), int(index)])
+        else:
+            parts.append([name, None, None])
+    return ", ".join(p if a is None else f"{p}.{a}" if a == b else f"{p}.{a}-{b}" for p, a, b in parts) or "-"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A device_map for one model and workload, accounted per GPU. `method`: who made the map."""
+
+    shape: ModelShape
+    context: int
+    batch: int
+    logits: LogitsMode
+    method: str
+    device_map: dict
+    devices: tuple[DeviceUse, ...]
+    offloaded_bytes: int = 0  # weights the map sends to "cpu" or "disk"
+
+    @property
+    def fits(self) -> bool:
+        return self.offloaded_bytes == 0 and all(d.free_bytes >= 0 for d in self.devices)
+
+    @property
+    def slowest(self) -> DeviceUse:
+        return max(self.devices, key=lambda d: d.read_bytes)
+
+    def as_dict(self) -> dict:
+        fmt = self.shape.format
+        return {"model": self.shape.name, "dtype": fmt.name, "bytes_per_weight": round(fmt.bytes_per_weight(), 4),
+                "params": self.shape.params, "context": self.context, "batch": self.batch, "logits": self.logits,
+                "method": self.method, "fits": self.fits, "offloaded_bytes": self.offloaded_bytes,
+                "slowest_read_bytes_per_token": self.slowest.read_bytes,
+                "slowest_ms_per_token": self.slowest.ms_per_token,
+                "devices": [d.as_dict() for d in self.devices], "device_map": dict(self.device_map)}
+
+    def rows(self) -> list[dict]:
+        """One row per GPU, sizes as text: what `describe` and the bench-style tables print."""
+        return [{"device": d.label, "weights": fmt_bytes(d.weights_bytes), "KV cache": fmt_bytes(d.kv_cache_bytes),
+                 "workspace": fmt_bytes(d.workspace_bytes), "reserve": fmt_bytes(d.reserve_bytes),
+                 "free": fmt_bytes(d.free_bytes), "capacity": fmt_bytes(d.gpu.capacity_bytes),
+                 "read/token": fmt_bytes(d.read_bytes),
+                 "ms/token": "-" if d.ms_per_token is None else f"{d.ms_per_token:.1f}",
+                 "layers": _span(d.layers)} for d in self.devices]
+
+    def describe(self, with_map: bool = True) -> str:
+        """Header lines, the per-GPU table, and (with_map) the device_map as JSON."""
+        from helpers.report import table
+
+        s, fmt = self.shape, self.shape.format
+        kv_token = sum(layer.kv_bytes_per_token for layer in s.decoder_layers)
+        windows = sorted({layer.window for layer in s.decoder_layers if layer.window})
+        lines = [f"{s.name}: {s.params:,} parameters ({fmt.describe()}); context {self.context} tokens x batch "
+                 f"{self.batch}; logits for {'the whole prompt' if self.logits == 'prompt' else 'the last position'}",
+                 f"KV cache {fmt_bytes(kv_token)} per token per sequence ({len(s.decoder_layers)} layers x 2 x "
+                 f"{s.kv_heads} KV heads x {s.head_dim} x {fmt.activation_bytes} B"
+                 + (f"; sliding window: at most {', '.join(map(str, windows))} tokens per layer" if windows else "")
+                 + f"); {'fits' if self.fits else 'does NOT fit'} ({self.method})",
+                 table(self.rows())]
+        if self.offloaded_bytes:
+            lines.append(f"offloaded to CPU RAM or disk: {fmt_bytes(self.offloaded_bytes)} of weights")
+        if with_map:
+            lines.append("device_map = " + json.dumps(self.device_map))
+        return "\n".join(lines)
+
+
+def _device_of(name: str, device_map: dict) -> int | str:
+    """The device a map gives module `name`: its own key or its closest ancestor's ("" is the root)."""
+    if name in device_map:
+        return device_map[name]
+    for key in sorted(device_map, key=len, reverse=True):
+        if key == "" or name.startswith(key + "."):
+            return device_map[key]
+    deeper = [key for key in device_map if key.startswith(name + ".")]
+    if deeper:
+        raise ValueError(f"the device_map splits {name} across {sorted({device_map[k] for k in deeper}, key=str)}; "
+                         "the planner places whole modules")
+    raise ValueError(f"the device_map gives no device for {name}")
+
+
+def evaluate(shape: ModelShape, device_map: dict, gpus: Sequence[Gpu], context: int, batch: int = 1,
+             logits: LogitsMode = "prompt", method: str = "given") -> Placement:
+    """Account a device_map (ours or accelerate's) per GPU: weights, KV cache, workspace, reserve, free.
+
+    A GPU holding any module reserves the activation workspace; the head's GPU adds the logits. Modules mapped to
+    "cpu" or "disk" are offloaded: accelerate runs them on its main device (the first GPU in the map), so their KV
+    cache and reads land there, and that GPU keeps room to stream the largest of them in.
+    """
+    gpus = _check_gpus(gpus)
+    where = {layer.name: _device_of(layer.name, device_map) for layer in shape.layers}
+    bad = sorted({str(d) for d in where.values() if d not in ("cpu", "disk") and d not in range(len(gpus))})
+    if bad:
+        raise ValueError(f"the device_map uses devices {bad}, but there are GPUs 0..{len(gpus) - 1} "
+                         "(and 'cpu' / 'disk')")
+    offloaded = [layer for layer in shape.layers if where[layer.name] in ("cpu", "disk")]
+    main = next((d for d in where.values() if d not in ("cpu", "disk")), 0)
+    act = activation_workspace_bytes(shape, context, batch)
+    logit_bytes = logits_workspace_bytes(shape, context, batch, logits)
+    stream_in = max((layer.weight_bytes for layer in offloaded), default=0)
+    devices = []
+    for j, g in enumerate(gpus):
+        mine = [layer for layer in shape.layers if where[layer.name] == j]
+        runs_here = mine + (offloaded if j == main else [])
+        holds_head = any(layer.kind == "head" for layer in runs_here)
+        devices.append(DeviceUse(
+            j, g, tuple(layer.name for layer in mine), sum(layer.weight_bytes for layer in mine),
+            sum(layer.kv_bytes(context, batch) for layer in runs_here),
+            (act if runs_here else 0) + (logit_bytes if holds_head else 0) + (stream_in if j == main else 0),
+            sum(layer.read_bytes(context, batch) for layer in runs_here)))
+    return Placement(shape, context, batch, logits, method, dict(device_map), tuple(devices),
+                     sum(layer.weight_bytes for layer in offloaded))
+
+
+# --- the planner --------------------------------------------------------------------------------------------------
+
+def _groups(shape: ModelShape, skip: frozenset[str] = frozenset()) -> list[list[Layer]]:
+    """Units the split moves as one, in forward order. The embedding carries the parameterless modules (LlamaModel
+    computes the rotary embedding right after it) and, when the head shares its weight, the head too."""
+    first = [layer for layer in shape.layers
+             if layer.kind in ("embedding", "buffers") or (shape.tied and layer.kind == "head")]
+    rest = [[layer] for layer in shape.layers if layer not in first and layer.name not in skip]
+    return [first, *rest]
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The partition problem for one workload: per group cost and memory, per device memory cap."""
+
+    groups: list
+    costs: list[int]
+    memory: list[int]
+    caps: list[int]
+
+    def split(self, extra: int = 0) -> Split | None:
+        """The optimal split with `extra` bytes added to every cap, or None when none fits."""
+        caps = [c + extra for c in self.caps]
+        if min(caps) <= 0:
+            return None
+        try:
+            return optimal_split(self.costs, len(caps), self.memory, caps)
+        except NoFeasibleSplit:
+            return None
+
+
+def _problem(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int, logits: LogitsMode,
+             offload: int = 0) -> _Problem:
+    """Costs (bytes read per token), memory (weights + KV cache) and caps (usable memory less workspace) per stage.
+
+    `offload` leaves the last that many decoder layers in CPU RAM, as accelerate's "cpu" entries do: their KV cache
+    still lives on the first GPU, which runs them, and keeps room to stream the largest of them in.
+    """
+    decoders = shape.decoder_layers
+    if not 0 <= offload < len(decoders):
+        raise ValueError(f"can offload 0..{len(decoders) - 1} of {len(decoders)} decoder layers, not {offload}")
+    offloaded = decoders[len(decoders) - offload:] if offload else []
+    groups = _groups(shape, frozenset(layer.name for layer in offloaded))
+    if len(groups) < len(gpus):
+        raise ValueError(f"{shape.name} has {len(groups)} placement units, fewer than the {len(gpus)} GPUs: "
+                         "plan for fewer GPUs")
+    costs = [sum(layer.read_bytes(context, batch) for layer in g) for g in groups]
+    memory = [sum(layer.weight_bytes + layer.kv_bytes(context, batch) for layer in g) for g in groups]
+    if offloaded:
+        memory[0] += sum(layer.kv_bytes(context, batch) for layer in offloaded) \
+            + max(layer.weight_bytes for layer in offloaded)
+        costs[0] += sum(layer.read_bytes(context, batch) for layer in offloaded)
+    head_device = 0 if shape.tied else len(gpus) - 1
+    act = activation_workspace_bytes(shape, context, batch)
+    logit_bytes = logits_workspace_bytes(shape, context, batch, logits)
+    caps = [g.usable_bytes - act - (logit_bytes if j == head_device else 0) for j, g in enumerate(gpus)]
+    return _Problem(groups, costs, memory, caps)
+
+
+def _device_map(shape: ModelShape, problem: _Problem, split: Split) -> dict[str, int]:
+    device = {}
+    for j, (a, b) in enumerate(split.ranges(len(problem.groups))):
+        for group in problem.groups[a:b]:
+            device.update({layer.name: j for layer in group})
+    return {layer.name: device[layer.name] for layer in shape.layers}  # forward order
+
+
+def _fits(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int, logits: LogitsMode,
+          offload: int = 0) -> bool:
+    return _problem(shape, gpus, context, batch, logits, offload).split() is not None
+
+
+def plan(model="llama-2-13b", dtype: str | WeightFormat = "fp16", context: int = 4096, batch: int = 1,
+         gpus: Sequence[Gpu] | str | None = None, logits: LogitsMode = "prompt") -> Placement:
+    """The contiguous split of `model` over `gpus` (default: two RTX 3090s) that fits every GPU with the KV cache for
+    `batch` sequences of `context` tokens, the workspace and the runtime reserve, and reads the fewest bytes per
+    decoded token on its slowest GPU. Raises DoesNotFit (with what would fit) when no split fits."""
+    _check_workload(context, batch, logits)
+    return plan_shape(model_shape(model, dtype), _check_gpus(gpus), context, batch, logits)
+
+
+def plan_shape(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int = 1,
+               logits: LogitsMode = "prompt") -> Placement:
+    """`plan` for an already priced model (what the alternatives, the comparison and the widget reuse)."""
+    _check_workload(context, batch, logits)
+    gpus = _check_gpus(gpus)
+    problem = _problem(shape, gpus, context, batch, logits)
+    split = problem.split()
+    if split is None:
+        raise DoesNotFit.explain(shape, gpus, context, batch, logits, problem)
+    return evaluate(shape, _device_map(shape, problem, split), gpus, context, batch, logits, method="planner")
+
+
+# --- when nothing fits --------------------------------------------------------------------------------------------
+
+def _largest(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest n in 1..upper with fits(n) (fits is monotone: true, then false), or 0 when even 1 fails."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _shortfall(problem: _Problem) -> int:
+    """The fewest extra bytes per GPU that would make some split fit."""
+    upper = sum(problem.memory) + max(0, -min(problem.caps)) + 1
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if problem.split(mid) is not None else (mid + 1, hi)
+    return lo
+
+
+@dataclass(frozen=True)
+class Alternatives:
+    """What would fit instead, each computed by the planner."""
+
+    context: int  # longest context that fits at this batch; 0: none
+    batch: int  # largest batch that fits at this context; 0: none
+    four_bit: Placement | None  # the same workload in 4 bits (nf4), when it fits and the model is not 4-bit already
+    offload_layers: int  # fewest decoder layers to keep in CPU RAM so the rest fits; 0: offloading does not help
+    offload_bytes: int  # their weights, streamed from CPU RAM over PCIe on every decode step
+    offload_ms_per_token: float | None  # that streaming alone, at data/hardware.json's pinned host-to-device rate
+
+    def as_dict(self) -> dict:
+        return {"context": self.context, "batch": self.batch,
+                "four_bit_fits": self.four_bit is not None,
+                "four_bit_free_bytes": None if self.four_bit is None else [d.free_bytes for d in self.four_bit.devices],
+                "offload_layers": self.offload_layers, "offload_bytes": self.offload_bytes,
+                "offload_ms_per_token": self.offload_ms_per_token}
+
+
+def _pcie_gb_s() -> float:
+    return load_data("hardware")["links"]["pcie4_pinned_host_device"]["gb_s_per_direction"]
+
+
+def _alternatives(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int,
+                  logits: LogitsMode) -> Alternatives:
+    longest = _largest(lambda c: _fits(shape, gpus, c, batch, logits), context - 1)
+    widest = _largest(lambda b: _fits(shape, gpus, context, b, logits), batch - 1)
+    four_bit = None
+    if shape.format.weight_bits > 4:
+        small = _shape(shape.name, shape.config.to_json_string(use_diff=False), weight_format(FOUR_BIT))
+        try:
+            four_bit = plan_shape(small, gpus, context, batch, logits)
+        except DoesNotFit:
+            pass
+    decoders = shape.decoder_layers
+    offload = next((m for m in range(1, len(decoders)) if _fits(shape, gpus, context, batch, logits, m)), 0)
+    offload_bytes = sum(layer.weight_bytes for layer in decoders[len(decoders) - offload:]) if offload else 0
+    return Alternatives(longest, widest, four_bit, offload, offload_bytes,
+                        offload_bytes / (_pcie_gb_s() * 1e9) * 1e3 if offload else None)
+
+
+class DoesNotFit(ValueError):
+    """No contiguous split fits: the message says by how many bytes and what would fit instead."""
+
+    def __init__(self, message: str, short_bytes: int, alternatives: Alternatives, closest: Placement):
+        super().__init__(message)
+        self.short_bytes = short_bytes  # the fewest extra bytes each GPU would need
+        self.alternatives = alternatives
+        self.closest = closest  # the split that overflows least, accounted (free_bytes < 0 where it overflows)
+
+    def as_dict(self) -> dict:
+        return {"fits": False, "error": str(self), "short_bytes_per_gpu": self.short_bytes,
+                "alternatives": self.alternatives.as_dict(),
+                "closest_devices": [d.as_dict() for d in self.closest.devices]}
+
+    @classmethod
+    def explain(cls, shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int, logits: LogitsMode,
+                problem: _Problem) -> "DoesNotFit":
+        short = _shortfall(problem)
+        closest = evaluate(shape, _device_map(shape, problem, problem.split(short)), gpus, context, batch, logits,
+                           method="closest split (does not fit)")
+        alt = _alternatives(shape, gpus, context, batch, logits)
+        workspace = sum(d.workspace_bytes for d in closest.devices)
+        usable = sum(g.usable_bytes for g in gpus)
+        names = describe_gpus(gpus)
+        lines = [
+            f"{shape.name} in {shape.format.name} with {context} tokens x {batch} sequence(s) does not fit on "
+            f"{names}: the best split still needs {fmt_bytes(short)} more on each GPU.",
+            f"It needs weights {fmt_bytes(shape.weight_bytes)} + KV cache {fmt_bytes(shape.kv_bytes(context, batch))} "
+            f"+ workspace {fmt_bytes(workspace)}; the GPUs have {fmt_bytes(usable)} after the runtime reserve.",
+            "What would fit:",
+            "  - shorter context: " + (f"at most {alt.context} tokens" if alt.context else
+                                       "none (not even 1 token: the weights and workspace alone overflow)"),
+            "  - smaller batch: " + ("already 1" if batch == 1 else f"at most {alt.batch} sequences" if alt.batch
+                                     else "none (not even 1 sequence)"),
+            "  - 4-bit weights (nf4): " + ("already 4-bit" if shape.format.weight_bits <= 4 else
+                                           f"fits, {fmt_bytes(min(d.free_bytes for d in alt.four_bit.devices))} "
+                                           "left on the fullest GPU" if alt.four_bit else "does not fit either"),
+            "  - CPU offload: " + (f"keep the last {alt.offload_layers} of {len(shape.decoder_layers)} decoder layers "
+                                   f"({fmt_bytes(alt.offload_bytes)}) in CPU RAM; streaming them to the GPU costs "
+                                   f"about {alt.offload_ms_per_token:.0f} ms per token more"
+                                   if alt.offload_layers else "does not help (the rest still overflows)"),
+        ]
+        return cls("\n".join(lines), short, alt, closest)
