@@ -1,0 +1,209 @@
+"""Which way to train a model on two GPUs: every strategy given the same chances, timed by the simulator.
+
+Fair means: each strategy may accumulate gradients over micro-batches and checkpoint activations wherever that
+makes it fit (DDP, ZeRO-1 and FSDP2 as much as a pipeline); the attention-score activations are counted only where
+the attention implementation keeps them (eager attention does; SDPA and FlashAttention recompute them in
+backward); time comes from the simulator on roofline costs of the target rig, memory from the ZeRO formulas and the
+activations the simulated schedule holds. Among the options that fit, the fastest wins; within `tolerance` (5%:
+simulators of this kind err by about that much: Calculon 3.65% mean, 8.87% max on A100 clusters, calculon-ai/calculon
+llm-validation) the simplest wins (DDP, then
+ZeRO-1, FSDP2, a pipeline).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from helpers.memory import GiB, fmt_bytes
+from helpers.simulate.hardware import GPU, TargetRig, target_rig
+from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
+from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
+from helpers.simulate.workload import LayerCost, Workload
+
+ATTENTION_STORES_SCORES = {"eager": True, "sdpa": False, "flash": False}
+GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
+MICROBATCHES = (1, 2, 4, 8, 16, 32)
+RESERVE_BYTES = GiB  # CUDA context and allocator slack per GPU: an estimate (llama.cpp's --fit keeps 1024 MiB)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes, as in its Hugging Face config."""
+
+    family: str  # "gpt2" (learned positions, MLP 4h, embedding tied to the head) or "llama"
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    intermediate: int
+    head_outputs: int | None = None  # a task head (e.g. 2 for SQuAD span logits) instead of the language-model head
+
+
+MODELS = {
+    "GPT-2 small": ModelShape("gpt2", 12, 768, 12, 50257, 3072),
+    "GPT-2 medium": ModelShape("gpt2", 24, 1024, 16, 50257, 4096),
+    "GPT-2 XL": ModelShape("gpt2", 48, 1600, 25, 50257, 6400),
+    "Llama-2 7B": ModelShape("llama", 32, 4096, 32, 32000, 11008),
+    "Llama-2 13B": ModelShape("llama", 40, 5120, 40, 32000, 13824),
+}
+
+
+def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "sdpa", batch: int = 1,
+                           bytes_per_value: int = 2) -> float:
+    """Saved activations of one transformer block: Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit,
+    without the 5*a*s^2*b attention-score term when the attention implementation does not store the scores."""
+    if attention not in ATTENTION_STORES_SCORES:
+        raise ValueError(f"unknown attention implementation {attention!r}; choose one of "
+                         f"{list(ATTENTION_STORES_SCORES)}")
+    scores = 5 * heads * seq / hidden if ATTENTION_STORES_SCORES[attention] else 0
+    return seq * batch * hidden * (34 + scores) * bytes_per_value / 2
+
+
+@functools.lru_cache(maxsize=32)
+def _decoder_counts(shape: ModelShape, seq: int) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...]]:
+    """Per-sample (forward, backward) FLOPs and parameter counts of embedding, one block, final norm and head,
+    counted on a one-block model built on the meta device."""
+    from helpers.models import build_hf_model, hf_layers
+
+    model = build_hf_model(shape.family, 1, shape.hidden, shape.heads, shape.vocab, seq, shape.intermediate, meta=True)
+    embedding, block, norm, head = hf_layers(model)
+    if shape.head_outputs is not None:
+        with torch.device("meta"):
+            head = torch.nn.Linear(shape.hidden, shape.head_outputs)
+    flops = layer_flops([embedding, block, norm, head], torch.zeros(1, seq, dtype=torch.long))
+    params = [sum(p.numel() for p in module.parameters()) for module in (embedding, block, norm, head)]
+    if shape.family == "gpt2" and shape.head_outputs is None:
+        params[3] = 0  # GPT-2's head is the embedding's weight: counted once
+    return tuple(flops), tuple(params)
+
+
+def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
+                         recipe: str = "mixed precision + Adam") -> Workload:
+    """Per-sample costs of a decoder on `gpu`: embedding, blocks, final norm, head. FLOPs counted on the meta device
+    (one block, repeated); activations from `block_activation_bytes`; the head keeps its input and fp32 logits for
+    the loss (an estimate of what Hugging Face's loss holds); GPT-2's head weight is the embedding's (counted once)."""
+    flops, counts = _decoder_counts(shape, seq)
+    v, outputs = VALUE_BYTES[dtype], shape.head_outputs or shape.vocab
+    hidden_bytes = seq * shape.hidden * v
+    parts = [("embedding", 0.0, hidden_bytes),
+             ("block", block_activation_bytes(seq, shape.hidden, shape.heads, attention, bytes_per_value=v),
+              hidden_bytes),
+             ("final norm", hidden_bytes, hidden_bytes),
+             ("head", hidden_bytes + seq * outputs * (v + 4), seq * outputs * v)]
+    layers = []
+    for (name, activations, output), (f, b), params in zip(parts, flops, counts):
+        written = activations + output
+        cost = LayerCost(name, roofline_s(f, written, gpu, dtype), roofline_s(b, 2 * written, gpu, dtype), params,
+                         activations, output)
+        layers += [replace(cost, name=f"block {i}") for i in range(shape.layers)] if name == "block" else [cost]
+    n_params = sum(layer.params for layer in layers)
+    return Workload(tuple(layers), recipe, ADAM_BYTES_PER_PARAM * n_params / gpu.memory_bandwidth)
+
+
+@dataclass(frozen=True)
+class Option:
+    """The best configuration found for one strategy, or its smallest footprint when nothing fits."""
+
+    job: Job
+    peak_bytes: int
+    fits: bool
+    simulation: Simulation | None
+
+    @property
+    def step_s(self) -> float | None:
+        return self.simulation.step_s if self.simulation else None
+
+    def row(self) -> dict:
+        return {"strategy": STRATEGIES[self.job.strategy], "micro-batches": self.job.microbatches,
+                "checkpointing": self.job.checkpoint, "peak per GPU": fmt_bytes(self.peak_bytes),
+                "fits": self.fits, "step (s)": self.step_s,
+                "samples/s": self.simulation.samples_per_s if self.simulation else None}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    model: str
+    rig: str
+    n_params: int
+    options: tuple[Option, ...]
+    choice: str
+
+    def rows(self) -> list[dict]:
+        return [option.row() for option in self.options]
+
+
+def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
+    """Every micro-batch count that divides the batch, without and then with checkpointing."""
+    jobs = []
+    for checkpoint in (False, True):
+        for m in MICROBATCHES:
+            try:
+                job = Job(strategy, batch, microbatches=m, stages=devices, replicas=devices, checkpoint=checkpoint)
+            except ValueError:
+                continue  # the batch does not split this way
+            if strategy == "1f1b" and m < devices:
+                continue
+            jobs.append(job)
+    return jobs
+
+
+def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int) -> Option:
+    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated), or if none fits the
+    one with the smallest footprint."""
+    best, smallest = None, None
+    for job in _candidates(strategy, batch, rig.devices):
+        peak = max(m.total for m in simulate_memory(workload, job).values())
+        if smallest is None or peak < smallest.peak_bytes:
+            smallest = Option(job, peak, False, None)
+        if peak <= capacity:
+            sim = simulate(workload, job, rig.link)
+            if best is None or sim.step_s < best.step_s:
+                best = Option(job, peak, True, sim)
+    if best is None and smallest is None:
+        raise ValueError(f"global batch {batch} cannot be split for {STRATEGIES[strategy]} on {rig.devices} GPUs")
+    return best or smallest
+
+
+def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, model: str = "model",
+              reserve_bytes: int = RESERVE_BYTES, tolerance: float = 0.05) -> Recommendation:
+    """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice."""
+    rig = target_rig(rig) if isinstance(rig, str) else rig
+    capacity = rig.gpu.memory_bytes - reserve_bytes
+    options = tuple(best_option(workload, rig, s, batch, capacity) for s in GUIDE_STRATEGIES)
+    fitting = [o for o in options if o.fits]
+    if not fitting:
+        choice = (f"does not fit {rig.devices} {rig.gpu.name}s: more GPUs or machines (DP x PP, torchrun), "
+                  "CPU offload, or a smaller footprint (LoRA / QLoRA)")
+    else:
+        fastest = min(o.step_s for o in fitting)
+        choice = next(o.job.label() for o in fitting if o.step_s <= fastest * (1 + tolerance))
+    return Recommendation(model, rig.name, workload.n_params, options, choice)
+
+
+def recommend_model(name: str, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, seq: int = 1024,
+                    attention: str = "sdpa", dtype: str = "bf16",
+                    recipe: str = "mixed precision + Adam") -> Recommendation:
+    """`recommend` for one of MODELS (GPT-2 small / medium / XL, Llama-2 7B / 13B), `batch` sequences of `seq`."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
+    rig = target_rig(rig) if isinstance(rig, str) else rig
+    workload = transformer_workload(MODELS[name], seq, rig.gpu, dtype, attention, recipe)
+    return recommend(workload, rig, batch, model=name)
+
+
+def decision_table(rig: str = "2x3090 PCIe", batch: int = 16, seq: int = 1024, attention: str = "sdpa") -> list[dict]:
+    """One row per model of MODELS: its parameters, the step time of each strategy's best option that fits, and
+    the choice."""
+    rows = []
+    for name in MODELS:
+        rec = recommend_model(name, rig, batch, seq, attention)
+        row = {"model": name, "params (B)": rec.n_params / 1e9}
+        for option in rec.options:
+            label = STRATEGIES[option.job.strategy]
+            row[label] = f"{option.step_s:.2f} s ({option.job.label()})" if option.fits else \
+                f"needs {fmt_bytes(option.peak_bytes)}"
+        row["choose"] = rec.choice
+        rows.append(row)
+    return rows

@@ -1,0 +1,422 @@
+"""Every way the course trains on several devices, as a task graph for the discrete-event core.
+
+Pipelines execute the engines' own action lists (`helpers.pipeline.schedules`), in the order each stage runs them,
+waiting where `dependencies` says. Data parallelism follows PyTorch's engines:
+- DDP: gradient accumulation with `no_sync` (no communication until the last micro-batch); in its backward,
+  gradients fill buckets in the order they become ready, i.e. reverse layer order (the first bucket 1 MiB, then
+  25 MiB: `_DEFAULT_FIRST_BUCKET_BYTES` and `bucket_cap_mb` in torch/nn/parallel/distributed.py; `rebuild_buckets`
+  in torch/csrc/distributed/c10d/reducer.cpp), and each bucket's all-reduce starts as soon as its last gradient is
+  ready, overlapping the rest of backward. Buckets are filled byte by byte here; DDP adds whole tensors, so its
+  buckets can run over the cap by one tensor. Gradients travel in the recipe's gradient dtype.
+- ZeRO-1 (`ZeroRedundancyOptimizer` over DDP): DDP's all-reduce, the optimizer on this device's shard, then the
+  updated parameters all-gathered (PyTorch broadcasts each shard from its owner: the same bytes).
+- FSDP2 (`fully_shard` per layer): all-gather a layer's parameters before its forward, prefetching the next
+  layer's while the current one computes (at most two layers gathered); again before its backward when
+  `reshard_after_forward` (the last layer stays gathered, its backward follows at once); reduce-scatter each
+  layer's gradients after its backward, every micro-batch. All-gathers and reduce-scatters have their own streams
+  but share the link.
+- DP x PP: a pipeline per replica, then one flat all-reduce per stage across replicas (as our engine does).
+Compute and communication overlap freely (separate streams); communication kernels are not modelled as slowing
+compute. Memory per device: weights, gradients and optimizer state by the ZeRO formulas (Rajbhandari et al. 2020)
+plus the peak of activations held by in-flight micro-batches, walked in the order each device runs its work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from helpers.memory import DeviceMemory, fmt_bytes
+from helpers.partition import optimal_split
+from helpers.pipeline.schedules import Action, dependencies, make_schedule
+from helpers.simulate.events import TaskGraph
+from helpers.simulate.hardware import FREE_LINK, Link, allgather_s, allreduce_s, reducescatter_s
+from helpers.simulate.workload import Workload
+from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
+
+MiB = 2**20
+STRATEGIES = {
+    "single": "one device",
+    "naive": "naive split (GPipe with one micro-batch)",
+    "gpipe": "GPipe pipeline",
+    "1f1b": "1F1B pipeline",
+    "ddp": "DDP",
+    "zero1": "ZeRO-1",
+    "fsdp2": "FSDP2 (ZeRO-3)",
+    "dp_x_pp": "DP x PP",
+}
+PIPELINES = ("naive", "gpipe", "1f1b")
+DATA_PARALLEL = ("ddp", "zero1", "fsdp2")
+
+
+@dataclass(frozen=True)
+class Job:
+    """How to train: the strategy, the global batch per optimizer step and its micro-batches (pipeline
+    micro-batches, or gradient-accumulation steps for data parallelism), and each strategy's knobs."""
+
+    strategy: str
+    batch: int
+    microbatches: int = 1
+    stages: int = 2  # pipeline stages (naive, gpipe, 1f1b, dp_x_pp)
+    replicas: int = 2  # data-parallel replicas (ddp, zero1, fsdp2, dp_x_pp)
+    checkpoint: bool = False  # recompute every layer's activations in backward
+    schedule: str = "1f1b"  # the pipeline schedule inside dp_x_pp
+    cut: tuple[int, ...] | None = None  # first layer of each stage after the first; default: time-balanced
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {list(STRATEGIES)}")
+        for what, value in (("global batch", self.batch), ("micro-batch count", self.microbatches),
+                            ("stage count", self.stages), ("replica count", self.replicas)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"the {what} must be a whole number >= 1, got {value!r}")
+        if self.strategy == "naive" and self.microbatches != 1:
+            raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
+                             "for micro-batches")
+        if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
+            raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
+        if self.samples_per_microbatch * self.replicas_used * self.microbatches != self.batch:
+            split = f"{self.microbatches} micro-batches"
+            if self.replicas_used > 1:
+                split = f"{self.replicas_used} replicas x {split}"
+            raise ValueError(f"global batch {self.batch} is not divisible by {split}")
+
+    @property
+    def stages_used(self) -> int:
+        return self.stages if self.strategy in PIPELINES + ("dp_x_pp",) else 1
+
+    @property
+    def replicas_used(self) -> int:
+        return self.replicas if self.strategy in DATA_PARALLEL + ("dp_x_pp",) else 1
+
+    @property
+    def devices(self) -> int:
+        return self.stages_used * self.replicas_used
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        return self.batch // (self.replicas_used * self.microbatches)
+
+    def label(self) -> str:
+        parts = [STRATEGIES[self.strategy]]
+        if self.strategy in PIPELINES:
+            parts.append(f"{self.stages} stages")
+        if self.strategy == "dp_x_pp":
+            parts.append(f"{self.replicas} x {self.stages}, {self.schedule}")
+        if self.microbatches > 1:
+            parts.append(f"m={self.microbatches}")
+        if self.checkpoint:
+            parts.append("checkpointing")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One simulated optimizer step: its time, per-device busy fraction, memory and timeline."""
+
+    job: Job
+    step_s: float
+    events: tuple[Event, ...]
+    busy: dict[int, float]
+    memory: dict[int, DeviceMemory]  # peak per device (params includes FSDP2's gathered layers)
+    in_flight: dict[int, int]  # most micro-batches holding activations at once, per device
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.job.batch / self.step_s
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the devices' time: 1 - mean busy fraction."""
+        return 1 - sum(self.busy.values()) / len(self.busy)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The fullest device's peak: what must fit."""
+        return max(m.total for m in self.memory.values())
+
+    def summary(self) -> str:
+        busy = ", ".join(f"{b:.0%}" for b in self.busy.values())
+        return (f"{self.job.label()}: step {self.step_s * 1e3:.1f} ms, {self.samples_per_s:.3g} samples/s, "
+                f"busy {busy}, bubble {self.bubble:.0%}, peak memory {fmt_bytes(self.peak_bytes)} per device")
+
+    def plot(self, ax=None, title: str | None = None):
+        """The simulated timeline, drawn by the same function as measured ones."""
+        from helpers.timeline import plot_timeline
+
+        return plot_timeline(self.events, ax=ax, title=title or f"simulated: {self.job.label()}")
+
+
+@dataclass
+class _Trace:
+    """What one device's compute does to its saved activations, in the order it runs."""
+
+    alive: float = 0.0
+    peak: float = 0.0
+    holding: set = field(default_factory=set)
+    most: int = 0
+
+    def forward(self, held: float, microbatch: int) -> None:
+        self.alive += held
+        self.peak = max(self.peak, self.alive)
+        self.holding.add(microbatch)
+        self.most = max(self.most, len(self.holding))
+
+    def backward(self, held: float, transient: float, microbatch: int, last: bool) -> None:
+        self.peak = max(self.peak, self.alive + transient)
+        self.alive -= held
+        if last:
+            self.holding.discard(microbatch)
+
+
+class _Builder:
+    """Adds one job's tasks to a graph; keeps each device's activation trace and training state."""
+
+    def __init__(self, workload: Workload, job: Job, link: Link):
+        self.w, self.job, self.link = workload, job, link
+        self.layers = workload.layers
+        self.graph = TaskGraph()
+        self.size = job.samples_per_microbatch
+        self.traces = {d: _Trace() for d in range(job.devices)}
+        self.state: dict[int, DeviceMemory] = {}
+
+    # --- per micro-batch costs of a layer range [a, b) ---------------------------------------------------------
+    def _sum(self, a: int, b: int, attr: str) -> float:
+        return sum(getattr(layer, attr) for layer in self.layers[a:b])
+
+    def held(self, a: int, b: int) -> float:
+        """Bytes a micro-batch keeps on the device until its backward: every saved activation, or with
+        checkpointing only each layer's input."""
+        if self.job.checkpoint:
+            return self.size * sum(self.layers[i - 1].output for i in range(max(a, 1), b))
+        return self.size * self._sum(a, b, "activations")
+
+    def transient(self, a: int, b: int) -> float:
+        """Extra bytes during backward: with checkpointing, one layer's recomputed activations at a time."""
+        return self.size * max(layer.activations for layer in self.layers[a:b]) if self.job.checkpoint else 0.0
+
+    def params(self, a: int, b: int) -> int:
+        return int(self._sum(a, b, "params"))
+
+    # --- tasks --------------------------------------------------------------------------------------------------
+    def forward(self, dev: int, a: int, b: int, mb: int, after) -> int:
+        self.traces[dev].forward(self.held(a, b), mb)
+        return self.graph.add(self.size * self._sum(a, b, "forward_s"), [("compute", dev)], "forward", [dev],
+                              after, microbatch=mb)
+
+    def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True) -> int:
+        """Backward of layers [a, b) (recompute first with checkpointing); `last` when it frees the micro-batch."""
+        self.traces[dev].backward(self.held(a, b), self.transient(a, b), mb, last)
+        if self.job.checkpoint:
+            after = [self.graph.add(self.size * self._sum(a, b, "forward_s"), [("compute", dev)], "recompute",
+                                    [dev], after, microbatch=mb)]
+        return self.graph.add(self.size * self._sum(a, b, "backward_s"), [("compute", dev)], "backward", [dev],
+                              after, microbatch=mb)
+
+    def optimizer(self, dev: int, share: float, after) -> int:
+        return self.graph.add(self.w.optimizer_s * share, [("compute", dev)], "optimizer", [dev], after)
+
+    def send(self, src: int, dst: int, nbytes: float, mb: int, after: int) -> int:
+        return self.graph.add(self.link.seconds(nbytes), [("send", src, dst)], "send", [src], [after],
+                              links=[("link", src, dst)], microbatch=mb)
+
+    def collective(self, kind: str, group: list[int], seconds: float, stream: str, after) -> int:
+        """One collective over `group` (a ring: it holds every link i -> i+1 of the group)."""
+        ring = [("link", group[i], group[(i + 1) % len(group)]) for i in range(len(group))] if len(group) > 1 else []
+        return self.graph.add(seconds, [(stream, d) for d in group], kind, group, after, links=ring)
+
+    # --- strategies ---------------------------------------------------------------------------------------------
+    def ranges(self) -> list[tuple[int, int]]:
+        p, n = self.job.stages, len(self.layers)
+        if self.job.cut is None:
+            cut = optimal_split(self.w.time_costs(), p).boundaries
+        else:
+            cut = tuple(self.job.cut)
+            if len(cut) != p - 1 or list(cut) != sorted(set(cut)) or (cut and not 0 < cut[0] <= cut[-1] < n):
+                raise ValueError(f"cut {cut} must give {p - 1} increasing first-layer indices between 1 and {n - 1} "
+                                 f"for {p} stages of {n} layers")
+        edges = [0, *cut, n]
+        return list(zip(edges, edges[1:]))
+
+    def state_for(self, params: int, shard: int = 1) -> DeviceMemory:
+        """Weights, gradients and optimizer state of `params` parameters, optimizer state sharded `shard` ways."""
+        w, g, o = self.w.bytes_per_param
+        return DeviceMemory(w * params, g * params, int(o * params / shard))
+
+    def pipeline(self, schedule: str, microbatches: int, devices: list[int], ranges) -> list[int]:
+        """Run the schedule's action lists on `devices`; return each stage's last compute task."""
+        p = len(devices)
+        actions = make_schedule(schedule, p, microbatches)
+        done: dict[tuple[int, Action], int] = {}
+        message: dict[tuple[int, Action], int] = {}  # the send carrying an action's result to its neighbour
+        position = [0] * p
+        while any(position[s] < len(actions[s]) for s in range(p)):
+            for s in range(p):
+                while position[s] < len(actions[s]):
+                    action = actions[s][position[s]]
+                    deps = dependencies(s, action, p)
+                    if not all(d in done for d in deps):
+                        break
+                    after = [done[d] if d[0] == s else message[d] for d in deps]
+                    (a, b), dev, mb = ranges[s], devices[s], action.microbatch
+                    if action.kind == "F":
+                        done[(s, action)] = task = self.forward(dev, a, b, mb, after)
+                        if s < p - 1:
+                            message[(s, action)] = self.send(dev, devices[s + 1], self.size * self.layers[b - 1].output,
+                                                             mb, task)
+                    else:
+                        done[(s, action)] = task = self.backward(dev, a, b, mb, after)
+                        if s > 0:
+                            message[(s, action)] = self.send(dev, devices[s - 1], self.size * self.layers[a - 1].output,
+                                                             mb, task)
+                    position[s] += 1
+        return [done[(s, actions[s][-1])] for s in range(p)]
+
+    def run_pipeline(self, schedule: str) -> None:
+        ranges = self.ranges()
+        devices = list(range(self.job.stages))
+        last = self.pipeline(schedule, self.job.microbatches, devices, ranges)
+        n = self.w.n_params or 1
+        for dev, (a, b), task in zip(devices, ranges, last):
+            self.optimizer(dev, self.params(a, b) / n, [task])
+            self.state[dev] = self.state_for(self.params(a, b))
+
+    def run_single(self) -> None:
+        n = len(self.layers)
+        for k in range(self.job.microbatches):
+            self.forward(0, 0, n, k, [])
+            self.backward(0, 0, n, k, [])
+        self.optimizer(0, 1.0, [])
+        self.state[0] = self.state_for(self.w.n_params)
+
+    def buckets(self) -> list[tuple[int, float]]:
+        """DDP's buckets in launch order: (the layer whose backward completes it, its gradient bytes)."""
+        grad_bytes = self.w.bytes_per_param[1]
+        cap, full_cap = int(self.job.first_bucket_mb * MiB), int(self.job.bucket_mb * MiB)
+        out, fill, last_layer = [], 0, None
+        for i in reversed(range(len(self.layers))):
+            remaining = self.layers[i].params * grad_bytes
+            while remaining > 0:
+                take = min(remaining, cap - fill)
+                fill, remaining, last_layer = fill + take, remaining - take, i
+                if fill >= cap:
+                    out.append((i, fill))
+                    fill, cap = 0, full_cap
+        if fill:
+            out.append((last_layer, fill))
+        return out
+
+    def local_steps(self, devices: list[int]) -> dict[tuple[int, int], int]:
+        """Forward and per-layer backward of every micro-batch on every replica; the last micro-batch's backward
+        task per (device, layer)."""
+        n, m = len(self.layers), self.job.microbatches
+        last = {}
+        for dev in devices:
+            for k in range(m):
+                self.forward(dev, 0, n, k, [])
+                for i in reversed(range(n)):
+                    last[(dev, i)] = self.backward(dev, i, i + 1, k, [], last=i == 0)
+        return last
+
+    def run_ddp(self, zero1: bool) -> None:
+        devices = list(range(self.job.replicas))
+        r = len(devices)
+        ready = self.local_steps(devices)
+        reduced = [self.collective("allreduce", devices, allreduce_s(self.link, nbytes, r), "comm",
+                                   [ready[(d, layer)] for d in devices]) for layer, nbytes in self.buckets()]
+        updates = [self.optimizer(d, 1 / r if zero1 else 1.0, reduced[-1:]) for d in devices]
+        if zero1:
+            weights = self.w.bytes_per_param[0] * self.w.n_params
+            self.collective("allgather", devices, allgather_s(self.link, weights, r), "comm", updates)
+        for d in devices:
+            self.state[d] = self.state_for(self.w.n_params, shard=r if zero1 else 1)
+
+    def run_fsdp2(self) -> None:
+        devices = list(range(self.job.replicas))
+        r, n = len(devices), len(self.layers)
+        w, g, o = self.w.bytes_per_param
+        gather = lambda i: allgather_s(self.link, w * self.layers[i].params, r)  # noqa: E731
+        scatter = lambda i: reducescatter_s(self.link, g * self.layers[i].params, r)  # noqa: E731
+        scattered = []
+        for k in range(self.job.microbatches):
+            fwd: dict[tuple[int, int], int] = {}
+            for i in range(n):
+                ag = None
+                if self.layers[i].params:  # prefetch: gather layer i once layer i-2 is done (two layers gathered)
+                    ag = self.collective("allgather", devices, gather(i), "allgather",
+                                         [fwd[(d, i - 2)] for d in devices if i >= 2])
+                for d in devices:
+                    fwd[(d, i)] = self.forward(d, i, i + 1, k, [ag])
+            bwd: dict[tuple[int, int], int] = {}
+            for i in reversed(range(n)):
+                ag = None
+                if self.layers[i].params and self.job.reshard_after_forward and i < n - 1:
+                    before = [fwd[(d, n - 1)] for d in devices] if i == n - 2 else [bwd[(d, i + 2)] for d in devices]
+                    ag = self.collective("allgather", devices, gather(i), "allgather", before)
+                for d in devices:
+                    bwd[(d, i)] = self.backward(d, i, i + 1, k, [ag], last=i == 0)
+                if self.layers[i].params:
+                    scattered.append(self.collective("reducescatter", devices, scatter(i), "reducescatter",
+                                                     [bwd[(d, i)] for d in devices]))
+        for d in devices:
+            self.optimizer(d, 1 / r, scattered[-1:])
+        sizes = [layer.params for layer in self.layers]
+        gathered = sum(sizes) if not self.job.reshard_after_forward else max(
+            a + b for a, b in zip(sizes, sizes[1:] + [0]))
+        total = self.w.n_params
+        for d in devices:
+            self.state[d] = DeviceMemory(int(w * (total / r + gathered)), int(g * (total / r + max(sizes))),
+                                         int(o * total / r))
+
+    def run_dp_x_pp(self) -> None:
+        p, r = self.job.stages, self.job.replicas
+        ranges = self.ranges()
+        last = [self.pipeline(self.job.schedule, self.job.microbatches, [rep * p + s for s in range(p)], ranges)
+                for rep in range(r)]
+        n = self.w.n_params or 1
+        grad_bytes = self.w.bytes_per_param[1]
+        for s, (a, b) in enumerate(ranges):
+            group = [rep * p + s for rep in range(r)]
+            reduced = self.collective("allreduce", group, allreduce_s(self.link, grad_bytes * self.params(a, b), r),
+                                      "comm", [last[rep][s] for rep in range(r)])
+            for dev in group:
+                self.optimizer(dev, self.params(a, b) / n, [reduced])
+                self.state[dev] = self.state_for(self.params(a, b))
+
+    def memory(self) -> dict[int, DeviceMemory]:
+        return {d: DeviceMemory(s.params, s.grads, s.optimizer, int(self.traces[d].peak))
+                for d, s in sorted(self.state.items())}
+
+    def build(self) -> None:
+        strategy = self.job.strategy
+        if strategy == "single":
+            self.run_single()
+        elif strategy in PIPELINES:
+            self.run_pipeline("gpipe" if strategy == "naive" else strategy)
+        elif strategy in ("ddp", "zero1"):
+            self.run_ddp(zero1=strategy == "zero1")
+        elif strategy == "fsdp2":
+            self.run_fsdp2()
+        else:
+            self.run_dp_x_pp()
+
+
+def simulate_memory(workload: Workload, job: Job) -> dict[int, DeviceMemory]:
+    """Peak memory per device of `job`, without timing it (the order of work decides what is held, not the
+    clock): cheap enough to screen many configurations."""
+    builder = _Builder(workload, job, FREE_LINK)
+    builder.build()
+    return builder.memory()
+
+
+def simulate(workload: Workload, job: Job, link: Link = FREE_LINK) -> Simulation:
+    """Simulate one optimizer step of `job` on `workload` with devices joined pairwise by `link`."""
+    builder = _Builder(workload, job, link)
+    builder.build()
+    step = builder.graph.run()
+    events = builder.graph.events()
+    busy = busy_fraction(events, COMPUTE_KINDS)
+    memory = builder.memory()
+    return Simulation(job, step, tuple(events), {d: busy.get(d, 0.0) for d in memory}, memory,
+                      {d: builder.traces[d].most for d in memory})

@@ -1,0 +1,94 @@
+"""What the simulator executes: per-layer costs of one sample, from a measured profile or from plain lists.
+
+Costs are kept per sample because every strategy cuts the global batch differently (micro-batches, replicas):
+a layer's time and bytes for b samples are b times its per-sample figures. That linear model is what the
+simulator assumes; tiny micro-batches run less efficiently than that on real hardware (measured on the CPU rig:
+8 micro-batches in one thread take about 20% longer than one batch), so profile at the micro-batch size you plan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from helpers.memory import BYTES_PER_PARAM
+from helpers.profile import Profile
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, for one sample: seconds of forward and backward, parameter count, bytes saved for backward and
+    bytes of its output (what crosses a stage boundary placed after it)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    params: int = 0
+    activations: float = 0.0
+    output: float = 0.0
+
+    def __post_init__(self):
+        for what, value in (("forward", self.forward_s), ("backward", self.backward_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"layer {self.name!r}: {what} cost must be a positive number of seconds, got {value}")
+        for what, value in (("parameter count", self.params), ("activation bytes", self.activations),
+                            ("output bytes", self.output)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"layer {self.name!r}: {what} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model to simulate: its layers in order, the training recipe (bytes per parameter for weights, gradients
+    and optimizer state, `helpers.memory.BYTES_PER_PARAM`) and the seconds of one optimizer step over all
+    parameters on one device."""
+
+    layers: tuple[LayerCost, ...]
+    recipe: str = "fp32 + Adam"
+    optimizer_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a workload needs at least one layer")
+        if self.recipe not in BYTES_PER_PARAM:
+            raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {list(BYTES_PER_PARAM)}")
+        if not (self.optimizer_s >= 0 and math.isfinite(self.optimizer_s)):
+            raise ValueError(f"optimizer step time must be >= 0 seconds, got {self.optimizer_s}")
+
+    @property
+    def bytes_per_param(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer state) bytes per parameter."""
+        return BYTES_PER_PARAM[self.recipe]
+
+    @property
+    def n_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def time_costs(self) -> list[float]:
+        """Forward + backward seconds per layer and sample: what a balanced cut balances."""
+        return [layer.forward_s + layer.backward_s for layer in self.layers]
+
+    @classmethod
+    def from_profile(cls, profile: Profile, recipe: str = "fp32 + Adam", optimizer_s: float = 0.0,
+                     bytes_per_param: int = 4) -> "Workload":
+        """From `helpers.profile.profile_layers`: its times and bytes are for `profile.batch` samples; its
+        parameter bytes are converted to counts with `bytes_per_param` (4 for the fp32 the profiler runs in)."""
+        b = profile.batch
+        if b < 1:
+            raise ValueError(f"the profile's batch must be at least 1, got {b}")
+        return cls(tuple(LayerCost(p.name, p.forward_s / b, p.backward_s / b, p.params // bytes_per_param,
+                                   p.activations / b, p.output / b) for p in profile.layers), recipe, optimizer_s)
+
+    @classmethod
+    def from_lists(cls, forward_s: Sequence[float], backward_s: Sequence[float], params: Sequence[int] | None = None,
+                   activations: Sequence[float] | None = None, output: Sequence[float] | None = None,
+                   recipe: str = "fp32 + Adam", optimizer_s: float = 0.0) -> "Workload":
+        """From plain per-layer lists, all per sample (parameters as counts, the rest in seconds and bytes)."""
+        n = len(forward_s)
+        columns = {"backward_s": backward_s, "params": params, "activations": activations, "output": output}
+        for what, column in columns.items():
+            if column is not None and len(column) != n:
+                raise ValueError(f"{len(column)} entries in {what} for {n} layers in forward_s")
+        pick = lambda column, i: 0 if column is None else column[i]  # noqa: E731
+        return cls(tuple(LayerCost(f"layer {i}", forward_s[i], backward_s[i], pick(params, i), pick(activations, i),
+                                   pick(output, i)) for i in range(n)), recipe, optimizer_s)

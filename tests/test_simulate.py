@@ -1,0 +1,348 @@
+"""The simulator against answers computed by hand: equal stages, exact costs, links whose every message is known."""
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers.course import load_data  # noqa: E402
+from helpers.memory import BYTES_PER_PARAM, transformer_activation_bytes  # noqa: E402
+from helpers.models import build_hf_model, hf_layers  # noqa: E402
+from helpers.pipeline.schedules import bubble_fraction  # noqa: E402
+from helpers.profile import LayerProfile, Profile  # noqa: E402
+from helpers.simulate import (FREE_LINK, MODELS, Job, Knobs, Link, Playground, Workload, allgather_s,  # noqa: E402
+                              allreduce_s, block_activation_bytes, fit_link, gpu_named, layer_flops, on_gpu,
+                              predictions_vs_published, recommend_model, reducescatter_s, resnet50_workload,
+                              simulate, simulate_memory, target_rig, target_rigs, transformer_workload)
+from helpers.timeline import Event, plot_timeline  # noqa: E402
+
+F, B = 1.0, 2.0  # per micro-batch and stage: binary fractions, so every sum below is exact
+MiB = 2**20
+
+
+def equal_stages(p: int, params: int = 0, activations: float = 0.0, output: float = 0.0) -> Workload:
+    return Workload.from_lists([F] * p, [B] * p, params=[params] * p, activations=[activations] * p,
+                               output=[output] * p)
+
+
+# --- pipelines ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
+def test_gpipe_step_is_m_plus_p_minus_1_slots(p, m):
+    sim = simulate(equal_stages(p), Job("gpipe", batch=m, microbatches=m, stages=p))
+    assert sim.step_s == (m + p - 1) * (F + B)
+    assert sim.bubble == pytest.approx(bubble_fraction(p, m))
+    assert sim.in_flight == {s: m for s in range(p)}
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (3, 5), (4, 8)])
+def test_1f1b_same_time_and_p_minus_s_in_flight(p, m):
+    act = 1000.0
+    sim = simulate(equal_stages(p, activations=act), Job("1f1b", batch=m, microbatches=m, stages=p))
+    assert sim.step_s == (m + p - 1) * (F + B)
+    assert sim.in_flight == {s: p - s for s in range(p)}
+    assert {s: mem.activations for s, mem in sim.memory.items()} == {s: (p - s) * act for s in range(p)}
+    gpipe = simulate(equal_stages(p, activations=act), Job("gpipe", batch=m, microbatches=m, stages=p))
+    assert all(mem.activations == m * act for mem in gpipe.memory.values())
+
+
+def test_naive_two_stages_is_twice_one_stage():
+    sim = simulate(equal_stages(2), Job("naive", batch=1))
+    assert sim.step_s == 2 * (F + B)
+    assert sim.bubble == 0.5
+
+
+def test_link_adds_exactly_its_messages_on_the_critical_path():
+    latency, bandwidth, sent = 0.125, 1e6, 250_000.0  # one message: 0.125 + 0.25 s, shorter than F and B
+    c = latency + sent / bandwidth
+    link = Link(latency, bandwidth)
+    work = equal_stages(2, output=sent)
+    # naive: activation across, gradient back, nothing overlaps
+    assert simulate(work, Job("naive", batch=1), link).step_s == 2 * (F + B) + 2 * c
+    # GPipe m=2: the first activation and the last gradient are exposed, the others hide behind compute
+    assert simulate(work, Job("gpipe", batch=2, microbatches=2), link).step_s == 3 * (F + B) + 2 * c
+    # messages scale with the micro-batch's samples: 2 samples per micro-batch send twice the bytes
+    big = simulate(work, Job("naive", batch=2), link)
+    assert big.step_s == pytest.approx(2 * 2 * (F + B) + 2 * (latency + 2 * sent / bandwidth))
+
+
+def test_unbalanced_cut_is_bounded_by_the_slowest_stage():
+    work = Workload.from_lists([F, F, F], [B, B, B])
+    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, cut=(1,)))  # stage 1 holds two layers
+    assert sim.step_s == (F + B) + 4 * 2 * (F + B)
+    with pytest.raises(ValueError, match="increasing first-layer indices"):
+        simulate(work, Job("gpipe", batch=4, microbatches=4, cut=(3,)))
+
+
+def test_checkpointing_recomputes_the_forward_and_holds_only_inputs():
+    work = equal_stages(2, activations=1000.0, output=10.0)
+    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, checkpoint=True))
+    assert sim.step_s == 5 * (F + F + B)
+    # stage 0 holds nothing of its (only) layer's input, stage 1 the 10 bytes it received; + one recompute
+    assert [m.activations for m in sim.memory.values()] == [1000.0, 4 * 10.0 + 1000.0]
+    assert sum(e.kind == "recompute" for e in sim.events) == 8
+
+
+def test_timeline_is_the_measured_format_and_plots_unchanged():
+    sim = simulate(equal_stages(2, output=1e6), Job("1f1b", batch=4, microbatches=4), Link(1e-3, 1e9))
+    assert all(isinstance(e, Event) for e in sim.events)
+    assert {e.kind for e in sim.events} == {"forward", "backward", "send"}
+    assert sum(e.kind == "forward" for e in sim.events) == 8
+    ax = plot_timeline(sim.events)
+    assert len(ax.patches) == len(sim.events)
+    assert sim.plot() is not None
+
+
+# --- data parallelism -----------------------------------------------------------------------------------------------
+
+LAYERS, PARAMS = 4, MiB // 4  # fp32 + Adam: 1 MiB of gradients per layer
+
+
+def ddp_workload(optimizer_s: float = 0.0) -> Workload:
+    return Workload.from_lists([F] * LAYERS, [B] * LAYERS, params=[PARAMS] * LAYERS, optimizer_s=optimizer_s)
+
+
+def test_ddp_one_bucket_adds_the_whole_all_reduce():
+    link = Link(0.05, MiB / 0.5)
+    sim = simulate(ddp_workload(), Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100), link)
+    assert sim.step_s == pytest.approx(LAYERS * (F + B) + allreduce_s(link, LAYERS * MiB, 2), rel=1e-12)
+    assert allreduce_s(link, LAYERS * MiB, 2) == pytest.approx(2 * 0.05 + LAYERS * 0.5)
+
+
+def test_ddp_buckets_hide_behind_backward_except_the_last():
+    link = Link(0.05, MiB / 0.5)  # a 1 MiB bucket takes 0.6 s < one layer's backward
+    sim = simulate(ddp_workload(), Job("ddp", batch=2, bucket_mb=1, first_bucket_mb=1), link)
+    assert sim.step_s == pytest.approx(LAYERS * (F + B) + allreduce_s(link, MiB, 2), rel=1e-12)
+    assert sum(e.kind == "allreduce" for e in sim.events if e.device == 0) == LAYERS
+    # gradient accumulation: no communication until the last micro-batch
+    acc = simulate(ddp_workload(), Job("ddp", batch=8, microbatches=4, bucket_mb=1, first_bucket_mb=1), link)
+    assert acc.step_s == pytest.approx(4 * LAYERS * (F + B) + allreduce_s(link, MiB, 2), rel=1e-12)
+    assert sum(e.kind == "allreduce" for e in acc.events if e.device == 0) == LAYERS
+
+
+def test_ddp_default_buckets_follow_pytorch():
+    link = Link(1e-6, 1e12)
+    sim = simulate(Workload.from_lists([F] * 3, [B] * 3, params=[3 * MiB] * 3), Job("ddp", batch=2), link)
+    # a 2-device all-reduce of n bytes takes 2 * latency + n / bandwidth: read each bucket's size off its duration
+    sizes = [round((e.duration - 2 * link.latency_s) * link.bandwidth) for e in sim.events
+             if e.device == 0 and e.kind == "allreduce"]
+    assert sizes == [MiB, 25 * MiB, 10 * MiB]  # 36 MiB of fp32 gradients: 1 MiB first, then 25 MiB buckets
+
+
+def test_zero1_shards_the_optimizer_and_gathers_the_weights():
+    link = Link(0.05, MiB / 0.5)
+    sim = simulate(ddp_workload(optimizer_s=1.0), Job("zero1", batch=2, bucket_mb=1, first_bucket_mb=1), link)
+    weights = 4 * LAYERS * PARAMS
+    assert sim.step_s == pytest.approx(LAYERS * (F + B) + allreduce_s(link, MiB, 2) + 1.0 / 2
+                                       + allgather_s(link, weights, 2), rel=1e-12)
+    n = LAYERS * PARAMS
+    assert sim.memory[0].params == 4 * n and sim.memory[0].grads == 4 * n and sim.memory[0].optimizer == 8 * n / 2
+    ddp = simulate(ddp_workload(optimizer_s=1.0), Job("ddp", batch=2), link)
+    assert ddp.memory[0].optimizer == 8 * n
+
+
+def test_fsdp2_hides_its_collectives_when_they_are_shorter_than_compute():
+    link = Link(0.0, MiB / 0.4)  # a 1 MiB layer of fp32 weights: all-gather 0.2 s, reduce-scatter 0.2 s
+    sim = simulate(ddp_workload(optimizer_s=1.0), Job("fsdp2", batch=2), link)
+    gather, scatter = allgather_s(link, MiB, 2), reducescatter_s(link, MiB, 2)
+    assert gather == scatter == 0.2
+    # first layer's all-gather, all compute, the first layer's reduce-scatter, the sharded optimizer step
+    assert sim.step_s == pytest.approx(gather + LAYERS * (F + B) + scatter + 1.0 / 2, rel=1e-12)
+    # forward gathers every layer; backward again except the last (kept), reduce-scatter per layer
+    kinds = [e.kind for e in sim.events if e.device == 0]
+    assert kinds.count("allgather") == 2 * LAYERS - 1 and kinds.count("reducescatter") == LAYERS
+    n = LAYERS * PARAMS
+    assert sim.memory[0].params == 4 * (n / 2 + 2 * PARAMS)  # shard + two gathered layers
+    assert sim.memory[0].optimizer == 8 * n / 2
+
+
+def test_fsdp2_forward_waits_for_all_gathers_slower_than_compute():
+    link = Link(0.0, MiB / 3.0)  # all-gather 1.5 s > F
+    sim = simulate(ddp_workload(), Job("fsdp2", batch=2), link)
+    gather = allgather_s(link, MiB, 2)
+    forwards = [e for e in sim.events if e.device == 0 and e.kind == "forward"]
+    assert forwards[-1].end == pytest.approx(LAYERS * gather + F)
+    kept = simulate(ddp_workload(), Job("fsdp2", batch=2, reshard_after_forward=False), link)
+    assert [e.kind for e in kept.events if e.device == 0].count("allgather") == LAYERS
+    assert kept.memory[0].params == 4 * (LAYERS * PARAMS / 2 + LAYERS * PARAMS)
+
+
+def test_dp_x_pp_runs_a_pipeline_per_replica_then_all_reduces_each_stage():
+    link = Link(0.0, MiB / 0.5)
+    sim = simulate(ddp_workload(), Job("dp_x_pp", batch=8, microbatches=2, stages=2, replicas=2,
+                                       schedule="gpipe"), link)
+    per_stage = 2 * F * 2, 2 * B * 2  # two layers per stage, two samples per micro-batch
+    stage_grads = 2 * MiB
+    assert sim.step_s == pytest.approx(3 * sum(per_stage) + allreduce_s(link, stage_grads, 2), rel=1e-12)
+    assert sorted(sim.memory) == [0, 1, 2, 3]
+    assert {e.device for e in sim.events if e.kind == "allreduce"} == {0, 1, 2, 3}
+
+
+def test_single_device_and_memory_without_timing():
+    work = ddp_workload(optimizer_s=0.5)
+    sim = simulate(work, Job("single", batch=4, microbatches=2))
+    assert sim.step_s == 2 * 2 * LAYERS * (F + B) + 0.5
+    assert sim.busy == {0: 1.0}
+    for job in (Job("fsdp2", batch=4, microbatches=2), Job("1f1b", batch=4, microbatches=2, checkpoint=True)):
+        assert simulate_memory(work, job) == simulate(work, job).memory
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+def test_bad_input_is_refused_in_the_users_terms():
+    with pytest.raises(ValueError, match="forward cost must be a positive"):
+        Workload.from_lists([1.0, 0.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="backward cost must be a positive"):
+        Workload.from_lists([1.0], [-1.0])
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        Link(1e-6, 0.0)
+    with pytest.raises(ValueError, match="latency must be finite and >= 0"):
+        Link(-1e-6, 1e9)
+    with pytest.raises(ValueError, match="micro-batch count must be a whole number >= 1"):
+        Job("gpipe", batch=4, microbatches=0)
+    with pytest.raises(ValueError, match="global batch 30 is not divisible by 4 micro-batches"):
+        Job("gpipe", batch=30, microbatches=4)
+    with pytest.raises(ValueError, match="global batch 6 is not divisible by 2 replicas x 4 micro-batches"):
+        Job("ddp", batch=6, microbatches=4)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        Job("tensor", batch=2)
+    with pytest.raises(ValueError, match="m=2 < p=4"):
+        simulate(equal_stages(4), Job("1f1b", batch=2, microbatches=2, stages=4))
+    with pytest.raises(ValueError, match="known GPUs: A100 80GB SXM, RTX 3090, RTX 3090 Ti, RTX 4090"):
+        gpu_named("RTX 5090")
+    with pytest.raises(ValueError, match="known rigs: 2x3090 NVLink"):
+        target_rig("8xH100")
+    with pytest.raises(ValueError, match="at least two different message sizes"):
+        fit_link([1e6, 1e6], [1e-3, 1e-3])
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        simulate(equal_stages(2), Job("gpipe", batch=1, stages=3))
+
+
+# --- hardware -------------------------------------------------------------------------------------------------------
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    sizes = [2**k for k in range(10, 28, 3)]
+    link = fit_link(sizes, [15e-6 + s / 11e9 for s in sizes])
+    assert link.latency_s == pytest.approx(15e-6, rel=1e-6) and link.bandwidth == pytest.approx(11e9, rel=1e-9)
+    noisy = fit_link([0, 1e6, 2e6], [1e-6, 1.0e-4, 2.1e-4])  # intercept < 0: clamped, slope through the origin
+    assert noisy.latency_s == 0.0 and noisy.bandwidth > 0
+
+
+def test_hardware_data_keeps_its_keys_and_cites_originals():
+    hw = load_data("hardware")
+    assert hw["gpus"]["RTX 3090"]["memory_gb"] == 24
+    for key in ("3090_gpu_to_gpu_no_p2p", "3090_nvlink_bridge_effective"):
+        assert {"gb_s_per_direction", "estimate", "source"} <= set(hw["links"][key])
+    text = str(hw)
+    assert "REFERENCE.md" not in text
+    rigs = {name: target_rig(name) for name in target_rigs()}
+    assert {"2x3090 PCIe", "2x3090 NVLink", "2x4090", "2xA100"} <= set(rigs)
+    assert rigs["2x3090 PCIe"].link.bandwidth == pytest.approx(11.28e9)
+    assert rigs["2x3090 PCIe"].gpu.memory_bytes == 24 * 10**9
+    assert rigs["2x3090 NVLink"].link.bandwidth > rigs["2x3090 PCIe"].link.bandwidth
+
+
+def test_flops_counted_on_meta_match_the_transformer_formula():
+    b, s, h, heads = 2, 64, 128, 4
+    model = build_hf_model("gpt2", 1, h, heads, 256, s, 4 * h, meta=True)
+    counts = layer_flops(hf_layers(model), torch.zeros(b, s, dtype=torch.long))
+    forward, backward = counts[1]  # the block
+    assert forward == (24 * b * s * h * h + 4 * b * s * s * h) / b  # per sample
+    assert backward == 2 * forward
+    assert counts[0] == (0, 0)  # an embedding is a lookup
+
+
+def test_roofline_takes_the_lower_roof():
+    gpu = gpu_named("RTX 3090")
+    work = Workload.from_lists([1.0, 1.0], [1.0, 1.0], activations=[0.0, 4e9], output=[0.0, 0.0])
+    scaled = on_gpu(work, [(1e12, 2e12), (1.0, 2.0)], gpu, "bf16")
+    compute, memory = scaled.layers
+    assert compute.forward_s == 1e12 / gpu.flops("bf16") and compute.backward_s == 2 * compute.forward_s
+    assert memory.activations == 2e9  # fp32 bytes measured here -> bf16 there
+    assert memory.forward_s == 2e9 / gpu.memory_bandwidth and memory.backward_s == 2 * memory.forward_s
+
+
+def test_workload_from_a_profile_is_per_sample():
+    profile = Profile((LayerProfile("a", 0.4, 0.8, 4000, 800, 80), LayerProfile("b", 0.2, 0.4, 0, 400, 40)), "cpu", 4)
+    work = Workload.from_profile(profile)
+    assert work.layers[0].forward_s == 0.1 and work.layers[0].params == 1000 and work.layers[1].output == 10
+    assert simulate(work, Job("single", batch=4)).step_s == pytest.approx(sum(profile.costs("time")))
+
+
+# --- decision guide -------------------------------------------------------------------------------------------------
+
+def test_attention_scores_counted_only_where_stored():
+    s, h, a = 1024, 1024, 16
+    assert block_activation_bytes(s, h, a, "eager", batch=3) == transformer_activation_bytes(3, s, h, 1, a)
+    assert block_activation_bytes(s, h, a, "sdpa") == block_activation_bytes(s, h, a, "flash") == 34 * s * h
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        block_activation_bytes(s, h, a, "linear")
+
+
+def test_guide_recommends_ddp_for_a_model_that_fits_and_is_fair():
+    rec = recommend_model("GPT-2 medium")  # 0.36 B parameters: notebook 07 trains it with DDP
+    assert 0.3e9 < rec.n_params < 0.4e9
+    assert rec.choice == "DDP"
+    assert all(o.fits for o in rec.options)
+    big = recommend_model("GPT-2 medium", batch=64)  # too many activations for one batch: DDP accumulates
+    ddp = big.options[0]
+    assert ddp.job.strategy == "ddp" and ddp.fits and (ddp.job.microbatches > 1 or ddp.job.checkpoint)
+    assert big.choice.startswith("DDP")
+
+
+def test_guide_shards_what_does_not_fit_and_says_when_nothing_fits():
+    xl = recommend_model("GPT-2 XL")  # 1.6 B: 16 bytes per parameter alone exceed a 3090
+    assert not xl.options[0].fits and xl.choice and not xl.choice.startswith("DDP")
+    llama = recommend_model("Llama-2 7B")
+    assert not any(o.fits for o in llama.options) and llama.choice.startswith("does not fit")
+    assert set(MODELS) >= {"GPT-2 small", "GPT-2 medium", "GPT-2 XL", "Llama-2 7B", "Llama-2 13B"}
+
+
+def test_transformer_workload_counts_gpt2_parameters():
+    work = transformer_workload(MODELS["GPT-2 small"], 1024, gpu_named("RTX 3090"))
+    assert abs(work.n_params - 124.4e6) < 0.2e6  # GPT-2 small's published 124 M (head tied to the embedding)
+    assert work.optimizer_s > 0 and len(work.layers) == 12 + 3
+
+
+# --- playground and published checks -------------------------------------------------------------------------------
+
+def test_playground_draws_once_without_a_frontend(capsys, monkeypatch):
+    monkeypatch.setenv("LAB_STATIC_WIDGETS", "1")
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    sim = Playground().show()
+    assert sim is not None and sim.job.strategy == "1f1b" and 0 < sim.bubble < 1
+    assert "bubble" in capsys.readouterr().out and plt.get_fignums()
+    assert Playground().draw(Knobs(stages=4, microbatches=2)) is None  # 1F1B needs m >= p: said, not raised
+    assert "not a valid pipeline" in capsys.readouterr().out
+    controls = Playground().controls()
+    assert set(controls) == {"stages", "microbatches", "schedule", "imbalance", "bandwidth_gb_s", "latency_us",
+                             "checkpoint"}
+    slow = Playground().simulate(Knobs(imbalance=1.0))
+    assert slow.step_s > Playground().simulate(Knobs()).step_s
+
+
+def test_resnet50_from_its_convolution_shapes():
+    work = resnet50_workload(224, gpu_named("RTX 3090"), "fp16", "fp32 + SGD")
+    assert work.n_params == 25_557_032  # torchvision.models.resnet50()
+    assert [layer.name for layer in work.layers] == ["stem", "layer1", "layer2", "layer3", "layer4", "pool + fc"]
+    assert work.layers[2].output == 512 * 28 * 28 * 2  # layer2's output at 224 px, fp16: what the tutorial sends
+
+
+def test_predictions_next_to_published_results_run():
+    rows = predictions_vs_published()
+    assert len(rows) >= 10
+    for row in rows:
+        assert math.isfinite(row["predicted"]) and row["predicted"] > 0 and row["source"]
+        assert row["error"] == pytest.approx(row["predicted"] / row["published"] - 1)
+    assert load_data("published")["lambda_2x3090_data_parallel"]["speedup"]["BERT-large"] in \
+        [r["published"] for r in rows]
+
+
+def test_recipes_are_the_memory_modules():
+    assert Workload.from_lists([1.0], [1.0]).bytes_per_param == BYTES_PER_PARAM["fp32 + Adam"]
+    assert FREE_LINK.seconds(1e12) == 0.0
