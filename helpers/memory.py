@@ -174,11 +174,15 @@ class MemoryLedger:
     def report(self) -> dict[str, DeviceMemory]:
         return {lb: self.device(lb) for lb in self.labels}
 
-    def current_bytes(self, label: str) -> int:
-        """Bytes in use right now on `label` (what the live widget draws on CPU)."""
+    def current(self, label: str) -> DeviceMemory:
+        """What `label` holds right now, by part (activations: those alive now, not the peak)."""
         params = self._params[label]
         opt = optimizer_state_bytes(self.optimizer, params) if self.optimizer is not None else 0
-        return param_bytes(params) + grad_bytes(params) + opt + self._live[label]
+        return DeviceMemory(param_bytes(params), grad_bytes(params), opt, self._live[label])
+
+    def current_bytes(self, label: str) -> int:
+        """Bytes in use right now on `label`."""
+        return self.current(label).total
 
 
 def ledger_for(modules: Iterable[nn.Module], labels: Iterable[str],

@@ -20,9 +20,12 @@ def test_unsendable_dtype_is_refused(bad):
         resolve_dtype(bad)
 
 
-def test_gloo_link_benchmark_measures_each_size():
+def test_link_benchmark_measures_every_engine_link_at_each_size():
     samples = link_benchmark(cpu_rig(), [4096, 65536], repeats=2)
-    assert [s.bytes for s in samples] == [4096, 65536]
+    paths = {s.path for s in samples}
+    assert paths == {"processes: point-to-point (gloo)", "processes: all-reduce (gloo)"}
+    for path in paths:
+        assert [s.bytes for s in samples if s.path == path] == [4096, 65536]
     assert all(s.seconds > 0 and s.gb_per_s > 0 for s in samples)
 
 

@@ -2,8 +2,10 @@
 
 - `Wire`: the dtype activations and gradients travel in. fp16/bf16 halve the bytes; values are cast back to the
   compute dtype on arrival, in both directions, so backward sees correctly typed gradients.
-- `link_benchmark`: bandwidth and latency over a size sweep. On GPUs: CUDA copies host->device (pinned vs pageable)
-  and device->device; on CPU: gloo send/recv between two ranks (run through the launcher).
+- `link_benchmark`: time over a size sweep of every link the engines use: the process engines' point-to-point
+  messages and DDP's all-reduce (NCCL, or gloo), and on GPUs the threaded engine's GPU-to-GPU copies and host
+  transfers (pinned vs pageable).
+- `send_to` / `CopyStreams`: the threaded engine's transfers, on side streams between GPUs.
 """
 from __future__ import annotations
 
@@ -76,33 +78,64 @@ def default_sizes(max_bytes: int = 64 * 2**20) -> list[int]:
     return sizes
 
 
-def _round_trip(buf: torch.Tensor, rank: int) -> None:
-    """Rank 0 sends `buf` to rank 1, which sends it back."""
-    if rank == 0:
-        dist.send(buf, 1)
-        dist.recv(buf, 1)
-    elif rank == 1:
-        dist.recv(buf, 0)
-        dist.send(buf, 0)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def gloo_pingpong(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
-    """Rank worker: one-way time of n bytes = round trip / 2, median of repeats, per size."""
-    rank = dist.get_rank()
+def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) -> None:
+    """One message as the process engine sends it: one `batch_isend_irecv` on the rank's device (NCCL), or staged
+    through host memory when the backend is gloo (the CPU rig; two ranks sharing one GPU)."""
+    wire = buf if dist.get_backend() == "nccl" else buf.to("cpu")
+    op = dist.P2POp(dist.isend if sending else dist.irecv, wire, peer)
+    for work in dist.batch_isend_irecv([op]):
+        work.wait()
+    if not sending and wire is not buf:
+        buf.copy_(wire)
+    _sync(device)
+
+
+def _timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of `fn()` over `repeats`, after one untimed warm-up, all ranks starting together."""
+    times = []
+    for r in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def process_links(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
+    """Rank worker: the links the multi-process engines use, on this rig's backend. Point-to-point: one-way time of
+    n bytes (round trip / 2, as the pipeline engine sends them); all-reduce: time of one all-reduce of n bytes (as
+    DDP averages a gradient bucket)."""
+    from helpers.runtime.launch import rank_device
+
+    rank, device, backend = dist.get_rank(), rank_device(), dist.get_backend()
+    staged = "" if backend == "nccl" else ", through host memory" if device.type == "cuda" else ""
+    peer = 1 - rank
+    warm = torch.zeros(1, device=device)
     for _ in range(3):  # the first messages pay for connection setup
-        _round_trip(torch.zeros(1), rank)
+        _one_way(warm, peer, rank == 0, device)
+        _one_way(warm, peer, rank == 1, device)
+        dist.all_reduce(warm)
     samples = []
     for n in sizes:
-        buf = torch.zeros(n // 4, dtype=torch.float32)
-        times = []
-        for r in range(repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            _round_trip(buf, rank)
-            if r:
-                times.append((time.perf_counter() - t0) / 2)
-        samples.append(LinkSample("gloo send/recv (CPU ranks)", n, statistics.median(times)))
-    return samples
+        buf = torch.zeros(n // 4, dtype=torch.float32, device=device)
+
+        def round_trip() -> None:
+            first, second = (True, False) if rank == 0 else (False, True)
+            _one_way(buf, peer, first, device)
+            _one_way(buf, peer, second, device)
+
+        samples.append(LinkSample(f"processes: point-to-point ({backend}{staged})", n,
+                                  _timed(round_trip, repeats, device) / 2))
+        samples.append(LinkSample(f"processes: all-reduce ({backend})", n,
+                                  _timed(lambda: dist.all_reduce(buf), repeats, device)))
+    return samples if rank == 0 else []
 
 
 def _time_copy(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> float:
@@ -118,10 +151,10 @@ def _time_copy(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> float:
 
 
 def cuda_copy_benchmark(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
-    """Host->device from pinned and from pageable memory, and device->device (cuda:0 -> cuda:1, or within
-    cuda:0 on a one-GPU machine). Only call where CUDA is available."""
+    """In one process (the threaded engine's path): device->device (cuda:0 -> cuda:1, or within cuda:0 on a
+    one-GPU machine), and host->device from pinned and from pageable memory. Only call where CUDA is available."""
     if not torch.cuda.is_available():
-        raise RuntimeError("cuda_copy_benchmark needs CUDA; on CPU use the gloo benchmark")
+        raise RuntimeError("cuda_copy_benchmark needs CUDA; on CPU the process links are what there is to measure")
     dst_index = 1 if torch.cuda.device_count() > 1 else 0
     samples = []
     for n in sizes:
@@ -130,23 +163,26 @@ def cuda_copy_benchmark(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
         pinned = torch.empty(numel, pin_memory=True)
         dev0 = torch.empty(numel, device="cuda:0")
         dev1 = torch.empty(numel, device=f"cuda:{dst_index}")
+        samples.append(LinkSample(f"threads: cuda:0->cuda:{dst_index} copy", n, _time_copy(dev0, dev1, repeats)))
         samples.append(LinkSample("host->cuda:0 pinned", n, _time_copy(pinned, dev0, repeats)))
         samples.append(LinkSample("host->cuda:0 pageable", n, _time_copy(pageable, dev0, repeats)))
-        samples.append(LinkSample(f"cuda:0->cuda:{dst_index}", n, _time_copy(dev0, dev1, repeats)))
     return samples
 
 
 def link_benchmark(rig, sizes: list[int] | None = None, repeats: int = 5) -> list[LinkSample]:
-    """The link between this rig's two devices, measured: CUDA copies on GPUs, gloo send/recv on CPU."""
+    """Every link the engines use on this rig, over a sweep of message sizes: the multi-process engines'
+    point-to-point and all-reduce (two ranks), and on GPUs the in-process copies of the threaded engine and host
+    transfers."""
     from helpers.runtime.launch import run
 
     sizes = sizes or default_sizes()
     bad = [n for n in sizes if n < 4 or n % 4]
     if bad:
         raise ValueError(f"message sizes must be positive multiples of 4 bytes (fp32 elements), got {bad}")
-    if rig.is_cuda:
-        return cuda_copy_benchmark(sizes, repeats)
-    return run(gloo_pingpong, sizes, repeats, rig=rig)[0]
+    if not repeats >= 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    copies = cuda_copy_benchmark(sizes, repeats) if rig.is_cuda else []
+    return copies + run(process_links, sizes, repeats, rig=rig)[0]
 
 
 class CopyStreams:

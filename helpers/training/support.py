@@ -16,8 +16,7 @@ DATA_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
 STRATEGIES = (*PIPELINE_STRATEGIES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp")
 ENGINES = ("threads", "processes", "torch")
 
-GLOO_CUDA = ("gloo cannot carry CUDA tensors for {what} (PyTorch's backend table; pytorch#45995 for send/recv), and "
-             "NCCL refuses two ranks on one GPU")
+GLOO_CUDA = ("gloo cannot carry CUDA tensors for {what} ({source}), and NCCL refuses two ranks on one GPU")
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,52 @@ def support(rig: Rig, strategy: str, engine: str, ranks: int = 2) -> Support:
         return Support(False, f"{ranks} ranks need {ranks} GPUs, this rig has {rig.max_ranks}")
     if rig.kind == "one_gpu":
         if engine == "torch":
-            return Support(False, GLOO_CUDA.format(what="send/recv") + ": torch.distributed.pipelining sends CUDA "
-                                  "tensors; use engine='processes', which stages them through host memory")
+            return Support(False, GLOO_CUDA.format(what="send/recv", source="pytorch#45995") +
+                           ": torch.distributed.pipelining sends CUDA tensors; use engine='processes', which stages "
+                           "them through host memory")
         if strategy in ("zero2", "fsdp2"):
-            return Support(False, GLOO_CUDA.format(what="reduce-scatter and all-gather") + ": FSDP2 needs both")
+            return Support(False, GLOO_CUDA.format(what="reduce-scatter and all-gather",
+                                                   source="the backend table of PyTorch's distributed docs") +
+                           ": FSDP2 needs both")
     return Support(True)
+
+
+def reference_rigs() -> dict[str, Rig]:
+    """The three rigs of the course, described without touching CUDA (what `detect_rig` returns on each)."""
+    import torch
+
+    from helpers.runtime.rig import cpu_rig
+
+    gpu = "NVIDIA GeForce RTX 3090"
+    cuda0, cuda1 = torch.device("cuda:0"), torch.device("cuda:1")
+    cpu = cpu_rig(threads=1)
+    return {
+        "CPU (2 cores)": Rig("cpu", cpu.devices, cpu.names, cpu.capacity_bytes, "gloo", 2),
+        "one GPU": Rig("one_gpu", (cuda0, cuda0), (gpu, gpu), (12 * 2**30,) * 2, "gloo", 2),
+        "two GPUs": Rig("two_gpus", (cuda0, cuda1), (gpu, gpu), (24 * 2**30,) * 2, "nccl", 2, peer_access=False),
+    }
+
+
+def support_markdown() -> str:
+    """The matrix as a Markdown table, with each refusal's reason below it (README shows exactly this)."""
+    rigs = reference_rigs()
+    rows = support_rows(rigs)
+    reasons: dict[str, int] = {}
+    lines = ["| strategy | engine | " + " | ".join(rigs) + " |", "|---|---|" + "---|" * len(rigs)]
+    for row in rows:
+        cells = []
+        for name in rigs:
+            value = row[name]
+            if value.startswith("no: ") or value == "yes*":
+                reason = value[4:] if value.startswith("no: ") else support(rigs[name], row["strategy"],
+                                                                             row["engine"]).reason
+                number = reasons.setdefault(reason, len(reasons) + 1)
+                value = f"{'no' if value.startswith('no') else 'yes'} ({number})"
+            cells.append(value)
+        lines.append(f"| {row['strategy']} | {row['engine']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"({n}) {reason}." for reason, n in reasons.items()]
+    return "\n".join(lines)
 
 
 def support_rows(rigs: dict[str, Rig]) -> list[dict]:
@@ -71,3 +111,7 @@ def support_rows(rigs: dict[str, Rig]) -> list[dict]:
                 row[name] = ("yes" if not s.reason else "yes*") if s.ok else f"no: {s.reason}"
             rows.append(row)
     return rows
+
+
+if __name__ == "__main__":
+    print(support_markdown())

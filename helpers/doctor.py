@@ -1,0 +1,304 @@
+"""`python -m helpers.doctor`: the first command on a new machine. Every engine and strategy this rig supports, run
+once against one device, and the links the engines really use, measured.
+
+It prints, and with `--json PATH` writes:
+1. the rig and its topology: GPUs, driver, CUDA, NCCL, `nvidia-smi topo -m`, peer access between every pair, NVLink
+   state, the environment variables that change NCCL's behaviour, and the rig's advice;
+2. the links: the multi-process engines' point-to-point and all-reduce (NCCL, or gloo), and on GPUs the threaded
+   engine's GPU-to-GPU copies and host transfers, over a size sweep, fitted as latency + bytes / bandwidth;
+3. a one-step parity check of every engine and strategy (threads, processes, torch.distributed.pipelining; naive,
+   GPipe, 1F1B; DDP, ZeRO-1, ZeRO-2, FSDP2; DP x PP) against one device: PASS, FAIL, or REFUSED with the reason
+   this rig cannot run it; and the CUDA-only paths (CUDA-event timelines, copy and compute streams, the NVML panel).
+Exit status 1 if anything FAILed. On the CPU rig it runs the same checks there (CI runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from helpers.check import max_grad_diff
+from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+from helpers.runtime.rig import Rig, detect_rig
+from helpers.training.support import engines_for, support
+
+CFG = StackConfig(hidden=64, n_blocks=4, heads=2, seq_len=16, vocab=128)  # small: each check takes seconds
+BATCH = 8
+CUT = (3,)
+TOLERANCE = 1e-5  # fp32: same loss, gradients within 1e-5
+NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_IB_DISABLE", "NCCL_SHM_DISABLE", "NCCL_DEBUG",
+            "CUDA_VISIBLE_DEVICES", "LAB_FORCE_CPU", "LAB_CPU_THREADS")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS | FAIL | REFUSED
+    detail: str = ""
+    seconds: float = 0.0
+
+
+# --- 1. rig and topology ------------------------------------------------------------------------------------------
+
+def _command(args: list[str]) -> str | None:
+    """A command's output, or None where the command does not exist or fails."""
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def topology(rig: Rig) -> dict:
+    """What the machine is, as the engines will see it."""
+    info = {"rig": rig.describe(), "kind": rig.kind, "python": platform.python_version(),
+            "platform": platform.platform(), "torch": torch.__version__, "advice": list(rig.advice),
+            "environment": {k: os.environ[k] for k in NCCL_ENV if k in os.environ}}
+    if not torch.cuda.is_available():
+        return info
+    n = torch.cuda.device_count()
+    info.update({
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+        "gpus": [{"index": i, "name": torch.cuda.get_device_name(i),
+                  "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+                  "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))} for i in range(n)],
+        "peer_access": {f"{i}->{j}": bool(torch.cuda.can_device_access_peer(i, j))
+                        for i in range(n) for j in range(n) if i != j},
+        "driver": _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+        "topo": _command(["nvidia-smi", "topo", "-m"]),
+        "nvlink": _command(["nvidia-smi", "nvlink", "-s"]) or "no NVLink reported",
+    })
+    return info
+
+
+# --- 2. links ----------------------------------------------------------------------------------------------------
+
+def links(rig: Rig, sizes: list[int], repeats: int) -> list[dict]:
+    """Each link the engines use, fitted as latency + bytes / bandwidth from the sweep."""
+    from helpers.pipeline.comm import link_benchmark
+    from helpers.simulate.hardware import fit_link
+
+    samples = link_benchmark(rig, sizes, repeats)
+    out = []
+    for path in dict.fromkeys(s.path for s in samples):
+        pts = [s for s in samples if s.path == path]
+        link = fit_link([s.bytes for s in pts], [s.seconds for s in pts], path)
+        out.append({"path": path, "latency_us": link.latency_s * 1e6, "GB/s": link.bandwidth / 1e9,
+                    "largest message GB/s": pts[-1].gb_per_s,
+                    "samples": [{"bytes": s.bytes, "seconds": s.seconds} for s in pts]})
+    return out
+
+
+# --- 3. parity checks ---------------------------------------------------------------------------------------------
+
+def _reference(device: torch.device) -> tuple[float, list[torch.Tensor]]:
+    model = build_stack(CFG, device=device)
+    x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
+    loss = lm_loss(model(x.to(device)), y.to(device))
+    loss.backward()
+    return loss.item(), [p.grad.detach().cpu() for p in model.parameters()]
+
+
+def _compare(reference, loss: float, grads) -> str:
+    ref_loss, ref_grads = reference
+    diff = max_grad_diff(ref_grads, grads)
+    if not (abs(loss - ref_loss) <= TOLERANCE and diff <= TOLERANCE):
+        raise AssertionError(f"loss {loss:.6f} vs one device {ref_loss:.6f}; gradients differ by {diff:.1e} "
+                             f"(allowed {TOLERANCE:.0e})")
+    return f"loss diff {abs(loss - ref_loss):.1e}, grad diff {diff:.1e}"
+
+
+def _threads(rig: Rig, schedule: str, m: int, reference) -> str:
+    from helpers.pipeline.stages import split_model
+    from helpers.pipeline.threaded import ThreadedPipeline
+
+    split = split_model(build_stack(CFG), list(CUT), rig.devices)
+    x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
+    pipe = ThreadedPipeline(split, schedule, m)
+    loss = pipe.step(x.to(rig.devices[0]), y.to(rig.devices[-1])).item()
+    if rig.is_cuda:
+        torch.cuda.synchronize()
+    kinds = {e.kind for e in pipe.events()}
+    return _compare(reference, loss, [p.grad.detach().cpu() for p in split.parameters()]) + \
+        f"; timeline {sorted(kinds)}"
+
+
+def _processes(rig: Rig, reference, **fields) -> str:
+    from helpers.training.job import TrainJob
+    from helpers.training.loop import run_training
+
+    job = TrainJob(CFG, batch=BATCH, steps=1, return_grads=True, **fields)
+    res = run_training(job, rig, oversubscribe=rig.is_cpu)
+    return _compare(reference, res.loss, res.grads) + f"; step {res.step_s * 1e3:.1f} ms"
+
+
+def _cuda_paths(rig: Rig) -> str:
+    """The pieces that only exist on GPUs: CUDA-event spans, the memory panel's NVML and allocator readings."""
+    from helpers.memory import ledger_for
+    from helpers.monitor import MemoryMonitor
+    from helpers.timeline import Recorder
+
+    device = rig.devices[0]
+    rec = Recorder(0, device)
+    a = torch.randn(1024, 1024, device=device)
+    with rec.span("forward", 0):
+        (a @ a).sum()
+    (event,) = rec.events()
+    if not event.duration > 0:
+        raise AssertionError(f"a CUDA-event span measured {event.duration} s")
+    model = build_stack(CFG, device=device)
+    readings = MemoryMonitor(rig, ledger_for([model], [rig.labels[0]])).readings()
+    return (f"CUDA-event span {event.duration * 1e6:.0f} us; panel: allocated {readings[0].allocated}, "
+            f"nvidia-smi {readings[0].nvml if readings[0].nvml is not None else 'N/A'}")
+
+
+def plan_checks(rig: Rig) -> list[tuple[str, str, str, Callable[[], str] | None]]:
+    """(name, strategy, engine, run) for every check; run is None where only the support matrix decides."""
+    ref = {}
+
+    def reference():
+        if "value" not in ref:
+            ref["value"] = _reference(rig.devices[0])
+        return ref["value"]
+
+    pipe = dict(pp=2, boundaries=CUT)
+    checks = [
+        ("threads: naive split", "naive", "threads", lambda: _threads(rig, "gpipe", 1, reference())),
+        ("threads: GPipe m=4", "gpipe", "threads", lambda: _threads(rig, "gpipe", 4, reference())),
+        ("threads: 1F1B m=4", "1f1b", "threads", lambda: _threads(rig, "1f1b", 4, reference())),
+        ("processes: naive split", "naive", "processes",
+         lambda: _processes(rig, reference(), microbatches=1, **pipe)),
+        ("processes: GPipe m=4, blocking sends", "gpipe", "processes",
+         lambda: _processes(rig, reference(), microbatches=4, overlap=False, **pipe)),
+        ("processes: GPipe m=4", "gpipe", "processes", lambda: _processes(rig, reference(), microbatches=4, **pipe)),
+        ("processes: 1F1B m=4", "1f1b", "processes",
+         lambda: _processes(rig, reference(), schedule="1f1b", microbatches=4, **pipe)),
+        ("torch: GPipe m=4", "gpipe", "torch",
+         lambda: _processes(rig, reference(), microbatches=4, engine="torch", **pipe)),
+        ("torch: 1F1B m=4", "1f1b", "torch",
+         lambda: _processes(rig, reference(), schedule="1f1b", microbatches=4, engine="torch", **pipe)),
+        *[(f"processes: {s}", s, "processes",
+           (lambda s=s: _processes(rig, reference(), dp=2, data_parallel=s, optimizer="adam")))
+          for s in ("ddp", "zero1", "zero2", "fsdp2")],
+        ("processes: DP x PP 2 x 2, 1F1B", "dp_x_pp", "processes",
+         lambda: _processes(rig, reference(), dp=2, schedule="1f1b", microbatches=2, **pipe)),
+        ("torch: DP x PP 2 x 2, 1F1B", "dp_x_pp", "torch",
+         lambda: _processes(rig, reference(), dp=2, schedule="1f1b", microbatches=2, engine="torch", **pipe)),
+    ]
+    return checks
+
+
+def run_check(rig: Rig, name: str, strategy: str, engine: str, fn: Callable[[], str]) -> Check:
+    verdict = support(rig, strategy, engine, ranks=4 if strategy == "dp_x_pp" else 2)
+    if not verdict.ok:
+        return Check(name, "REFUSED", verdict.reason)
+    t0 = time.perf_counter()
+    try:
+        detail = fn()
+        return Check(name, "PASS", detail, time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - a failing check is a result, not a crash
+        return Check(name, "FAIL", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}",
+                     time.perf_counter() - t0)
+
+
+def all_checks(rig: Rig, progress: bool = True) -> list[Check]:
+    checks = []
+    for name, strategy, engine, fn in plan_checks(rig):
+        assert engine in engines_for(strategy)
+        checks.append(run_check(rig, name, strategy, engine, fn))
+        if progress:
+            print(f"  {checks[-1].status:<8} {name}", flush=True)
+    t0 = time.perf_counter()
+    if rig.is_cuda:
+        try:
+            checks.append(Check("CUDA paths: event timing, memory panel", "PASS", _cuda_paths(rig),
+                                time.perf_counter() - t0))
+        except Exception as exc:  # noqa: BLE001
+            checks.append(Check("CUDA paths: event timing, memory panel", "FAIL", f"{type(exc).__name__}: {exc}"))
+    else:
+        checks.append(Check("CUDA paths: event timing, copy streams, memory panel", "REFUSED",
+                            "no CUDA on this rig: the CPU rig times with the wall clock and counts memory itself"))
+    return checks
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True) -> dict:
+    from helpers.training.support import support_rows
+
+    if progress:
+        print(rig.describe(), flush=True)
+    result = {"topology": topology(rig)}
+    if progress:
+        print("links ...", flush=True)
+    result["links"] = links(rig, sizes, repeats)
+    if progress:
+        print("parity checks (one training step against one device):", flush=True)
+    result["checks"] = [asdict(c) for c in all_checks(rig, progress)]
+    result["support"] = support_rows({"this rig": rig})
+    return result
+
+
+def print_report(result: dict) -> None:
+    from helpers.report import table
+
+    topo = result["topology"]
+    print(f"\n{topo['rig']}\ntorch {topo['torch']}, Python {topo['python']}, {topo['platform']}")
+    for key in ("cuda", "nccl", "driver"):
+        if topo.get(key):
+            print(f"{key}: {topo[key]}")
+    for key in ("peer_access", "environment"):
+        if topo.get(key):
+            print(f"{key}: {topo[key]}")
+    for key in ("topo", "nvlink"):
+        if topo.get(key):
+            print(f"{key}:\n{topo[key]}")
+    for line in topo["advice"]:
+        print("advice:", line)
+    print("\nlinks (fitted: time = latency + bytes / bandwidth):")
+    print(table([{k: v for k, v in row.items() if k != "samples"} for row in result["links"]]))
+    print("\nchecks:")
+    print(table([{"check": c["name"], "status": c["status"], "seconds": c["seconds"],
+                  "detail": c["detail"].splitlines()[0][:110] if c["detail"] else ""} for c in result["checks"]]))
+    failed = [c for c in result["checks"] if c["status"] == "FAIL"]
+    for c in failed:
+        print(f"\nFAIL {c['name']}:\n{c['detail']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m helpers.doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
+    parser.add_argument("--cpu", action="store_true", help="check the CPU rig even on a GPU machine")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats per message size in the link sweep")
+    ns = parser.parse_args(argv)
+    rig = detect_rig(force_cpu=ns.cpu or None)
+    if rig.is_cpu:
+        torch.set_num_threads(rig.threads_per_device)
+    sizes = [2**k for k in range(12, 25, 2)] if rig.is_cpu else [2**k for k in range(12, 29, 2)]
+    result = report(rig, sizes, ns.repeats)
+    print_report(result)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {ns.json}")
+    failed = sum(c["status"] == "FAIL" for c in result["checks"])
+    counts = {s: sum(c["status"] == s for c in result["checks"]) for s in ("PASS", "FAIL", "REFUSED")}
+    print(f"\ndoctor: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['REFUSED']} REFUSED (reasons above)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
