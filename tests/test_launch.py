@@ -214,3 +214,10 @@ def test_torchrun_entry_takes_json_arguments():
                           env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "6.0"
+
+
+def test_native_windows_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(RuntimeError, match="run the course inside WSL2"):
+        run(workers.whoami, rig=cpu_rig())
+    assert _spawned_children() == []

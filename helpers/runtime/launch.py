@@ -72,6 +72,15 @@ def check_importable(fn: Callable) -> None:
         raise ValueError(f"worker {where} cannot be imported by a fresh process: {exc}") from None
 
 
+def check_system() -> None:
+    """Refuse native Windows before anything starts: PyTorch's distributed backends there lack what the engines use
+    (NCCL is absent, gloo's Windows build is limited), and a rank is started with an inherited pipe, which Windows
+    cannot pass. WSL2 is Linux, and works."""
+    if sys.platform == "win32":
+        raise RuntimeError("multi-process runs need Linux or macOS: on Windows, run the course inside WSL2 (see "
+                           "README, 'Supported systems'); the in-process engines (threads) work everywhere")
+
+
 def check_ranks(rig: Rig, nranks: int, oversubscribe: bool) -> None:
     """Refuse more ranks than the rig hosts, before anything starts."""
     if nranks < 1:
@@ -290,6 +299,7 @@ def _relay_output(ranks: list[_Rank]) -> None:
 def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIMEOUT_S, rig: Rig | None = None,
         oversubscribe: bool = False, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `nranks` processes; return the list of their return values, rank order."""
+    check_system()
     rig = rig or detect_rig()
     check_ranks(rig, nranks, oversubscribe)
     check_importable(fn)
