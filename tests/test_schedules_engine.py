@@ -6,6 +6,7 @@ import torch
 from helpers.check import assert_same_grads
 from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan
 from helpers.pipeline.threaded import ThreadedPipeline, split_batch
+from helpers.precision import Precision, max_relative_diff
 from helpers.memory import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
@@ -104,3 +105,27 @@ def test_the_plan_checker_finds_the_old_deadlock_and_misdeliveries():
                [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]]
     with pytest.raises(ValueError, match="wrong receive"):
         check_p2p_plan(crossed)
+
+
+@pytest.mark.parametrize("precision", [Precision(autocast="bf16"), Precision(dtype="bf16"), Precision(dtype="fp64")],
+                         ids=str)
+def test_threaded_pipeline_in_every_precision(precision):
+    """bf16 weights used to fail in stage 1 (the boundary was cast back to fp32) and fp64 was rounded to fp32 on
+    the way: the wire now carries the dtype each stage computed."""
+    model = build_stack(CFG).to(precision.weights)
+    x, y = SyntheticTokens(8, CFG.seq_len, CFG.vocab).batch(0, 8)
+    split = split_model(copy.deepcopy(model), 3, CPU2)
+    loss = ThreadedPipeline(split, "1f1b", 4, precision=precision).step(x, y)
+    with precision.context(torch.device("cpu")):
+        ref = lm_loss(model(x), y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-3 * ref.item()
+    grads = [p.grad.float() for p in split.parameters()]
+    assert max_relative_diff([p.grad.float() for p in model.parameters()], grads) <= precision.tolerance
+
+
+def test_stages_of_different_dtypes_are_refused():
+    split = split_model(build_stack(CFG), 3, CPU2)
+    split.stages[1].to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"different dtypes \(stage 0: torch.float32; stage 1: torch.bfloat16\)"):
+        ThreadedPipeline(split, "gpipe", 2)

@@ -29,17 +29,46 @@ def kept_tokens(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
+PADDING = ("none", "right", "left")
+PAD_ID = 0
+
+
+def pad_sequences(x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, side: str,
+                  pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padding as a tokenizer makes it, for sequences of `lengths` real tokens: on the right (training) or the left
+    (generation). A pad position gets `pad_id` as input, IGNORE_INDEX as target and 0 in the attention mask."""
+    if side not in ("right", "left"):
+        raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+    b, s = x.shape
+    positions = torch.arange(s).expand(b, s)
+    real = positions < lengths[:, None] if side == "right" else positions >= (s - lengths)[:, None]
+    if side == "left":  # move each sequence's first `length` tokens to the end
+        shift = (s - lengths)[:, None]
+        source = (positions - shift).clamp(min=0)
+        x, y = x.gather(1, source), y.gather(1, source)
+    mask = real.long()
+    return x.masked_fill(~real, pad_id), y.masked_fill(~real, IGNORE_INDEX), mask
+
+
 @dataclass(frozen=True)
 class SyntheticTokens:
     """Deterministic token sequences with learnable structure: each token follows from the previous one by a fixed
-    random permutation, with a fraction of noise tokens. Same seed, same data, on every rig."""
+    random permutation, with a fraction of noise tokens. Same seed, same data, on every rig.
+
+    With `padding` "right" or "left", each sample keeps a seeded number of real tokens (from a quarter of the
+    sequence to all of it) and the rest is padding: `masked_batch` returns the attention mask too."""
 
     n_samples: int
     seq_len: int = 32
     vocab: int = 256
     noise: float = 0.1
     seed: int = 0
+    padding: str = "none"
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.padding not in PADDING:
+            raise ValueError(f"unknown padding {self.padding!r}; choose one of {PADDING}")
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both [n_samples, seq_len] int64; targets are inputs shifted by one."""
@@ -62,3 +91,13 @@ class SyntheticTokens:
             raise ValueError(f"batch size {batch_size} must be between 1 and the {self.n_samples} samples")
         start = (index * batch_size) % (self.n_samples - batch_size + 1)
         return x[start:start + batch_size], y[start:start + batch_size]
+
+    def masked_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, targets, attention mask) of batch `index`; the mask is None without padding."""
+        x, y = self.batch(index, batch_size)
+        if self.padding == "none":
+            return x, y, None
+        g = torch.Generator().manual_seed(self.seed + 1)
+        lengths = torch.randint(max(1, self.seq_len // 4), self.seq_len + 1, (self.n_samples,), generator=g)
+        start = (index * batch_size) % (self.n_samples - batch_size + 1)
+        return pad_sequences(x, y, lengths[start:start + batch_size], self.padding)

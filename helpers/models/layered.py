@@ -79,16 +79,42 @@ def owned_layers(model: LayeredModel, indices: Sequence[int], device: torch.devi
     return layers
 
 
+def tie_parameters_(layers: Sequence[nn.Module], pairs: Sequence[tuple[tuple[int, str], tuple[int, str]]]) -> None:
+    """Make each pair's second parameter the very object of the first (one device holds both uses: a tied
+    embedding and head become one weight again, as in the original model)."""
+    for (i, a), (j, b) in pairs:
+        module_path, _, name = b.rpartition(".")
+        owner = layers[j].get_submodule(module_path) if module_path else layers[j]
+        setattr(owner, name, layers[i].get_parameter(a))
+
+
+def microbatch_seed(data_seed: int, step: int, index: int) -> int:
+    """The dropout seed of micro-batch `index` (counted over the whole global batch) at `step`: the same in every
+    engine, so a run is repeatable, and with one micro-batch equal to one device's."""
+    return (data_seed * 1_000_003 + step * 10_007 + index * 101 + 7) % (2**31 - 1)
+
+
+def with_seed(ctx: object | None, seed: int) -> object | None:
+    """`ctx` carrying a dropout seed, for models whose context has one (Hugging Face layers); others unchanged."""
+    from dataclasses import is_dataclass, replace
+
+    if ctx is not None and is_dataclass(ctx) and hasattr(ctx, "seed"):
+        return replace(ctx, seed=seed)
+    return ctx
+
+
 def is_meta(module: nn.Module) -> bool:
     """True when every parameter and buffer of `module` is on the meta device (a layer this rank does not own)."""
     tensors = [*module.parameters(), *module.buffers()]
     return bool(tensors) and all(t.is_meta for t in tensors)
 
 
-def boundary_shapes(model: LayeredModel, boundaries: Sequence[int], microbatch: int, seq_len: int) -> list[tuple]:
-    """(shape, dtype) of the tensor that crosses each boundary, from a forward pass on the meta device: no data,
-    no memory, no layer run on anything real. Layer i's output crosses boundary b when b == i + 1."""
-    layers = model.meta_layers()
+def boundary_shapes(model: LayeredModel, boundaries: Sequence[int], microbatch: int, seq_len: int,
+                    dtype: torch.dtype | None = None) -> list[tuple]:
+    """(shape, dtype) of the tensor that crosses each boundary, from a forward pass on the meta device (weights in
+    `dtype` if given): no data, no memory, no layer run on anything real. Layer i's output crosses boundary b when
+    b == i + 1."""
+    layers = [layer.to(dtype) if dtype is not None else layer for layer in model.meta_layers()]
     ids = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
     ctx = model.context(ids, None)
     out, h = [], ids

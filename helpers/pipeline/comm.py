@@ -16,44 +16,57 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SENDABLE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+SENDABLE = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 DTYPES = {v: k for k, v in SENDABLE.items()}
+AUTO = "auto"  # send in the dtype the stage computed: exact, whatever the model's precision
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """fp32/fp16/bf16 (or the torch dtypes); anything else cannot carry activations and gradients."""
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A wire dtype: fp64/fp32/fp16/bf16 (or the torch dtypes), or None for "auto"; anything else cannot carry
+    activations and gradients."""
+    if dtype is None or dtype == AUTO:
+        return None
     resolved = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if resolved not in SENDABLE:
-        raise ValueError(f"cannot send activations as {dtype}: boundary transfers take fp32, fp16 or bf16 "
-                         "(integer or 8-bit types would need scaling that gradients do not survive)")
+        raise ValueError(f"cannot send activations as {dtype}: boundary transfers take 'auto' (the model's own "
+                         "dtype), fp32, fp16, bf16 or fp64 (integer or 8-bit types would need scaling that "
+                         "gradients do not survive)")
     return resolved
 
 
 @dataclass(frozen=True)
 class Wire:
-    """How tensors travel between stages: cast to `dtype` before sending, back to `compute` after receiving."""
+    """How tensors travel between stages: in `dtype` (None: in the dtype they were computed in), cast back to
+    `compute` on arrival, in both directions, so backward sees correctly typed gradients. A bf16 model's boundary
+    is bf16 on the wire unless you ask for something else; an fp32 model's can travel as bf16 (half the bytes)."""
 
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None
     compute: torch.dtype = torch.float32
 
     @classmethod
-    def of(cls, dtype: torch.dtype | str = torch.float32) -> "Wire":
-        return cls(resolve_dtype(dtype))
+    def of(cls, dtype: torch.dtype | str | None = AUTO, compute: torch.dtype = torch.float32) -> "Wire":
+        return cls(resolve_dtype(dtype), compute)
+
+    @property
+    def carried(self) -> torch.dtype:
+        """The dtype on the wire."""
+        return self.dtype or self.compute
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.dtype) if t.is_floating_point() else t
+        return t.to(self.carried) if t.is_floating_point() else t
 
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.compute) if t.is_floating_point() else t
+    def unpack(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Back to the compute dtype (or `dtype`, the one the sender had)."""
+        return t.to(dtype or self.compute) if t.is_floating_point() else t
 
     def bytes(self, t: torch.Tensor) -> int:
         """Bytes this tensor occupies on the wire."""
-        size = torch.tensor([], dtype=self.dtype).element_size() if t.is_floating_point() else t.element_size()
+        size = torch.tensor([], dtype=self.carried).element_size() if t.is_floating_point() else t.element_size()
         return t.numel() * size
 
     @property
     def name(self) -> str:
-        return SENDABLE[self.dtype]
+        return SENDABLE[self.carried]
 
 
 @dataclass(frozen=True)
@@ -207,6 +220,7 @@ class Transfer:
 
     def __init__(self, tensor: torch.Tensor, event=None):
         self.tensor, self.event = tensor, event
+        self.dtype: torch.dtype | None = None  # the sender's dtype, when the wire changed it
 
     def get(self) -> torch.Tensor:
         if self.event is not None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from helpers.models.data import kept_tokens, lm_loss_sum
 from helpers.models.layered import Stage
+from helpers.precision import Precision
 from helpers.timeline import Recorder
 
 
@@ -54,10 +55,22 @@ def stage_ranges(n_layers: int, boundaries: Sequence[int]) -> list[tuple[int, in
 class SplitModel(nn.Module):
     """Stages on devices; `forward` moves activations from one device to the next (the naive split)."""
 
-    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device]):
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device],
+                 tied: Sequence[tuple[nn.Parameter, nn.Parameter]] = ()):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.devices = list(devices)
+        self.tied = list(tied)  # (first use, copy in a later stage): one weight, kept equal by summed gradients
+
+    def sync_tied_grads(self) -> None:
+        """Megatron's treatment of tied embeddings: each copy gets the sum of both uses' gradients, so the copies
+        (equal at the start) stay equal after every optimizer step."""
+        for a, b in self.tied:
+            if a.grad is None or b.grad is None:
+                continue
+            total = a.grad + b.grad.to(a.grad.device)
+            a.grad.copy_(total)
+            b.grad.copy_(total.to(b.grad.device))
 
     def forward(self, x: torch.Tensor, ctx: object | None = None) -> torch.Tensor:
         for stage, device in zip(self.stages, self.devices):
@@ -65,16 +78,39 @@ class SplitModel(nn.Module):
         return x
 
 
+def _untie_across(stages: Sequence[nn.Module]) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """A weight used by two stages (tied embeddings: the embedding and the head) becomes one copy per stage, as it
+    must when the stages sit on different GPUs; returns the (first, copy) pairs whose gradients get summed. A weight
+    shared inside one stage stays shared: one device, nothing to do."""
+    first: dict[int, tuple[int, nn.Parameter]] = {}
+    copies: dict[tuple[int, int], nn.Parameter] = {}
+    pairs = []
+    for s, stage in enumerate(stages):
+        for module in stage.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                owner, original = first.setdefault(id(p), (s, p))
+                if owner == s:
+                    continue
+                if (id(p), s) not in copies:
+                    copies[(id(p), s)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                    pairs.append((original, copies[(id(p), s)]))
+                setattr(module, name, copies[(id(p), s)])
+    return pairs
+
+
 def split_model(model: nn.Module | Sequence[nn.Module], boundaries: int | Sequence[int],
                 devices: Sequence[torch.device]) -> SplitModel:
-    """Move consecutive layers onto `devices` (one stage per device), cut at `boundaries`."""
+    """Move consecutive layers onto `devices` (one stage per device), cut at `boundaries`. A weight shared by two
+    stages (tied embeddings) becomes one copy per stage, kept equal by `SplitModel.sync_tied_grads`."""
     layers = as_layers(model)
     bounds = [boundaries] if isinstance(boundaries, int) else list(boundaries)
     ranges = stage_ranges(len(layers), bounds)
     if len(ranges) > len(devices):
         raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
-    stages = [Stage(layers[a:b]).to(dev) for (a, b), dev in zip(ranges, devices)]
-    return SplitModel(stages, devices[:len(stages)])
+    stages = [Stage(layers[a:b]) for a, b in ranges]
+    tied = _untie_across(stages)
+    stages = [stage.to(dev) for stage, dev in zip(stages, devices)]
+    return SplitModel(stages, devices[:len(stages)], tied)
 
 
 @dataclass
@@ -93,8 +129,8 @@ class StageExecutor:
     """
 
     def __init__(self, stage: nn.Module, device: torch.device, index: int, recorder: Recorder | None = None,
-                 track: Callable | None = None, computes_loss: bool = False):
-        self.stage, self.device, self.index = stage, device, index
+                 track: Callable | None = None, computes_loss: bool = False, precision: Precision = Precision()):
+        self.stage, self.device, self.index, self.precision = stage, device, index, precision
         self.recorder = recorder or Recorder(index, device)
         self.track = track  # e.g. lambda: ledger.track_activations(label), entered around each forward
         self.computes_loss = computes_loss
@@ -107,7 +143,8 @@ class StageExecutor:
         x = x.to(self.device)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
-        with self.recorder.span("forward", mb), (self.track() if self.track else nullcontext()):
+        with self.recorder.span("forward", mb), (self.track() if self.track else nullcontext()), \
+                self.precision.context(self.device):
             out = self.stage(x, ctx) if ctx is not None else self.stage(x)
             if self.computes_loss:
                 out = lm_loss_sum(out, target.to(self.device)) / normalizer
@@ -127,11 +164,11 @@ class StageExecutor:
 
 
 def make_executors(model: SplitModel, recorders: Sequence[Recorder] | None = None,
-                   tracks: Sequence[Callable] | None = None) -> list[StageExecutor]:
+                   tracks: Sequence[Callable] | None = None, precision: Precision = Precision()) -> list[StageExecutor]:
     """One executor per stage; the last one computes the loss."""
     n = len(model.stages)
     return [StageExecutor(s, d, i, recorders[i] if recorders else None, tracks[i] if tracks else None,
-                          computes_loss=i == n - 1)
+                          computes_loss=i == n - 1, precision=precision)
             for i, (s, d) in enumerate(zip(model.stages, model.devices))]
 
 

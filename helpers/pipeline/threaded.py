@@ -9,7 +9,7 @@ their spans are measured on their own streams) and copies between GPUs run on si
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -20,7 +20,10 @@ from helpers.pipeline.interpreter import MicroBatch, check_p2p_plan, run_stage
 from helpers.pipeline.schedules import Schedule, make_schedule, validate
 from helpers.pipeline.stages import SplitModel, StageExecutor, make_executors
 from helpers.pipeline.transports import Mailboxes, MailboxTransport, PipelineAborted
+from helpers.precision import Precision
 from helpers.timeline import Event, Recorder
+
+ContextFn = Callable[[torch.Tensor, "torch.Tensor | None"], object]
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -37,9 +40,20 @@ def _compute_streams(executors: Sequence[StageExecutor]) -> list:
     return [torch.cuda.Stream(ex.device) if ex.device.type == "cuda" else None for ex in executors]
 
 
+def check_one_dtype(split: SplitModel) -> torch.dtype:
+    """Every stage must hold weights of one floating dtype (a boundary cannot be bf16 on one side and fp32 on the
+    other); returns it."""
+    per_stage = [sorted({str(p.dtype) for p in stage.parameters() if p.is_floating_point()}) for stage in split.stages]
+    if len({d for dtypes in per_stage for d in dtypes}) > 1:
+        where = "; ".join(f"stage {i}: {', '.join(d)}" for i, d in enumerate(per_stage))
+        raise ValueError(f"the stages hold weights of different dtypes ({where}): convert the whole model to one "
+                         "dtype before splitting it (for mixed precision use autocast, which keeps fp32 weights)")
+    return next((p.dtype for p in split.parameters() if p.is_floating_point()), torch.float32)
+
+
 def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, microbatches: Sequence[MicroBatch],
                  normalizer: float, wire: Wire = Wire(), timeout_s: float = 300.0,
-                 streams: tuple[list, CopyStreams] | None = None) -> torch.Tensor:
+                 streams: tuple[list, CopyStreams] | None = None, loss_scale: float = 1.0) -> torch.Tensor:
     """Run the action lists with one thread per stage; return the loss of the global batch."""
     p, m = len(executors), len(microbatches)
     if len(schedule) != p:
@@ -59,9 +73,9 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, microba
                 torch.cuda.set_device(ex.device)
                 compute[s].wait_stream(torch.cuda.current_stream(ex.device))  # inputs and zeroed grads exist
                 with torch.cuda.stream(compute[s]):
-                    loss = run_stage(ex, schedule[s], transport, microbatches, p, normalizer)
+                    loss = run_stage(ex, schedule[s], transport, microbatches, p, normalizer, loss_scale)
             else:
-                loss = run_stage(ex, schedule[s], transport, microbatches, p, normalizer)
+                loss = run_stage(ex, schedule[s], transport, microbatches, p, normalizer, loss_scale)
             if loss is not None:
                 losses.append(loss)
         except PipelineAborted:
@@ -85,27 +99,43 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, microba
 
 
 class ThreadedPipeline:
-    """A split model trained with a pipeline schedule, one thread per device, in this process."""
+    """A split model trained with a pipeline schedule, one thread per device, in this process.
+
+    `context` computes what every stage needs besides the hidden state for a micro-batch (masks and positions of a
+    Hugging Face model: `HFModel.context` or `hf_layers(model).context`); the block stack needs none.
+    """
 
     def __init__(self, split: SplitModel, schedule: str = "gpipe", microbatches: int = 4,
-                 ledger: MemoryLedger | None = None, wire: Wire | str = "fp32"):
-        self.split, self.schedule_name, self.m = split, schedule, microbatches
-        self.wire = wire if isinstance(wire, Wire) else Wire.of(wire)  # refuses unsendable dtypes up front
+                 ledger: MemoryLedger | None = None, wire: Wire | str = "auto", precision: Precision = Precision(),
+                 context: ContextFn | None = None):
+        self.split, self.schedule_name, self.m, self.context = split, schedule, microbatches, context
+        dtype = check_one_dtype(split)
+        self.wire = wire if isinstance(wire, Wire) else Wire.of(wire, compute=dtype)  # refuses unsendable dtypes
         p = len(split.stages)
         self.schedule = make_schedule(schedule, p, microbatches)  # refuses m < p for 1F1B, before any thread
         check_p2p_plan(self.schedule)
         self.recorders = [Recorder(i, d) for i, d in enumerate(split.devices)]
-        self.executors = make_executors(split, self.recorders, ledger.trackers() if ledger else None)
+        self.executors = make_executors(split, self.recorders, ledger.trackers() if ledger else None, precision)
         self.streams = None
         if any(d.type == "cuda" for d in split.devices):
             self.streams = (_compute_streams(self.executors), CopyStreams())
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, context: object | None = None) -> torch.Tensor:
-        """Forward and backward of one global batch; gradients accumulate in the stages' parameters. Returns the
-        batch's loss: each micro-batch's summed token loss over the kept tokens of the whole batch."""
+    def microbatches(self, x: torch.Tensor, y: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> list[MicroBatch]:
         xs, ys = split_batch(x, y, self.m)
-        mbs = [MicroBatch(xi, yi, context) for xi, yi in zip(xs, ys)]
-        return run_schedule(self.executors, self.schedule, mbs, kept_tokens(y), self.wire, streams=self.streams)
+        masks = list(attention_mask.chunk(self.m)) if attention_mask is not None else [None] * self.m
+        return [MicroBatch(xi, yi, self.context(xi, mi) if self.context else None)
+                for xi, yi, mi in zip(xs, ys, masks)]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one global batch; gradients accumulate in the stages' parameters (tied copies
+        summed). Returns the batch's loss: each micro-batch's summed token loss over the kept tokens of the whole
+        batch, exactly one device's mean whatever the padding. `loss_scale`: a gradient scaler's factor."""
+        loss = run_schedule(self.executors, self.schedule, self.microbatches(x, y, attention_mask), kept_tokens(y),
+                            self.wire, streams=self.streams, loss_scale=loss_scale)
+        self.split.sync_tied_grads()
+        return loss
 
     def events(self) -> list[Event]:
         return [e for r in self.recorders for e in r.events()]

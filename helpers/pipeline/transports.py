@@ -73,13 +73,15 @@ class MailboxTransport:
     def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> list[torch.Tensor]:
         for msg, t in sends:
             dst = msg.peer(self.stage, sending=True)
-            self.boxes.boxes[(dst, msg.kind)].put(msg.microbatch,
-                                                   send_to(self.wire.pack(t), self.devices[dst], self.streams))
+            transfer = send_to(self.wire.pack(t), self.devices[dst], self.streams)
+            transfer.dtype = t.dtype  # in one process the receiver restores exactly what the sender computed
+            self.boxes.boxes[(dst, msg.kind)].put(msg.microbatch, transfer)
         out = []
         for msg in recvs:
             with self.rec.span("recv", msg.microbatch):
-                arrived = self.boxes.boxes[(self.stage, msg.kind)].get(msg.microbatch, self.timeout_s).get()
-            out.append(self.wire.unpack(arrived))
+                transfer = self.boxes.boxes[(self.stage, msg.kind)].get(msg.microbatch, self.timeout_s)
+                arrived = transfer.get()
+            out.append(self.wire.unpack(arrived, transfer.dtype))
         return out
 
     def flush(self) -> None:
@@ -89,8 +91,10 @@ class MailboxTransport:
 class P2PTransport:
     """Processes: each exchange is one `batch_isend_irecv` on the pipeline group `group`, whose rank i is stage i.
 
-    `shapes[kind]` is the shape of an incoming `act` (this stage's input) or `grad` (its output). Gloo carries CPU
-    tensors only, so with gloo (the CPU rig, and two ranks sharing one GPU) messages are staged through host memory.
+    `shapes[kind]` is the shape of an incoming `act` (this stage's input) or `grad` (its output), and `wire.compute`
+    the dtype planned for the boundary (from the meta-device forward); a stage whose output has another dtype (an
+    unexpected autocast result, say) is stopped with the reason, never rounded silently. Gloo carries CPU tensors
+    only, so with gloo (the CPU rig, and two ranks sharing one GPU) messages are staged through host memory.
     With `overlap=False` every send is waited for before the stage computes on (recorded as `send`): the blocking
     baseline that notebook 04 compares with.
     """
@@ -105,11 +109,15 @@ class P2PTransport:
     def _ops(self, sends, recvs) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
         ops, data, bufs = [], [], []
         for msg, t in sends:
+            if t.is_floating_point() and t.dtype != self.wire.compute:
+                raise ValueError(f"stage {self.stage} produced a {t.dtype} {msg.kind} but the boundary was planned "
+                                 f"as {self.wire.compute} (from the model's dtype): every stage must compute in one "
+                                 "dtype; give the model one dtype, or set the wire dtype explicitly")
             d = self.wire.pack(t.detach()).to(self.wire_device).contiguous()
             ops.append(dist.P2POp(dist.isend, d, group=self.group, group_peer=msg.peer(self.stage, True)))
             data.append(d)
         for msg in recvs:
-            b = torch.empty(self.shapes[msg.kind], dtype=self.wire.dtype, device=self.wire_device)
+            b = torch.empty(self.shapes[msg.kind], dtype=self.wire.carried, device=self.wire_device)
             ops.append(dist.P2POp(dist.irecv, b, group=self.group, group_peer=msg.peer(self.stage, False)))
             bufs.append(b)
         return ops, data, bufs

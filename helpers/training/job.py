@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from helpers.memory import fmt_bytes, training_state_bytes
+from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
 from helpers.pipeline.comm import resolve_dtype
 from helpers.pipeline.interpreter import check_p2p_plan
 from helpers.pipeline.schedules import make_schedule
 from helpers.pipeline.stages import stage_ranges
+from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
 from helpers.runtime.rig import Rig
 from helpers.training.support import DATA_PARALLEL_STRATEGIES, support
@@ -38,10 +40,13 @@ class TrainJob:
     schedule: str = "gpipe"
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
     engine: str = "ours"  # pipeline engine: ours (the interpreter) | torch (torch.distributed.pipelining)
-    wire: str = "fp32"  # dtype of boundary transfers
+    wire: str = "auto"  # dtype of boundary transfers; auto: the model's own
     overlap: bool = True  # False: wait for every send before computing on (the blocking baseline)
+    dtype: str = "fp32"  # weights: fp32 | bf16 | fp16
+    autocast: str | None = None  # None | bf16 | fp16 (fp32 weights, 16-bit matmuls; fp16 adds loss scaling)
     batch: int = 32  # global batch
     seq_len: int | None = None  # default: the model's
+    padding: str = "none"  # none | right | left: seeded lengths, padded positions masked and ignored by the loss
     steps: int = 3  # timed steps, after one warm-up step whose gradients are the parity check
     optimizer: str = "none"
     lr: float = 1e-3
@@ -52,6 +57,10 @@ class TrainJob:
     @property
     def layered(self) -> LayeredModel:
         return as_layered(self.model)
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(self.dtype, self.autocast)
 
     @property
     def world(self) -> int:
@@ -106,8 +115,8 @@ def _check_pipeline(job: TrainJob) -> None:
     if job.engine not in PIPELINE_ENGINES:
         raise ValueError(f"unknown engine {job.engine!r}; choose one of {PIPELINE_ENGINES}")
     resolve_dtype(job.wire)
-    if job.engine == "torch" and job.wire != "fp32":
-        raise ValueError("torch.distributed.pipelining sends in the compute dtype: use wire='fp32' with it")
+    if job.engine == "torch" and job.wire != "auto":
+        raise ValueError("torch.distributed.pipelining sends in the compute dtype: use wire='auto' with it")
     bounds = job.cut()
     if len(bounds) != job.pp - 1:
         raise ValueError(f"{len(bounds)} boundaries give {len(bounds) + 1} stages, but pp={job.pp}")
@@ -142,6 +151,9 @@ def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
 def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
     """Everything that cannot run, refused with the reason before any process starts."""
     _positive(job)
+    job.precision  # refuses an unknown dtype, or autocast on 16-bit weights
+    if job.padding not in PADDING:
+        raise ValueError(f"unknown padding {job.padding!r}; choose one of {PADDING}")
     if job.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {job.optimizer!r}; choose one of {OPTIMIZERS}")
     _check_batches(job)

@@ -19,16 +19,17 @@ from torch import nn
 
 from helpers.memory import DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes, param_bytes
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
-from helpers.models.layered import Stage, boundary_shapes, owned_layers
+from helpers.models.layered import Stage, boundary_shapes, microbatch_seed, owned_layers, with_seed
 from helpers.pipeline.comm import Wire
 from helpers.pipeline.interpreter import MicroBatch
 from helpers.pipeline.stages import stage_ranges
+from helpers.precision import Autocast, make_scaler
 from helpers.runtime.launch import rank_device, run
 from helpers.runtime.rig import Rig
 from helpers.timeline import Event, Recorder, gather_events
 from helpers.training.job import TrainJob, check_job
 from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
-                                         sum_replica_grads)
+                                         sum_replica_grads, tied_copies)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class TrainResult:
     memory: list[DeviceMemory]  # per rank: state after a step, activations at their peak
     grads: list[torch.Tensor] = field(default_factory=list)  # first step, whole model, parameters() order
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
+    losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -52,9 +54,10 @@ def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe:
     parts = run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe)
     per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
     replica0 = sorted((p for p in parts if p["dp"] == 0), key=lambda p: p["pp"])
-    return TrainResult(loss=parts[0]["loss"], step_s=statistics.median(per_step), step_times=per_step,
+    return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
                        events=parts[0]["events"], memory=[p["memory"] for p in parts],
-                       grads=[g for p in replica0 for g in p["grads"]], cuda_peak=[p["cuda_peak"] for p in parts])
+                       grads=[g for p in replica0 for g in p["grads"]], cuda_peak=[p["cuda_peak"] for p in parts],
+                       losses=parts[0]["losses"])
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -64,20 +67,34 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _replica_batch(job: TrainJob, replica: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """This replica's share of the global batch, and the kept tokens of the *global* batch (every rank builds the
-    same seeded data, so it knows them without communicating)."""
+@dataclass
+class _Batch:
+    """This replica's micro-batches and the kept tokens of the *global* batch (every rank builds the same seeded
+    data, so it knows them without communicating)."""
+
+    microbatches: list[MicroBatch]
+    normalizer: int
+    first_index: int  # the global index of this replica's first micro-batch (dropout seeds)
+
+
+def _replica_batch(job: TrainJob, replica: int, device: torch.device) -> _Batch:
     seq = job.sequence_length()
-    x, y = SyntheticTokens(job.batch, seq, job.layered.vocab_size, seed=job.data_seed).batch(0, job.batch)
+    data = SyntheticTokens(job.batch, seq, job.layered.vocab_size, seed=job.data_seed, padding=job.padding)
+    x, y, mask = data.masked_batch(0, job.batch)
     per = job.batch // job.dp
-    return (x[replica * per:(replica + 1) * per].to(device), y[replica * per:(replica + 1) * per].to(device),
-            kept_tokens(y))
-
-
-def _microbatches(job: TrainJob, x: torch.Tensor, y: torch.Tensor) -> list[MicroBatch]:
+    rows = slice(replica * per, (replica + 1) * per)
+    xs, ys = x[rows].to(device).chunk(job.microbatches), y[rows].to(device).chunk(job.microbatches)
+    masks = mask[rows].to(device).chunk(job.microbatches) if mask is not None else [None] * job.microbatches
     model = job.layered
-    return [MicroBatch(xi, yi, model.context(xi, None)) for xi, yi in zip(x.chunk(job.microbatches),
-                                                                        y.chunk(job.microbatches))]
+    mbs = [MicroBatch(xi, yi, model.context(xi, mi)) for xi, yi, mi in zip(xs, ys, masks)]
+    return _Batch(mbs, kept_tokens(y), replica * job.microbatches)
+
+
+def _seeded(batch: _Batch, data_seed: int, step: int) -> list[MicroBatch]:
+    """The micro-batches with this step's dropout seeds in their contexts."""
+    return [MicroBatch(mb.inputs, mb.targets,
+                       with_seed(mb.context, microbatch_seed(data_seed, step, batch.first_index + k)))
+            for k, mb in enumerate(batch.microbatches)]
 
 
 def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
@@ -86,135 +103,155 @@ def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
                         optimizer_state_bytes(opt) if opt is not None else 0)
 
 
-def _first_grads(module: nn.Module) -> list[torch.Tensor]:
-    """This rank's gradients in parameters() order; sharded ones (FSDP2) gathered whole (a collective)."""
+def _first_grads(module: nn.Module, scale: float) -> list[torch.Tensor]:
+    """This rank's gradients in parameters() order, unscaled; sharded ones (FSDP2) gathered whole (a collective)."""
     out = []
     for p in module.parameters():
         g = p.grad
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        out.append(g.detach().cpu().clone())
+        out.append(g.detach().float().cpu() / scale)
     return out
 
 
-def _pipeline_step(job: TrainJob, module: Stage, mesh, stage: int, device, rec: Recorder, track: Callable,
-                   microbatches: list[MicroBatch], normalizer: int) -> Callable[[], torch.Tensor]:
-    """One global batch through this rank's stage; the replicas' gradients summed when dp > 1."""
-    bounds = job.cut()
-    mb_size = job.batch // job.dp // job.microbatches
-    shapes_dtypes = boundary_shapes(job.layered, bounds, mb_size, job.sequence_length())
-    shapes = {"act": shapes_dtypes[stage - 1][0] if stage > 0 else None,
-              "grad": shapes_dtypes[stage][0] if stage < job.pp - 1 else None}
-    compute = shapes_dtypes[min(stage, len(shapes_dtypes) - 1)][1]
-    wire = Wire(dtype=Wire.of(job.wire).dtype, compute=compute)
-    step = apply_pipeline(module, stage, job.pp, job.schedule, job.microbatches, job.engine, mesh.get_group("pp"),
-                          shapes, wire, job.overlap, device, rec, track)
+class _Rank:
+    """Everything one rank of a job holds: its mesh coordinates, what it owns, and one training step."""
 
-    def run_step() -> torch.Tensor:
-        share = step(microbatches, normalizer)
-        if job.dp > 1:
-            sum_replica_grads(list(module.parameters()), mesh.get_group("dp"), rec)
-        return share * normalizer if share is not None else torch.zeros((), device=device)
+    def __init__(self, job: TrainJob):
+        from torch.distributed.device_mesh import init_device_mesh
 
-    return run_step
+        self.job, self.rank, self.device = job, dist.get_rank(), rank_device()
+        self.mesh = init_device_mesh(self.device.type, (job.dp, job.pp), mesh_dim_names=("dp", "pp"))
+        self.replica, self.stage = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("pp")
+        self.rec = Recorder(self.rank, self.device)
+        self.precision = job.precision
+        model = job.layered
+        self.layers_range = stage_ranges(job.n_layers, job.cut())[self.stage] if job.pp > 1 else (0, job.n_layers)
+        self.module = self._materialise(model)
+        self.ledger = ledger_for([self.module], ["device"])
+        self.batch = _replica_batch(job, self.replica, self.device)
+        self.tied = tied_copies(model, self.module, self.layers_range, job, self.mesh)
+        self.scaler = make_scaler(self.precision, self.device, dist.group.WORLD)
+        if job.pp > 1:
+            self.wrapped, self.step_fn = self.module, self._pipeline()
+        else:
+            self.wrapped, self.step_fn = self._data_parallel()
+        self.optimizer = make_optimizer(job.optimizer, self.wrapped.parameters(), job.lr,
+                                        zero1=job.dp > 1 and job.data_parallel == "zero1")
+        self.ledger.optimizer = getattr(self.optimizer, "optim", self.optimizer)
 
+    def _materialise(self, model) -> Stage:
+        a, b = self.layers_range
+        job = self.job
+        if job.dp > 1 and job.data_parallel in ("zero2", "fsdp2"):
+            return apply_fsdp(Stage(model.meta_layers()[a:b]), model, a, self.mesh["dp"], self.device,
+                              reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision)
+        return Stage(owned_layers(model, range(a, b), self.device)[a:b]).to(self.precision.weights)
 
-def _data_parallel_step(job: TrainJob, wrapped: nn.Module, rec: Recorder, ledger, microbatches: list[MicroBatch],
-                        normalizer: int) -> Callable[[], torch.Tensor]:
-    """Forward and backward of this rank's shard, as `job.microbatches` accumulation steps; gradients are
-    synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
-    share_of = normalizer / job.dp  # DDP and FSDP2 average over the replicas: undo it, to sum token losses
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
 
-    def sync_context(last: bool):
-        if hasattr(wrapped, "no_sync") and not last:
-            return wrapped.no_sync()
-        if hasattr(wrapped, "set_requires_gradient_sync"):
-            wrapped.set_requires_gradient_sync(last)
-        return nullcontext()
+    def _pipeline(self) -> Callable[[int], torch.Tensor]:
+        """One global batch through this rank's stage; tied copies and the replicas' gradients summed after it."""
+        job, stage = self.job, self.stage
+        mb_size = job.batch // job.dp // job.microbatches
+        planned = boundary_shapes(job.layered, job.cut(), mb_size, job.sequence_length(), self.precision.weights)
+        shapes = {"act": planned[stage - 1][0] if stage > 0 else None,
+                  "grad": planned[stage][0] if stage < job.pp - 1 else None}
+        wire = Wire.of(job.wire, compute=planned[min(stage, len(planned) - 1)][1])
+        step = apply_pipeline(self.module, stage, job.pp, job.schedule, job.microbatches, job.engine,
+                              self.mesh.get_group("pp"), shapes, wire, job.overlap, self.device, self.rec,
+                              self.ledger.trackers()[0], self.precision)
 
-    def run_step() -> torch.Tensor:
-        total = torch.zeros((), device=microbatches[0].inputs.device)
-        for k, mb in enumerate(microbatches):
-            with sync_context(k == len(microbatches) - 1):
-                with rec.span("forward", k), ledger.track_activations("device"):
-                    loss = lm_loss_sum(wrapped(mb.inputs), mb.targets) / share_of
-                with rec.span("backward", k):
-                    loss.backward()
-            total = total + loss.detach() * share_of
-        return total
+        def run_step(i: int) -> torch.Tensor:
+            share = step(_seeded(self.batch, job.data_seed, i), self.batch.normalizer, self.loss_scale)
+            self.tied.sync(self.rec)
+            if job.dp > 1:
+                sum_replica_grads(list(self.module.parameters()), self.mesh.get_group("dp"), self.rec)
+            return share * self.batch.normalizer if share is not None else torch.zeros((), device=self.device)
 
-    return run_step
+        return run_step
 
+    def _data_parallel(self) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
+        """Forward and backward of this rank's shard, as `job.microbatches` accumulation steps; gradients are
+        synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
+        job = self.job
+        sharded = job.dp > 1 and job.data_parallel in ("zero2", "fsdp2")
+        wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
+        if job.dp > 1 and not sharded:
+            wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
+        share_of = self.batch.normalizer / job.dp  # DDP and FSDP2 average over replicas: undo it, to sum tokens
 
-def _build(job: TrainJob, mesh, replica: int, stage: int, device, rec: Recorder):
-    """This rank's module (only what it owns materialised), its ledger, step function and optimizer."""
-    model = job.layered
-    n = len(model.meta_layers())
-    a, b = stage_ranges(n, job.cut())[stage] if job.pp > 1 else (0, n)
-    sharded = job.dp > 1 and job.data_parallel in ("zero2", "fsdp2")
-    if sharded:
-        module = apply_fsdp(Stage(model.meta_layers()[a:b]), model, a, mesh["dp"], device,
-                            reshard_after_forward=job.data_parallel == "fsdp2")
-    else:
-        module = Stage(owned_layers(model, range(a, b), device)[a:b])
-    ledger = ledger_for([module], ["device"])
-    x, y, normalizer = _replica_batch(job, replica, device)
-    microbatches = _microbatches(job, x, y)
-    if job.pp > 1:
-        step = _pipeline_step(job, module, mesh, stage, device, rec, ledger.trackers()[0], microbatches, normalizer)
-        wrapped = module
-    else:
-        wrapped = module if sharded or job.dp == 1 else apply_ddp(module, mesh.get_group("dp"), device,
-                                                                   job.bucket_mb, rec)
-        step = _data_parallel_step(job, wrapped, rec, ledger, microbatches, normalizer)
-    optimizer = make_optimizer(job.optimizer, wrapped.parameters(), job.lr,
-                               zero1=job.dp > 1 and job.data_parallel == "zero1")
-    ledger.optimizer = getattr(optimizer, "optim", optimizer)
-    return module, ledger, step, optimizer, normalizer
+        def sync_context(last: bool):
+            if hasattr(wrapped, "no_sync") and not last:
+                return wrapped.no_sync()
+            if hasattr(wrapped, "set_requires_gradient_sync"):
+                wrapped.set_requires_gradient_sync(last)
+            return nullcontext()
+
+        def run_step(i: int) -> torch.Tensor:
+            total = torch.zeros((), device=self.device)
+            mbs = _seeded(self.batch, job.data_seed, i)
+            for k, mb in enumerate(mbs):
+                with sync_context(k == len(mbs) - 1):
+                    with self.rec.span("forward", k), self.ledger.track_activations("device"):
+                        out = wrapped(mb.inputs, mb.context) if mb.context is not None else wrapped(mb.inputs)
+                        loss = lm_loss_sum(out, mb.targets) / share_of
+                    with self.rec.span("backward", k):
+                        (loss * self.loss_scale).backward()
+                total = total + loss.detach() * share_of
+            return total
+
+        return wrapped, run_step
+
+    def optimizer_step(self) -> None:
+        if self.optimizer is None:
+            if self.scaler is not None:
+                self.scaler.update()
+            return
+        with self.rec.span("optimizer"):
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skipped on every rank alike when any rank overflowed
+                self.scaler.update()
+            else:
+                self.optimizer.step()
 
 
 def train_worker(job: TrainJob) -> dict:
     """One rank of any job (started by `run_training`, or under torchrun)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if dist.get_world_size() != job.world:
         raise ValueError(f"a {job.dp} x {job.pp} mesh has {job.world} devices but the world has "
                          f"{dist.get_world_size()} ranks")
-    rank, device = dist.get_rank(), rank_device()
-    mesh = init_device_mesh(device.type, (job.dp, job.pp), mesh_dim_names=("dp", "pp"))
-    replica, stage = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-    rec = Recorder(rank, device)
-    module, ledger, step, optimizer, normalizer = _build(job, mesh, replica, stage, device, rec)
-    times, grads, loss, memory = [], [], float("nan"), DeviceMemory()
+    r = _Rank(job)
+    times, grads, losses, memory = [], [], [], DeviceMemory()
     for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         if i == job.steps + 1:
-            rec.clear()
-            ledger.reset_peaks()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        module.zero_grad(set_to_none=False)
+            r.rec.clear()
+            r.ledger.reset_peaks()
+            if r.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(r.device)
+        r.module.zero_grad(set_to_none=False)
         dist.barrier()
-        _synchronize(device)
+        _synchronize(r.device)
         t0 = time.perf_counter()
-        token_loss = step()
-        if i == 0:
-            total = token_loss.detach().clone().reshape(1)
-            dist.all_reduce(total)
-            loss = total.item() / normalizer
-            grads = _first_grads(module) if job.return_grads else []
-        if optimizer is not None:
-            with rec.span("optimizer"):
-                optimizer.step()
-        _synchronize(device)
+        token_loss = r.step_fn(i)
+        if i == 0 and job.return_grads:
+            grads = _first_grads(r.module, r.loss_scale)
+        r.optimizer_step()
+        _synchronize(r.device)
         if 0 < i <= job.steps:
             times.append(time.perf_counter() - t0)
+        total = token_loss.detach().float().clone().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / r.batch.normalizer)
         if i == 0:
-            memory = _local_state(module, optimizer)
-    memory.activations = ledger.device("device").activations
-    events = gather_events(rec.events())
-    return {"dp": replica, "pp": stage, "loss": loss, "times": times, "memory": memory,
-            "events": events if rank == 0 else [], "grads": grads if replica == 0 else [],
-            "cuda_peak": cuda_peak_bytes(device)}
+            memory = _local_state(r.module, r.optimizer)
+    memory.activations = r.ledger.device("device").activations
+    events = gather_events(r.rec.events())
+    return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "memory": memory,
+            "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
+            "cuda_peak": cuda_peak_bytes(r.device)}
 
 
 def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:
@@ -230,5 +267,5 @@ def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:
     rig = detect_rig()
     check_job(job, rig, oversubscribe=rig.is_cpu)
     out = train_worker(job)
-    return (f"rank {dist.get_rank()}: replica {out['dp']}, stage {out['pp']}, loss {out['loss']:.4f}, "
+    return (f"rank {dist.get_rank()}: replica {out['dp']}, stage {out['pp']}, loss {out['losses'][0]:.4f}, "
             f"step {statistics.median(out['times']) * 1e3:.1f} ms")

@@ -22,12 +22,13 @@ from torch import nn
 
 from helpers.memory import DeviceMemory
 from helpers.models.data import lm_loss_sum
-from helpers.models.layered import LayeredModel, Stage
+from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
 from helpers.pipeline.interpreter import MicroBatch, run_stage
 from helpers.pipeline.schedules import make_schedule
-from helpers.pipeline.stages import StageExecutor
+from helpers.pipeline.stages import StageExecutor, stage_ranges
 from helpers.pipeline.transports import P2PTransport
+from helpers.precision import DTYPES, Precision
 from helpers.timeline import Recorder
 
 DEEPSPEED_EQUIVALENT = {  # what to put in a DeepSpeed config for the same memory layout
@@ -44,7 +45,8 @@ PYTORCH_API = {
     "fsdp2": "FSDP2 fully_shard (reshard_after_forward=True)",
 }
 
-PipelineStep = Callable[[Sequence[MicroBatch], float], "torch.Tensor | None"]
+PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
+TiedPair = tuple[tuple[int, str], tuple[int, str]]
 
 
 def zero_formula(strategy: str, n_params: int, world: int, weight_bytes: int = 4, grad_bytes: int = 4,
@@ -87,18 +89,31 @@ def apply_ddp(module: nn.Module, group, device: torch.device, bucket_mb: float, 
     return ddp
 
 
+def tied_pairs(model: LayeredModel) -> list[TiedPair]:
+    """The model's tied weights as ((layer, name), (layer, name)) pairs; none for models without ties."""
+    return list(getattr(model, "tied_parameters", lambda: [])())
+
+
 def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, device: torch.device,
-               reshard_after_forward: bool) -> nn.Module:
+               reshard_after_forward: bool, precision: Precision = Precision()) -> nn.Module:
     """Shard the meta-device `module` (layers first_layer.. of `model`) layer by layer, then allocate this rank's
     shards on `device` and fill them with exactly the values one device would hold (one layer at a time is
-    materialised in host memory to cut its shards out)."""
-    from torch.distributed.fsdp import fully_shard
+    materialised in host memory to cut its shards out). Mixed precision is FSDP2's own `MixedPrecisionPolicy`:
+    parameters gathered in the autocast dtype, gradients reduced in fp32. Tied weights are one parameter again
+    (FSDP2 needs a shared parameter in one unit: the layers holding it are left to the root's unit)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # our layers do no in-place ops on outputs
-    for layer in module.layers:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    module = module.to(precision.weights)
+    pairs = [((i - first_layer, a), (j - first_layer, b)) for (i, a), (j, b) in tied_pairs(model)]
+    tie_parameters_(module.layers, pairs)
+    tied_layers = {i for pair in pairs for i, _ in pair}
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision.autocast], reduce_dtype=torch.float32) \
+        if precision.autocast else MixedPrecisionPolicy()
+    for i, layer in enumerate(module.layers):
+        if i not in tied_layers and any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     module.to_empty(device=device)
     rank, world = mesh.get_local_rank(), mesh.size()
     reference = model.meta_layers()
@@ -129,6 +144,60 @@ def make_optimizer(name: str, params, lr: float, zero1: bool = False):
     return cls(params, lr=lr)
 
 
+class TiedCopies:
+    """The copies of tied weights (embedding and head) that live on this rank when they sit on different pipeline
+    stages, as Megatron keeps them: identical at the start, and after every backward each copy's gradient becomes
+    the sum of both, so they stay identical after any number of optimizer steps."""
+
+    def __init__(self, params: list[nn.Parameter], groups: list):
+        self.params, self.groups = params, groups
+
+    def sync(self, rec: Recorder) -> None:
+        for p, group in zip(self.params, self.groups):
+            with rec.span("allreduce"):
+                dist.all_reduce(p.grad, group=group)
+
+
+def tied_copies(model: LayeredModel, module: Stage, layers_range: tuple[int, int], job, mesh) -> TiedCopies:
+    """Create, on every rank in the same order, one group per replica and tied pair whose two uses sit on
+    different stages; return this rank's copies and their groups. Checks the copies are equal to begin with."""
+    a, b = layers_range
+    params, groups = [], []
+    if job.pp == 1:
+        return TiedCopies([], [])
+    ranges = stage_ranges(job.n_layers, job.cut())
+    stage_of = {i: s for s, (lo, hi) in enumerate(ranges) for i in range(lo, hi)}
+    my_rank = dist.get_rank()
+    for (i, name_i), (j, name_j) in tied_pairs(model):
+        si, sj = stage_of[i], stage_of[j]
+        if si == sj:
+            continue
+        for replica in range(job.dp):
+            ranks = [replica * job.pp + si, replica * job.pp + sj]
+            group = dist.new_group(ranks)
+            if my_rank in ranks:
+                index, name = (i, name_i) if my_rank == ranks[0] else (j, name_j)
+                param = module.layers[index - a].get_parameter(name)
+                _check_tied_in_sync(param, group, (i, name_i), (j, name_j))
+                params.append(param)
+                groups.append(group)
+    return TiedCopies(params, groups)
+
+
+def _check_tied_in_sync(param: nn.Parameter, group, first: tuple[int, str], second: tuple[int, str]) -> None:
+    """Both copies of a tied weight must start equal (loaded from the same checkpoint tensor)."""
+    with torch.no_grad():
+        mine = param.detach().float()
+        other = mine.clone()
+        dist.all_reduce(other, op=dist.ReduceOp.MAX, group=group)
+        low = mine.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        if not torch.equal(other, low):
+            raise ValueError(f"tied weights out of sync: layer {first[0]}'s {first[1]} and layer {second[0]}'s "
+                             f"{second[1]} differ (max |diff| {(other - low).abs().max().item():.3g}); they must "
+                             "be loaded from one tensor")
+
+
 def sum_replica_grads(params: list[nn.Parameter], group, rec: Recorder) -> None:
     """DP x PP: add up each stage's gradients over its replicas, one all-reduce of a flat buffer (one bucket). Sum,
     not mean: every replica's loss is already divided by the kept tokens of the global batch."""
@@ -146,13 +215,30 @@ def sum_replica_grads(params: list[nn.Parameter], group, rec: Recorder) -> None:
 
 # --- pipelines -----------------------------------------------------------------------------------------------------
 
-def _instrument_stage(pstage, rec: Recorder) -> None:
+class _ChunkContexts(nn.Module):
+    """A stage for torch.distributed.pipelining, which passes a stage only the hidden state: the micro-batch's
+    context (masks, positions) is looked up by the chunk it runs, and autocast applied around it."""
+
+    def __init__(self, stage: Stage, precision: Precision, device: torch.device):
+        super().__init__()
+        self.stage, self.precision, self.device = stage, precision, device
+        self.contexts: list = []
+        self.current: int = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ctx = self.contexts[self.current] if self.contexts else None
+        with self.precision.context(self.device):
+            return self.stage(h, ctx) if ctx is not None else self.stage(h)
+
+
+def _instrument_stage(pstage, rec: Recorder, wrapper: _ChunkContexts) -> None:
     """Put torch.distributed.pipelining's per-micro-batch work on our timeline: its stage runs each micro-batch
     through forward_one_chunk / backward_one_chunk, so wrapping those two methods records every span (the library's
-    sends and receives happen outside them and stay invisible)."""
+    sends and receives happen outside them and stay invisible), and tells the stage which context is current."""
     forward, backward = pstage.forward_one_chunk, pstage.backward_one_chunk
 
     def forward_one_chunk(fwd_chunk_id: int, *args, **kwargs):
+        wrapper.current = fwd_chunk_id
         with rec.span("forward", fwd_chunk_id):
             return forward(fwd_chunk_id, *args, **kwargs)
 
@@ -164,19 +250,22 @@ def _instrument_stage(pstage, rec: Recorder) -> None:
 
 
 def _torch_pipeline(module: Stage, stage: int, p: int, schedule: str, m: int, device, group, rec: Recorder,
-                    track: Callable) -> PipelineStep:
+                    track: Callable, precision: Precision) -> PipelineStep:
     """torch.distributed.pipelining on the same stage. Its loss is our token loss over the global batch's kept
-    tokens, with its own 1/m scaling switched off, so both engines compute the same gradients."""
+    tokens (times the loss scale), with its own 1/m scaling switched off, so both engines compute the same
+    gradients."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    pstage = PipelineStage(module, stage, p, device, group=group)
-    _instrument_stage(pstage, rec)
+    wrapper = _ChunkContexts(module, precision, device)
+    pstage = PipelineStage(wrapper, stage, p, device, group=group)
+    _instrument_stage(pstage, rec, wrapper)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    normalizer = [1.0]
-    sched = cls(pstage, m, loss_fn=lambda out, target: lm_loss_sum(out, target) / normalizer[0], scale_grads=False)
+    factor = [1.0]  # loss scale / normalizer of the current step
+    sched = cls(pstage, m, loss_fn=lambda out, target: lm_loss_sum(out, target) * factor[0], scale_grads=False)
 
-    def step(microbatches: Sequence[MicroBatch], norm: float) -> torch.Tensor | None:
-        normalizer[0] = norm
+    def step(microbatches: Sequence[MicroBatch], norm: float, loss_scale: float = 1.0) -> torch.Tensor | None:
+        factor[0] = loss_scale / norm
+        wrapper.contexts = [mb.context for mb in microbatches] if microbatches[0].context is not None else []
         with track():
             if stage == 0:
                 sched.step(torch.cat([mb.inputs for mb in microbatches]))
@@ -184,7 +273,7 @@ def _torch_pipeline(module: Stage, stage: int, p: int, schedule: str, m: int, de
             if stage == p - 1:
                 losses: list[torch.Tensor] = []
                 sched.step(target=torch.cat([mb.targets for mb in microbatches]), losses=losses)
-                return torch.stack([l.detach() for l in losses]).sum()
+                return torch.stack([l.detach() for l in losses]).sum() / loss_scale
             sched.step()
             return None
 
@@ -193,12 +282,13 @@ def _torch_pipeline(module: Stage, stage: int, p: int, schedule: str, m: int, de
 
 def apply_pipeline(module: Stage, stage: int, p: int, schedule: str, m: int, engine: str, group,
                    shapes: dict[str, tuple], wire: Wire, overlap: bool, device: torch.device, rec: Recorder,
-                   track: Callable) -> PipelineStep:
+                   track: Callable, precision: Precision = Precision()) -> PipelineStep:
     """Stage `stage` of a `p`-stage pipeline over `group` (whose rank i is stage i). The returned step runs one
     global batch's micro-batches and returns this stage's summed loss shares (last stage) or None."""
     if engine == "torch":
-        return _torch_pipeline(module, stage, p, schedule, m, device, group, rec, track)
-    ex = StageExecutor(module, device, stage, rec, track, computes_loss=stage == p - 1)
+        return _torch_pipeline(module, stage, p, schedule, m, device, group, rec, track, precision)
+    ex = StageExecutor(module, device, stage, rec, track, computes_loss=stage == p - 1, precision=precision)
     actions = make_schedule(schedule, p, m)[stage]
     transport = P2PTransport(group, stage, shapes, wire, device, rec, overlap)
-    return lambda microbatches, norm: run_stage(ex, actions, transport, microbatches, p, norm)
+    return lambda microbatches, norm, loss_scale=1.0: run_stage(ex, actions, transport, microbatches, p, norm,
+                                                               loss_scale)
