@@ -29,6 +29,7 @@ import torch
 
 from helpers.check import max_grad_diff
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, detect_rig
 from helpers.training.support import engines_for, support
 
@@ -104,35 +105,40 @@ def links(rig: Rig, sizes: list[int], repeats: int) -> list[dict]:
 
 # --- 3. parity checks ---------------------------------------------------------------------------------------------
 
-def _reference(device: torch.device) -> tuple[float, list[torch.Tensor]]:
-    model = build_stack(CFG, device=device)
+def _reference(device: torch.device, precision: Precision) -> tuple[float, list[torch.Tensor]]:
+    model = build_stack(CFG, device=device).to(precision.weights)
     x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
-    loss = lm_loss(model(x.to(device)), y.to(device))
+    with precision.context(device):
+        loss = lm_loss(model(x.to(device)), y.to(device))
     loss.backward()
-    return loss.item(), [p.grad.detach().cpu() for p in model.parameters()]
+    return loss.item(), [p.grad.detach().float().cpu() for p in model.parameters()]
 
 
-def _compare(reference, loss: float, grads) -> str:
+def _compare(reference, loss: float, grads, precision: Precision) -> str:
+    """fp32: gradients within 1e-5 of one device's; 16-bit: within the precision's relative tolerance."""
     ref_loss, ref_grads = reference
-    diff = max_grad_diff(ref_grads, grads)
-    if not (abs(loss - ref_loss) <= TOLERANCE and diff <= TOLERANCE):
-        raise AssertionError(f"loss {loss:.6f} vs one device {ref_loss:.6f}; gradients differ by {diff:.1e} "
-                             f"(allowed {TOLERANCE:.0e})")
+    if precision.compute == "fp32":
+        diff, allowed, what = max_grad_diff(ref_grads, grads), TOLERANCE, "differ by"
+    else:
+        diff, allowed, what = max_relative_diff(ref_grads, grads), precision.tolerance, "differ (relative) by"
+    if not (abs(loss - ref_loss) <= 1e-3 * abs(ref_loss) and diff <= allowed):
+        raise AssertionError(f"loss {loss:.6f} vs one device {ref_loss:.6f}; gradients {what} {diff:.1e} "
+                             f"(allowed {allowed:.0e}, {precision})")
     return f"loss diff {abs(loss - ref_loss):.1e}, grad diff {diff:.1e}"
 
 
-def _threads(rig: Rig, schedule: str, m: int, reference) -> str:
+def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = Precision()) -> str:
     from helpers.pipeline.stages import split_model
     from helpers.pipeline.threaded import ThreadedPipeline
 
-    split = split_model(build_stack(CFG), list(CUT), rig.devices)
+    split = split_model(build_stack(CFG).to(precision.weights), list(CUT), rig.devices)
     x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
-    pipe = ThreadedPipeline(split, schedule, m)
+    pipe = ThreadedPipeline(split, schedule, m, precision=precision)
     loss = pipe.step(x.to(rig.devices[0]), y.to(rig.devices[-1])).item()
     if rig.is_cuda:
         torch.cuda.synchronize()
     kinds = {e.kind for e in pipe.events()}
-    return _compare(reference, loss, [p.grad.detach().cpu() for p in split.parameters()]) + \
+    return _compare(reference, loss, [p.grad.detach().float().cpu() for p in split.parameters()], precision) + \
         f"; timeline {sorted(kinds)}"
 
 
@@ -142,7 +148,7 @@ def _processes(rig: Rig, reference, **fields) -> str:
 
     job = TrainJob(CFG, batch=BATCH, steps=1, return_grads=True, **fields)
     res = run_training(job, rig, oversubscribe=rig.is_cpu)
-    return _compare(reference, res.loss, res.grads) + f"; step {res.step_s * 1e3:.1f} ms"
+    return _compare(reference, res.loss, res.grads, job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
 
 
 def _cuda_paths(rig: Rig) -> str:
@@ -167,12 +173,14 @@ def _cuda_paths(rig: Rig) -> str:
 
 def plan_checks(rig: Rig) -> list[tuple[str, str, str, Callable[[], str] | None]]:
     """(name, strategy, engine, run) for every check; run is None where only the support matrix decides."""
-    ref = {}
+    refs: dict[Precision, tuple] = {}
 
-    def reference():
-        if "value" not in ref:
-            ref["value"] = _reference(rig.devices[0])
-        return ref["value"]
+    def reference(precision: Precision = Precision()):
+        if precision not in refs:
+            refs[precision] = _reference(rig.devices[0], precision)
+        return refs[precision]
+
+    bf16, fp16, bf16_weights = Precision(autocast="bf16"), Precision(autocast="fp16"), Precision(dtype="bf16")
 
     pipe = dict(pp=2, boundaries=CUT)
     checks = [
@@ -197,6 +205,16 @@ def plan_checks(rig: Rig) -> list[tuple[str, str, str, Callable[[], str] | None]
          lambda: _processes(rig, reference(), dp=2, schedule="1f1b", microbatches=2, **pipe)),
         ("torch: DP x PP 2 x 2, 1F1B", "dp_x_pp", "torch",
          lambda: _processes(rig, reference(), dp=2, schedule="1f1b", microbatches=2, engine="torch", **pipe)),
+        ("threads: 1F1B m=4, bf16 weights", "1f1b", "threads",
+         lambda: _threads(rig, "1f1b", 4, reference(bf16_weights), bf16_weights)),
+        ("processes: 1F1B m=4, bf16 autocast", "1f1b", "processes",
+         lambda: _processes(rig, reference(bf16), schedule="1f1b", microbatches=4, autocast="bf16", **pipe)),
+        ("processes: 1F1B m=4, fp16 autocast + loss scaling", "1f1b", "processes",
+         lambda: _processes(rig, reference(fp16), schedule="1f1b", microbatches=4, autocast="fp16", **pipe)),
+        ("processes: ddp, fp16 autocast + loss scaling", "ddp", "processes",
+         lambda: _processes(rig, reference(fp16), dp=2, autocast="fp16", optimizer="adam")),
+        ("processes: fsdp2, bf16 MixedPrecisionPolicy", "fsdp2", "processes",
+         lambda: _processes(rig, reference(bf16), dp=2, data_parallel="fsdp2", autocast="bf16")),
     ]
     return checks
 

@@ -206,9 +206,7 @@ class _Rank:
         return wrapped, run_step
 
     def optimizer_step(self) -> None:
-        if self.optimizer is None:
-            if self.scaler is not None:
-                self.scaler.update()
+        if self.optimizer is None:  # gradients only (parity checks, timing forward and backward)
             return
         with self.rec.span("optimizer"):
             if self.scaler is not None:
