@@ -418,6 +418,12 @@ class HFModel:
             layer.load_state_dict(state, assign=True)
             layers[i] = layer.to(device)
 
+    def checkpoint_names(self, indices: Iterable[int]) -> dict[int, dict[str, str]]:
+        """For the layers at `indices`: each state name -> the checkpoint tensor it is saved as (how trained layers
+        go back into a `save_pretrained` directory; a tied head maps to the embedding's one tensor)."""
+        model = self._skeleton(real_buffers=False)
+        return self._checkpoint_names(model, hf_layers(model), sorted(set(indices)))
+
     def _checkpoint_names(self, model: nn.Module, skeleton: HFLayers, owned: list[int]) -> dict[int, dict[str, str]]:
         """For each owned layer, its state names -> the checkpoint's tensor names. When tied, the head's weight is
         the embedding's tensor: a tied checkpoint stores only that one."""

@@ -15,6 +15,7 @@ import torch
 
 from helpers.memory import MemoryLedger
 from helpers.models.data import kept_tokens
+from helpers.models.layered import with_seed
 from helpers.pipeline.comm import CopyStreams, Wire
 from helpers.pipeline.interpreter import MicroBatch, check_p2p_plan, run_stage
 from helpers.pipeline.schedules import Schedule, make_schedule, validate
@@ -120,20 +121,25 @@ class ThreadedPipeline:
         if any(d.type == "cuda" for d in split.devices):
             self.streams = (_compute_streams(self.executors), CopyStreams())
 
-    def microbatches(self, x: torch.Tensor, y: torch.Tensor,
-                     attention_mask: torch.Tensor | None = None) -> list[MicroBatch]:
+    def microbatches(self, x: torch.Tensor, y: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     seeds: Sequence[int] | None = None) -> list[MicroBatch]:
+        """The global batch cut into micro-batches, each with its context (and dropout seed, if given)."""
         xs, ys = split_batch(x, y, self.m)
         masks = list(attention_mask.chunk(self.m)) if attention_mask is not None else [None] * self.m
-        return [MicroBatch(xi, yi, self.context(xi, mi) if self.context else None)
-                for xi, yi, mi in zip(xs, ys, masks)]
+        contexts = [self.context(xi, mi) if self.context else None for xi, mi in zip(xs, masks)]
+        if seeds is not None:
+            contexts = [with_seed(c, seed) for c, seed in zip(contexts, seeds)]
+        return [MicroBatch(xi, yi, c) for xi, yi, c in zip(xs, ys, contexts)]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             loss_scale: float = 1.0) -> torch.Tensor:
+             loss_scale: float = 1.0, seeds: Sequence[int] | None = None) -> torch.Tensor:
         """Forward and backward of one global batch; gradients accumulate in the stages' parameters (tied copies
         summed). Returns the batch's loss: each micro-batch's summed token loss over the kept tokens of the whole
-        batch, exactly one device's mean whatever the padding. `loss_scale`: a gradient scaler's factor."""
-        loss = run_schedule(self.executors, self.schedule, self.microbatches(x, y, attention_mask), kept_tokens(y),
-                            self.wire, streams=self.streams, loss_scale=loss_scale)
+        batch, exactly one device's mean whatever the padding. `loss_scale`: a gradient scaler's factor; `seeds`:
+        one dropout seed per micro-batch (models with dropout)."""
+        mbs = self.microbatches(x, y, attention_mask, seeds)
+        loss = run_schedule(self.executors, self.schedule, mbs, kept_tokens(y), self.wire, streams=self.streams,
+                            loss_scale=loss_scale)
         self.split.sync_tied_grads()
         return loss
 

@@ -53,6 +53,7 @@ class TrainJob:
     bucket_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
     data_seed: int = 0
     return_grads: bool = False
+    return_state: bool = False  # every rank sends back its trained weights (to save the model)
 
     @property
     def layered(self) -> LayeredModel:

@@ -42,6 +42,7 @@ class TrainResult:
     grads: list[torch.Tensor] = field(default_factory=list)  # first step, whole model, parameters() order
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
     losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
+    state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -57,7 +58,7 @@ def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe:
     return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
                        events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for p in replica0 for g in p["grads"]], cuda_peak=[p["cuda_peak"] for p in parts],
-                       losses=parts[0]["losses"])
+                       losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()})
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -103,10 +104,23 @@ def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
                         optimizer_state_bytes(opt) if opt is not None else 0)
 
 
-def _first_grads(module: nn.Module, scale: float) -> list[torch.Tensor]:
-    """This rank's gradients in parameters() order, unscaled; sharded ones (FSDP2) gathered whole (a collective)."""
+def _trained_state(module: Stage, first_layer: int) -> dict[int, dict[str, torch.Tensor]]:
+    """This rank's weights by global layer index (sharded ones gathered whole: a collective every rank joins)."""
+    out = {}
+    for offset, layer in enumerate(module.layers):
+        tensors = {}
+        for name, t in layer.state_dict().items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            tensors[name] = full.detach().cpu().clone()
+        out[first_layer + offset] = tensors
+    return out
+
+
+def _first_grads(module: Stage, scale: float) -> list[torch.Tensor]:
+    """This rank's gradients layer by layer in parameters() order (a weight two layers share, like tied embeddings,
+    appears in both), unscaled; sharded ones (FSDP2) gathered whole (a collective)."""
     out = []
-    for p in module.parameters():
+    for p in (p for layer in module.layers for p in layer.parameters()):
         g = p.grad
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
@@ -247,9 +261,10 @@ def train_worker(job: TrainJob) -> dict:
             memory = _local_state(r.module, r.optimizer)
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
+    state = _trained_state(r.module, r.layers_range[0]) if job.return_state else {}
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
-            "cuda_peak": cuda_peak_bytes(r.device)}
+            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}}
 
 
 def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:

@@ -1,0 +1,154 @@
+"""One entry point: train a Hugging Face causal LM (a config, or a directory written by `save_pretrained`) with any
+strategy and engine for N steps, and save the result with `save_pretrained`.
+
+    from helpers.training import train
+    out = train("models/tiny-llama", strategy="1f1b", engine="processes", steps=20, autocast="bf16",
+                save_to="models/tiny-llama-trained")
+
+Strategies: naive, gpipe, 1f1b (pipelines: engine threads, processes or torch), ddp, zero1, zero2, fsdp2 (data
+parallel: engine processes), dp_x_pp (engine processes or torch). Every strategy computes what one device computes
+(helpers.training.support says where each runs); the saved model reloads with `from_pretrained` and equals the
+trained weights.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from helpers.models.data import SyntheticTokens
+from helpers.models.hf import HFModel, save_hf_model
+from helpers.models.layered import microbatch_seed
+from helpers.pipeline.schedules import SCHEDULES
+from helpers.pipeline.stages import split_model
+from helpers.precision import make_scaler
+from helpers.runtime.rig import Rig, detect_rig
+from helpers.training.job import TrainJob, check_job
+from helpers.training.loop import run_training
+from helpers.training.support import DATA_PARALLEL_STRATEGIES, engines_for
+
+PIPELINES = ("naive", *SCHEDULES)
+
+
+@dataclass
+class Trained:
+    """What `train` returns: the losses of every step, the trained weights by layer, and where they were saved."""
+
+    losses: list[float]
+    state: dict[int, dict[str, torch.Tensor]]
+    saved: Path | None = None
+    events: list = field(default_factory=list)
+
+
+def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
+    """An HFModel from a directory (or an HFModel); a config object is first built with random weights from `seed`
+    and saved, as a user saves a downloaded checkpoint, so every rank can load its own slice."""
+    if isinstance(model, HFModel):
+        return model
+    if isinstance(model, (str, Path)):
+        return HFModel(str(model))
+    if hasattr(model, "model_type"):
+        directory = Path(workdir or tempfile.mkdtemp(prefix="lab-model-"))
+        return save_hf_model(model, directory, seed=seed)
+    raise TypeError(f"expected a save_pretrained directory, a transformers config or an HFModel, got "
+                    f"{type(model).__name__}")
+
+
+def _job(model: HFModel, strategy: str, engine: str, steps: int, **fields) -> TrainJob:
+    pipeline = strategy in PIPELINES or strategy == "dp_x_pp"
+    layout = {"pp": 2} if pipeline else {}
+    if strategy in DATA_PARALLEL_STRATEGIES:
+        layout = {"dp": 2, "data_parallel": strategy}
+    if strategy == "dp_x_pp":
+        layout = {"dp": 2, "pp": 2}
+    schedule = "gpipe" if strategy in ("naive", "gpipe") else "1f1b"
+    if strategy == "naive":
+        fields["microbatches"] = 1
+    return TrainJob(model, engine="torch" if engine == "torch" else "ours", schedule=schedule, steps=steps - 2,
+                    return_state=True, **layout, **fields)
+
+
+def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
+    """The in-process engine: the whole model loaded here, split over the rig's devices, one thread per stage."""
+    from helpers.pipeline.threaded import ThreadedPipeline
+
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), torch.device("cpu"))
+    split = split_model([layer.to(job.precision.weights) for layer in layers], job.cut(), rig.devices)
+    pipe = ThreadedPipeline(split, job.schedule, job.microbatches, wire=job.wire, precision=job.precision,
+                            context=model.context)
+    optimizer = torch.optim.Adam(split.parameters(), lr=job.lr) if job.optimizer == "adam" else \
+        torch.optim.SGD(split.parameters(), lr=job.lr)
+    scaler = make_scaler(job.precision, rig.devices[-1])
+    data = SyntheticTokens(job.batch, job.sequence_length(), model.vocab_size, seed=job.data_seed,
+                           padding=job.padding)
+    x, y, mask = data.masked_batch(0, job.batch)
+    losses = []
+    for step in range(job.steps + 2):
+        optimizer.zero_grad(set_to_none=False)
+        seeds = [microbatch_seed(job.data_seed, step, k) for k in range(job.microbatches)]
+        loss = pipe.step(x, y, mask, loss_scale=scaler.get_scale() if scaler else 1.0, seeds=seeds)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        losses.append(loss.item())
+    offsets = [0, *job.cut()]
+    state = {offsets[s] + k: {n: t.detach().cpu().clone() for n, t in layer.state_dict().items()}
+             for s, stage in enumerate(split.stages) for k, layer in enumerate(stage.layers)}
+    return Trained(losses, state, events=pipe.events())
+
+
+def save_trained(model: HFModel, state: dict[int, dict[str, torch.Tensor]], directory: str | Path) -> Path:
+    """Write the trained layers as a Hugging Face checkpoint (`save_pretrained`), tied weights stored once."""
+    from transformers import AutoModelForCausalLM
+
+    names = model.checkpoint_names(sorted(state))
+    tensors = {}
+    for i, layer_state in state.items():
+        for local, value in layer_state.items():
+            name = names[i].get(local)
+            if name is not None and name not in tensors:  # a tied head maps to the embedding's tensor: kept once
+                tensors[name] = value
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(model.config, dtype=model.weights_dtype)
+    missing, unexpected = hf.load_state_dict(tensors, strict=False, assign=True)
+    hf.tie_weights()
+    still_missing = [m for m in missing if not (model.tied and m.endswith("lm_head.weight"))]
+    if still_missing or unexpected:
+        raise RuntimeError(f"the trained layers do not make the whole model: missing {still_missing}, "
+                           f"unexpected {unexpected}")
+    directory = Path(directory)
+    hf.save_pretrained(directory)
+    return directory
+
+
+def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int = 10, batch: int = 8,
+          seq_len: int = 32, microbatches: int = 4, rig: Rig | None = None, save_to: str | Path | None = None,
+          optimizer: str = "adam", lr: float = 1e-3, dtype: str = "fp32", autocast: str | None = None,
+          padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0) -> Trained:
+    """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic data
+    and, with `save_to`, save it with `save_pretrained`. Bad input is refused before anything starts."""
+    if strategy not in (*PIPELINES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp"):
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of "
+                         f"{(*PIPELINES, *DATA_PARALLEL_STRATEGIES, 'dp_x_pp')}")
+    if engine not in engines_for(strategy):
+        raise ValueError(f"{strategy} runs with engine {' or '.join(engines_for(strategy))}, not {engine!r}")
+    if not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
+    rig = rig or detect_rig()
+    hf = as_hf_model(model, seed=model_seed)
+    job = _job(hf, strategy, engine, steps, batch=batch, seq_len=seq_len, microbatches=microbatches,
+               optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding, data_seed=data_seed)
+    if engine == "threads":
+        check_job(job, rig)
+        out = _train_threads(hf, job, rig)
+    else:
+        res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu)
+        out = Trained(res.losses, res.state, events=res.events)
+    if save_to is not None:
+        out.saved = save_trained(hf, out.state, save_to)
+    return out

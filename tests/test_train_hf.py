@@ -1,0 +1,191 @@
+"""Real Hugging Face models through every engine and strategy, against one device: tied embeddings, masks and
+padding, grouped-query attention, sliding windows, mixed precision, dropout, several optimizer steps, and
+save_pretrained / reload. (The layer view itself is checked against HF's own forward in test_hf.py.)
+
+Tolerances: fp32 gradients within 1e-5 of one device's (absolute); after four Adam steps weights within 1e-5 (Adam
+divides by sqrt(v), which amplifies round-off of tiny gradients); bf16 autocast within 5e-2 of each tensor's
+largest gradient (8 mantissa bits), fp16 within 1e-2 (11 bits).
+"""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from helpers.check import max_grad_diff
+from helpers.models import SyntheticTokens, lm_loss
+from helpers.models.hf import HFModel, hf_config, save_hf_model
+from helpers.models.layered import Stage, microbatch_seed, with_seed
+from helpers.pipeline.stages import split_model
+from helpers.pipeline.threaded import ThreadedPipeline
+from helpers.precision import Precision, max_relative_diff
+from helpers.runtime.rig import cpu_rig
+from helpers.training import train
+from helpers.training.job import TrainJob
+from helpers.training.loop import run_training
+
+SEQ, BATCH, VOCAB = 16, 8, 64
+CONFIGS = {
+    "gpt2-tied": dict(family="gpt2", tie_embeddings=True),
+    "llama-gqa": dict(family="llama", kv_heads=2),
+    "mistral-window": dict(family="mistral", kv_heads=2, sliding_window=6),
+    "qwen2": dict(family="qwen2", kv_heads=2),
+    "gemma-tied": dict(family="gemma", kv_heads=1, tie_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each family built from a config with random weights and saved locally, as a user saves a checkpoint."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, kw in CONFIGS.items():
+        kw = dict(kw)
+        cfg = hf_config(kw.pop("family"), n_layers=2, hidden=32, heads=4, vocab=VOCAB, seq_len=SEQ, **kw)
+        out[name] = save_hf_model(cfg, root / name)
+    return out
+
+
+def _data(padding: str):
+    return SyntheticTokens(BATCH, SEQ, VOCAB, padding=padding).masked_batch(0, BATCH)
+
+
+def reference(model: HFModel, padding: str = "none", precision: Precision = Precision(), seed: int | None = None):
+    """One device: the whole layer list (a tied weight shared, as in the original model), one batch."""
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), torch.device("cpu"))
+    stage = Stage([layer.to(precision.weights) for layer in layers])
+    x, y, mask = _data(padding)
+    ctx = model.context(x, mask)
+    if seed is not None:
+        ctx = with_seed(ctx, seed)
+    with precision.context(torch.device("cpu")):
+        loss = lm_loss(stage(x, ctx), y)
+    loss.backward()
+    return loss.item(), [p.grad.float().clone() for layer in layers for p in layer.parameters()]
+
+
+def _check(ref, loss, grads, precision=Precision()):
+    ref_loss, ref_grads = ref
+    assert len(grads) == len(ref_grads)
+    if precision.compute == "fp32":
+        assert abs(loss - ref_loss) < 1e-5 and max_grad_diff(ref_grads, grads) <= 1e-5
+    else:
+        assert abs(loss - ref_loss) < 1e-3 * ref_loss
+        assert max_relative_diff(ref_grads, grads) <= precision.tolerance
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_threads_engine_equals_one_device(saved, name, padding, attention):
+    model = HFModel(saved[name].path, attention)
+    ref = reference(model, padding)
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), torch.device("cpu"))
+    split = split_model(layers, [2], [torch.device("cpu")] * 2)
+    if model.tied:
+        assert len(split.tied) == 1, "the embedding and the head became one copy per stage"
+    x, y, mask = _data(padding)
+    loss = ThreadedPipeline(split, "1f1b", 4, context=model.context).step(x, y, mask)
+    _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
+
+
+PROCESS_RUNS = [
+    ("gpt2-tied", dict(pp=2, schedule="1f1b", microbatches=4, padding="right")),
+    ("gpt2-tied", dict(pp=2, microbatches=4, engine="torch", padding="left")),
+    ("gpt2-tied", dict(dp=2, padding="right")),
+    ("gpt2-tied", dict(dp=2, data_parallel="fsdp2", padding="left")),
+    ("gpt2-tied", dict(dp=2, pp=2, schedule="1f1b", microbatches=2, padding="right")),
+    ("llama-gqa", dict(pp=2, schedule="1f1b", microbatches=4, padding="left")),
+    ("llama-gqa", dict(dp=2, data_parallel="zero2", padding="right")),
+    ("mistral-window", dict(pp=2, microbatches=2, padding="right")),
+    ("gemma-tied", dict(pp=2, schedule="1f1b", microbatches=4, engine="torch")),
+]
+
+
+@pytest.mark.parametrize("name, kw", PROCESS_RUNS, ids=[f"{n}-{'-'.join(map(str, kw.values()))}"
+                                                        for n, kw in PROCESS_RUNS])
+def test_processes_equal_one_device(saved, name, kw):
+    job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, steps=1, return_grads=True, **kw)
+    res = run_training(job, cpu_rig(), oversubscribe=True)
+    _check(reference(saved[name], job.padding), res.loss, res.grads)
+
+
+@pytest.mark.parametrize("name, kw", [("gpt2-tied", dict(pp=2, schedule="1f1b", microbatches=4, autocast="bf16")),
+                                      ("llama-gqa", dict(dp=2, autocast="fp16", optimizer="adam"))],
+                         ids=["gpt2-1f1b-bf16-autocast", "llama-ddp-fp16-autocast-scaler"])
+def test_mixed_precision_on_hf_models(saved, name, kw):
+    job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, steps=1, return_grads=True, **kw)
+    res = run_training(job, cpu_rig())
+    _check(reference(saved[name], precision=job.precision), res.loss, res.grads, job.precision)
+
+
+@pytest.mark.parametrize("strategy, engine", [("1f1b", "threads"), ("1f1b", "processes"), ("fsdp2", "processes")])
+def test_tied_model_trains_like_one_device_and_saves(saved, tmp_path, strategy, engine):
+    """Four Adam steps: the embedding and head copies stay identical, the weights equal one device's, and the saved
+    checkpoint reloads with exactly the trained weights (the head equal to the embedding, never random)."""
+    model = saved["gpt2-tied"]
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), torch.device("cpu"))
+    stage = Stage(layers)
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-3)
+    x, y, mask = _data("none")
+    for _ in range(4):
+        opt.zero_grad()
+        lm_loss(stage(x, model.context(x, mask)), y).backward()
+        opt.step()
+    out = train(model, strategy, engine, steps=4, batch=BATCH, seq_len=SEQ, microbatches=4, rig=cpu_rig(),
+                save_to=tmp_path / "trained")
+    head = len(layers) - 1
+    assert torch.equal(out.state[0]["tok.weight"], out.state[head]["weight"])
+    reloaded = HFModel(str(out.saved))
+    again = reloaded.meta_layers()
+    reloaded.materialize(again, range(len(again)), torch.device("cpu"))
+    for mine, ref, trained in zip(again, layers, (out.state[i] for i in range(len(layers)))):
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            assert torch.equal(p, trained[name]), "the checkpoint holds exactly the trained weights"
+            assert (p - q).abs().max() <= 1e-5
+    assert out.losses[-1] < out.losses[0]
+
+
+def test_dropout_is_seeded_and_one_microbatch_equals_one_device(tmp_path):
+    """Each micro-batch's dropout draws from its own seed: the same run twice gives the same result, and with one
+    micro-batch the pipeline draws exactly one device's masks. With m > 1 the masks are drawn per micro-batch, so
+    they differ from one device's (as any pipeline's do)."""
+    cfg = hf_config("gpt2", n_layers=2, hidden=32, heads=4, vocab=VOCAB, seq_len=SEQ, dropout=0.1)
+    model = save_hf_model(cfg, tmp_path / "gpt2-dropout")
+    job = TrainJob(model, pp=2, microbatches=1, batch=BATCH, seq_len=SEQ, steps=1, return_grads=True)
+    first, second = (run_training(job, cpu_rig()) for _ in range(2))
+    assert first.loss == second.loss and max_grad_diff(first.grads, second.grads) == 0
+    _check(reference(model, seed=microbatch_seed(0, 0, 0)), first.loss, first.grads)
+    no_seed = reference(model)
+    assert abs(no_seed[0] - first.loss) > 1e-6, "dropout really is on"
+
+
+@dataclass(frozen=True)
+class _DriftingHead(HFModel):
+    """A model whose head copy is loaded wrong: what the tied-weight check exists to catch."""
+
+    def materialize(self, layers, indices, device):
+        super().materialize(layers, indices, device)
+        if self.n_layers - 1 in set(indices) and 0 not in set(indices):
+            with torch.no_grad():
+                layers[-1].weight.add_(1e-3)
+
+
+def test_tied_copies_out_of_sync_are_refused(saved):
+    drifting = _DriftingHead(saved["gpt2-tied"].path)
+    with pytest.raises(Exception, match="tied weights out of sync"):
+        run_training(TrainJob(drifting, pp=2, microbatches=2, batch=BATCH, seq_len=SEQ, steps=1), cpu_rig())
+
+
+def test_train_refuses_bad_input_before_starting(saved):
+    with pytest.raises(ValueError, match="unknown strategy"):
+        train(saved["llama-gqa"], "zero9")
+    with pytest.raises(ValueError, match="fsdp2 runs with engine processes, not 'threads'"):
+        train(saved["llama-gqa"], "fsdp2", "threads")
+    with pytest.raises(ValueError, match="steps must be at least 3"):
+        train(saved["llama-gqa"], steps=2)
+    model = saved["llama-gqa"]
+    with pytest.raises(ValueError, match=f"vocabulary of {VOCAB}"):
+        model.context(torch.tensor([[1, VOCAB]]), None)
