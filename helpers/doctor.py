@@ -151,6 +151,36 @@ def _processes(rig: Rig, reference, **fields) -> str:
     return _compare(reference, res.loss, res.grads, job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
 
 
+def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
+    """A tied GPT-2 (embedding and head on different stages, right-padded batch) through `strategy` on `engine`,
+    four Adam steps, against one device doing the same: the path a user's own Hugging Face model takes."""
+    from helpers.models.hf import hf_config, save_hf_model
+    from helpers.models.layered import Stage
+    from helpers.training import train
+
+    model = save_hf_model(hf_config("gpt2", 2, 64, 4, CFG.vocab, CFG.seq_len, tie_embeddings=True),
+                          f"{workdir}/gpt2-tied")
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), rig.devices[0])
+    stage = Stage(layers)
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-3)
+    x, y, mask = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab, padding="right").masked_batch(0, BATCH)
+    x, y, mask = x.to(rig.devices[0]), y.to(rig.devices[0]), mask.to(rig.devices[0])
+    for _ in range(4):
+        opt.zero_grad()
+        lm_loss(stage(x, model.context(x, mask)), y).backward()
+        opt.step()
+    out = train(model, strategy, engine, steps=4, batch=BATCH, seq_len=CFG.seq_len, microbatches=4, rig=rig,
+                padding="right")
+    diff = max((p.detach().cpu() - out.state[i][name]).abs().max().item()
+               for i, layer in enumerate(layers) for name, p in layer.named_parameters())
+    if not diff <= 1e-4:
+        raise AssertionError(f"after 4 Adam steps the weights differ from one device's by {diff:.1e}")
+    if not torch.equal(out.state[0]["tok.weight"], out.state[len(layers) - 1]["weight"]):
+        raise AssertionError("the tied embedding and head copies drifted apart")
+    return f"4 Adam steps, weights within {diff:.1e} of one device's, tied copies identical"
+
+
 def _cuda_paths(rig: Rig) -> str:
     """The pieces that only exist on GPUs: CUDA-event spans, the memory panel's NVML and allocator readings."""
     from helpers.memory import ledger_for
@@ -171,8 +201,8 @@ def _cuda_paths(rig: Rig) -> str:
             f"nvidia-smi {readings[0].nvml if readings[0].nvml is not None else 'N/A'}")
 
 
-def plan_checks(rig: Rig) -> list[tuple[str, str, str, Callable[[], str] | None]]:
-    """(name, strategy, engine, run) for every check; run is None where only the support matrix decides."""
+def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, str, str, Callable[[], str]]]:
+    """(name, strategy, engine, run) for every check (`workdir` holds the models the checks save)."""
     refs: dict[Precision, tuple] = {}
 
     def reference(precision: Precision = Precision()):
@@ -215,6 +245,10 @@ def plan_checks(rig: Rig) -> list[tuple[str, str, str, Callable[[], str] | None]
          lambda: _processes(rig, reference(fp16), dp=2, autocast="fp16", optimizer="adam")),
         ("processes: fsdp2, bf16 MixedPrecisionPolicy", "fsdp2", "processes",
          lambda: _processes(rig, reference(bf16), dp=2, data_parallel="fsdp2", autocast="bf16")),
+        *[(f"Hugging Face tied GPT-2, padded: {strategy} on {engine}", strategy, engine,
+           (lambda strategy=strategy, engine=engine: _hf(rig, strategy, engine, workdir)))
+          for strategy, engine in (("1f1b", "threads"), ("1f1b", "processes"), ("gpipe", "torch"),
+                                   ("fsdp2", "processes"))],
     ]
     return checks
 
@@ -233,12 +267,15 @@ def run_check(rig: Rig, name: str, strategy: str, engine: str, fn: Callable[[], 
 
 
 def all_checks(rig: Rig, progress: bool = True) -> list[Check]:
+    import tempfile
+
     checks = []
-    for name, strategy, engine, fn in plan_checks(rig):
-        assert engine in engines_for(strategy)
-        checks.append(run_check(rig, name, strategy, engine, fn))
-        if progress:
-            print(f"  {checks[-1].status:<8} {name}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="lab-doctor-") as workdir:
+        for name, strategy, engine, fn in plan_checks(rig, workdir):
+            assert engine in engines_for(strategy)
+            checks.append(run_check(rig, name, strategy, engine, fn))
+            if progress:
+                print(f"  {checks[-1].status:<8} {name}", flush=True)
     t0 = time.perf_counter()
     if rig.is_cuda:
         try:
