@@ -170,6 +170,9 @@ def _child_env(rig: Rig, rank: int, world: int, port: int) -> dict[str, str]:
     if rig.is_cpu:
         env.update({FORCE_CPU_ENV: "1", CPU_BUDGET_ENV: str(rig.capacity_bytes[0] / 2**30),
                     "OMP_NUM_THREADS": str(rig.threads_per_device)})
+    # every rank is on this machine: gloo talks over loopback (left to itself it resolves the hostname, which fails
+    # on some laptops, e.g. a Mac with an unresolvable .local name)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     return env
 
 
