@@ -1,0 +1,70 @@
+"""The take-home training scripts, each run with torchrun on the CPU rig with a tiny model: same first loss as one
+device on the same batch, a loss that goes down, and a checkpoint that reloads."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.models.hf import hf_config, save_hf_model
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+FLAGS = ["--steps", "4", "--batch", "8", "--seq-len", "16", "--lr", "3e-3", "--autocast", "none"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scripts") / "gpt2-tied"
+    save_hf_model(hf_config("gpt2", n_layers=2, hidden=32, heads=4, vocab=64, seq_len=16, tie_embeddings=True), path)
+    return path
+
+
+def _one_device_first_loss(model_dir: Path) -> float:
+    """The first batch the scripts draw, on one device with the original weights."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from _common import batches, token_loss_sum
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+    class Flags:
+        data, batch, seq_len, seed = None, 8, 16, 0
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    x, y = batches(Flags, model.config.vocab_size, 0)
+    with torch.no_grad():
+        return (token_loss_sum(model(input_ids=x).logits, y) / y.numel()).item()
+
+
+def _run(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> list[float]:
+    launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run",
+                                                    "--nproc-per-node", str(nproc)]
+    cmd = [*launcher, str(SCRIPTS / script), "--model", str(model_dir), "--save-to", str(out), *FLAGS, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+
+
+@pytest.mark.parametrize("script, nproc, extra", [
+    ("train_naive_split.py", 0, []),
+    ("train_pipeline.py", 2, ["--schedule", "1f1b", "--microbatches", "4"]),
+    ("train_ddp.py", 2, ["--microbatches", "2"]),
+    ("train_fsdp2.py", 2, []),
+    ("train_dp_x_pp.py", 4, ["--pp", "2", "--microbatches", "2"]),
+])
+def test_script_trains_like_one_device_and_saves(model_dir, tmp_path, script, nproc, extra):
+    from transformers import AutoModelForCausalLM
+
+    losses = _run(script, nproc, model_dir, tmp_path / "out", *extra)
+    assert len(losses) == 4
+    assert abs(losses[0] - _one_device_first_loss(model_dir)) < 1e-4
+    assert losses[-1] < losses[0]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight  # still tied after the round trip
