@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from helpers.inference.plan import (DoesNotFit, Gpu, LogitsMode, ModelShape, Placement, _check_gpus, evaluate,
+from helpers.inference.plan import (DoesNotFit, Gpu, LogitsMode, ModelShape, Placement, check_gpus, evaluate,
                                     meta_model, model_shape, plan_shape)
 from helpers.memory import fmt_bytes
 
@@ -92,7 +92,7 @@ def accelerate_device_map(shape: ModelShape, strategy: str, gpus: Sequence[Gpu] 
 
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} ('auto' is 'balanced')")
-    gpus = _check_gpus(gpus)
+    gpus = check_gpus(gpus)
     model = meta_model(shape.config)
     no_split = sorted(model._no_split_modules or ())
     dtypes = accelerate_dtypes(shape)
@@ -123,7 +123,7 @@ def compare_with_accelerate(cases: Sequence[Case] = CASES, gpus: Sequence[Gpu] |
     reserve included). Per row: fits, bytes per GPU by kind, room left for the KV cache, bytes offloaded, and the
     slowest stage's bytes and bandwidth-bound milliseconds per decoded token. A case our planner cannot fit gets a
     "does not fit" row instead of a plan."""
-    gpus = _check_gpus(gpus)
+    gpus = check_gpus(gpus)
     rows = []
     for case in cases:
         shape = model_shape(case.model, case.dtype)

@@ -375,7 +375,7 @@ def default_gpus() -> list[Gpu]:
     return parse_gpus("2 x RTX 3090")
 
 
-def _check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
+def check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
     if gpus is None:
         return default_gpus()
     if isinstance(gpus, str):
@@ -573,7 +573,7 @@ def evaluate(shape: ModelShape, device_map: dict, gpus: Sequence[Gpu], context: 
     "cpu" or "disk" are offloaded: accelerate runs them on its main device (the first GPU in the map), so their KV
     cache and reads land there, and that GPU keeps room to stream the largest of them in.
     """
-    gpus = _check_gpus(gpus)
+    gpus = check_gpus(gpus)
     where = {layer.name: _device_of(layer.name, device_map) for layer in shape.layers}
     bad = sorted({str(d) for d in where.values() if d not in ("cpu", "disk") and d not in range(len(gpus))})
     if bad:
@@ -676,14 +676,14 @@ def plan(model="llama-2-13b", dtype: str | WeightFormat = "fp16", context: int =
     `batch` sequences of `context` tokens, the workspace and the runtime reserve, and reads the fewest bytes per
     decoded token on its slowest GPU. Raises DoesNotFit (with what would fit) when no split fits."""
     _check_workload(context, batch, logits)
-    return plan_shape(model_shape(model, dtype), _check_gpus(gpus), context, batch, logits)
+    return plan_shape(model_shape(model, dtype), check_gpus(gpus), context, batch, logits)
 
 
 def plan_shape(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int = 1,
                logits: LogitsMode = "prompt") -> Placement:
     """`plan` for an already priced model (what the alternatives, the comparison and the widget reuse)."""
     _check_workload(context, batch, logits)
-    gpus = _check_gpus(gpus)
+    gpus = check_gpus(gpus)
     problem = _problem(shape, gpus, context, batch, logits)
     split = problem.split()
     if split is None:
