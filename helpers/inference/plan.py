@@ -447,7 +447,9 @@ class DeviceUse:
 
     @property
     def label(self) -> str:
-        return f"cuda:{self.device} {self.gpu.name}"
+        """"cuda:1 RTX 3090" for a GPU; a device already named by the rig (a CPU virtual device) keeps its name."""
+        named = self.gpu.name.startswith(("cpu", "cuda"))
+        return self.gpu.name if named else f"cuda:{self.device} {self.gpu.name}"
 
     @property
     def reserve_bytes(self) -> int:

@@ -1,0 +1,809 @@
+"""Greedy generation across two devices, token for token what Hugging Face's `generate(do_sample=False)` gives on one.
+
+A model saved with `save_pretrained` (`HFModel`: each stage loads only its own layers' tensors) is served by engines
+that differ only in where the work runs, never in what is computed:
+
+- `OneDevice`: Hugging Face's own `generate` on one device, the baseline.
+- `LayerSplit`: the layers cut into one stage per device (from the planner's `device_map`, or given cuts), each stage
+  with its own KV cache, run one after the other for one request at a time: what `from_pretrained(device_map=...)`
+  does, where only one device works at any moment.
+- `Pipelined`: the same stages, one thread per device in this process, several requests in flight: stage 0 computes
+  request B's token while stage 1 computes request A's. Each stage keeps a KV cache per request. On GPUs each stage
+  computes on a CUDA stream of its own and hands tensors over with `helpers.pipeline.comm.send_to`; on the CPU rig a
+  thread is a virtual device (its ops run on its own intra-op threads), so the concurrency is real.
+- `helpers.inference.tensor_parallel`: PyTorch's `parallelize_module`, one rank per device.
+
+A request is a left-padded batch of prompts (`Request`, `left_pad`, `make_requests`). Every engine stops a request
+as `generate` does: at `new_tokens`, or once every row has produced an end-of-sequence token (rows that finished
+early get the pad token, and are still fed back, as `generate` feeds them).
+
+Prefill and decode are timed apart (`Generation.prefill_s`, `decode_s`): prefill ends when every request has its
+first generated token. The pipelined engine runs the two phases one after the other (all prefills in flight, then all
+decodes), so that each phase's throughput is its own. Each engine records one timeline (`helpers.timeline` events of
+kinds "prefill" and "decode", one row per device); `measure` times several engines in interleaved rounds and keeps
+medians; `throughput_table` and `plot_generation_timelines` show them. `Pipelined.from_split` reuses a LayerSplit's
+stages (one copy of the weights for both). `decode_bounds`: the memory-bandwidth bounds of decoding on real GPUs.
+"""
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from helpers.models.hf import FAMILIES, HFModel
+from helpers.models.layered import Stage, call_layer
+from helpers.timeline import Event, Recorder
+
+PHASES = ("prefill", "decode")
+
+
+# --- requests -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    """One request: a batch of prompts, left-padded (`mask` 1 = token, 0 = padding), as `generate` takes them."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self):
+        if self.ids.dim() != 2 or self.ids.shape != self.mask.shape or self.ids.shape[1] == 0:
+            raise ValueError(f"a request is a [batch, length] tensor of token ids with a mask of the same shape, got "
+                             f"ids {tuple(self.ids.shape)} and mask {tuple(self.mask.shape)}")
+        if bool((self.mask.sum(-1) == 0).any()):
+            raise ValueError("every prompt of a request needs at least one token (a row of the mask is all padding)")
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Real prompt tokens (padding not counted)."""
+        return int(self.mask.sum())
+
+    def positions(self) -> torch.Tensor:
+        """Position ids as `generate` computes them for left-padded prompts."""
+        return (self.mask.long().cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> Request:
+    """Prompts of different lengths as one left-padded request (what a tokenizer with padding_side='left' gives)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("a request needs at least one prompt, and every prompt at least one token")
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, longest - len(p):] = 1
+    return Request(ids, mask)
+
+
+def prompts_of(request: Request) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(request.ids, request.mask)]
+
+
+def make_requests(n_requests: int, vocab: int, per_request: int = 1, lengths: tuple[int, int] = (8, 24),
+                  seed: int = 0, pad_token_id: int = 0) -> list[Request]:
+    """`n_requests` requests of `per_request` random prompts each, of lengths drawn from `lengths` (inclusive),
+    token ids 1..vocab-1, left-padded per request."""
+    if n_requests < 1 or per_request < 1:
+        raise ValueError(f"need at least one request of at least one prompt, got {n_requests} x {per_request}")
+    lo, hi = lengths
+    if not 1 <= lo <= hi:
+        raise ValueError(f"prompt lengths must satisfy 1 <= shortest <= longest, got {lengths}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_requests):
+        sizes = torch.randint(lo, hi + 1, (per_request,), generator=g).tolist()
+        out.append(left_pad([torch.randint(1, vocab, (n,), generator=g).tolist() for n in sizes], pad_token_id))
+    return out
+
+
+def merge(requests: Sequence[Request], pad_token_id: int = 0) -> Request:
+    """All prompts of several requests as one batch (re-padded to the longest): what batching them together means."""
+    return left_pad([p for r in requests for p in prompts_of(r)], pad_token_id)
+
+
+# --- results ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Generation:
+    """What one run of an engine produced: the new tokens of every request (each [rows, steps], on the CPU), the
+    wall time of each phase over the whole workload, the tokens each phase handled, and the timeline."""
+
+    engine: str
+    tokens: list[torch.Tensor]
+    prefill_s: float
+    decode_s: float
+    prompt_tokens: int  # real prompt tokens, padding not counted
+    decode_tokens: int  # tokens made by decode steps: rows x (steps - 1), summed over requests
+    events: list[Event] = field(default_factory=list, repr=False)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def _counts(requests: Sequence[Request], tokens: Sequence[torch.Tensor]) -> tuple[int, int]:
+    return (sum(r.prompt_tokens for r in requests),
+            sum(r.rows * max(t.shape[1] - 1, 0) for r, t in zip(requests, tokens)))
+
+
+def same_tokens(a: Generation | Sequence[torch.Tensor], b: Generation | Sequence[torch.Tensor]) -> bool:
+    """True when two runs produced exactly the same tokens for every request."""
+    ta = a.tokens if isinstance(a, Generation) else a
+    tb = b.tokens if isinstance(b, Generation) else b
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in zip(ta, tb))
+
+
+# --- the end-of-sequence rule of generate ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stopping:
+    """`generate`'s greedy rule: argmax; a row that produced an end-of-sequence token gets `pad` from then on; a request
+    stops when every row has finished or after `new_tokens` tokens."""
+
+    new_tokens: int
+    eos: tuple[int, ...]
+    pad: int
+
+    def __post_init__(self):
+        if isinstance(self.new_tokens, bool) or not isinstance(self.new_tokens, int) or self.new_tokens < 1:
+            raise ValueError(f"new_tokens must be a whole number of at least 1, got {self.new_tokens!r}")
+
+    def next_token(self, logits: torch.Tensor, finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next token [rows, 1], finished after it) from the last position's logits [rows, vocab]."""
+        token = logits.float().argmax(-1)
+        if self.eos:
+            token = torch.where(finished, torch.full_like(token, self.pad), token)
+            finished = finished | torch.isin(token, torch.tensor(self.eos, device=token.device))
+        return token[:, None], finished
+
+    def done(self, steps: int, finished: torch.Tensor) -> bool:
+        return steps >= self.new_tokens or (bool(self.eos) and bool(finished.all()))
+
+
+def stopping_for(model: HFModel, new_tokens: int, eos_token_id: int | Sequence[int] | None | str = "model",
+                 pad_token_id: int | None = None) -> Stopping:
+    """The rule `generate` applies to this model: end-of-sequence ids from its generation_config.json (written by
+    save_pretrained) or config, unless given (None: never stop early); pad: given, the model's, or the first eos."""
+    gen = _generation_config(model)
+    if eos_token_id == "model":
+        eos_token_id = gen.eos_token_id
+    eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = gen.pad_token_id if gen.pad_token_id is not None else eos[0] if eos else 0
+    return Stopping(new_tokens, eos, int(pad_token_id))
+
+
+def _generation_config(model: HFModel):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model.path)
+    except OSError:  # no generation_config.json: what generate derives from the model's config
+        return GenerationConfig.from_model_config(model.config)
+
+
+# --- stages: which layers each device holds -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Layers [start, end) of the layer view on device `device` (an index into the engine's devices)."""
+
+    device: int
+    start: int
+    end: int
+
+
+def layer_index(model: HFModel, module_name: str) -> int | None:
+    """The layer of `HFModel`'s view that holds a module of a device_map (None: a module without weights of its own
+    there, such as the rotary embedding, which every block carries a copy of)."""
+    parts = FAMILIES[model.config.model_type]
+    n = model.config.num_hidden_layers
+    base = parts.base + "."
+    if module_name == "lm_head":
+        return n + 2
+    if not module_name.startswith(base):
+        raise ValueError(f"the device_map names {module_name!r}, which is not a module of this "
+                         f"{model.config.model_type} model")
+    local = module_name[len(base):]
+    if local in {parts.embed, parts.positions, parts.dropout} - {None}:
+        return 0
+    if local == parts.norm:
+        return n + 1
+    if local.startswith(parts.blocks + "."):
+        return int(local.split(".")[1]) + 1
+    if local == parts.rotary:
+        return None
+    raise ValueError(f"the device_map names {module_name!r}, which the layer view does not know")
+
+
+def stages_from_device_map(model: HFModel, device_map: Mapping[str, int | str]) -> list[StageSpec]:
+    """The device_map's placement as runs of consecutive layers, one StageSpec per run, in forward order. Values are
+    device indices (the planner's 0, 1, ...); "cpu" / "disk" offloading is not a stage."""
+    n_layers = model.n_layers
+    where: dict[int, int] = {}
+    for name, device in device_map.items():
+        if isinstance(device, str) or isinstance(device, bool):
+            raise ValueError(f"the device_map sends {name} to {device!r}: these engines place every layer on a "
+                             "device (plan for more memory, or use accelerate's offloading)")
+        i = layer_index(model, name)
+        if i is not None:
+            where[i] = int(device)
+    missing = [i for i in range(n_layers) if i not in where]
+    if missing:
+        raise ValueError(f"the device_map places no module for layers {missing} of the model's {n_layers}")
+    specs: list[StageSpec] = []
+    for i in range(n_layers):
+        if specs and specs[-1].device == where[i]:
+            specs[-1] = StageSpec(where[i], specs[-1].start, i + 1)
+        else:
+            specs.append(StageSpec(where[i], i, i + 1))
+    return specs
+
+
+def stages_from_cuts(model: HFModel, cuts: Sequence[int]) -> list[StageSpec]:
+    """Stage j holds layers [cuts[j-1], cuts[j]) on device j (cuts: the first layer of each stage after the first)."""
+    edges = [0, *cuts, model.n_layers]
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"cuts {list(cuts)} must rise strictly inside 1..{model.n_layers - 1} (the model has "
+                         f"{model.n_layers} layers: embedding, {model.config.num_hidden_layers} blocks, norm, head)")
+    return [StageSpec(j, a, b) for j, (a, b) in enumerate(zip(edges, edges[1:]))]
+
+
+def rig_gpus(rig) -> list:
+    """The rig's devices as the planner's GPUs: their capacity (a CPU virtual device's memory budget), and the runtime
+    reserve on GPUs (CUDA context + allocator margin); a CPU virtual device has no CUDA context, so no reserve."""
+    from helpers.inference.plan import Gpu, runtime_reserve_bytes
+
+    reserve = 0 if rig.is_cpu else runtime_reserve_bytes()
+    return [Gpu(label, capacity, reserve) for label, capacity in zip(rig.labels, rig.capacity_bytes)]
+
+
+def weight_format_name(dtype: torch.dtype) -> str:
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise ValueError(f"no weight format for {dtype}: the engines run fp32, fp16 or bf16 weights")
+    return names[dtype]
+
+
+def plan_for_rig(model: HFModel, rig, context: int, batch: int):
+    """The planner's placement of this saved model on the rig's two devices, for `batch` sequences of `context`
+    tokens (KV cache, workspace and, on GPUs, the runtime reserve counted)."""
+    from helpers.inference.plan import plan
+
+    return plan(model.path, weight_format_name(model.weights_dtype), context, batch, rig_gpus(rig), logits="last")
+
+
+def _check_specs(specs: Sequence[StageSpec], devices: Sequence[torch.device]) -> None:
+    bad = sorted({s.device for s in specs if not 0 <= s.device < len(devices)})
+    if bad:
+        raise ValueError(f"the split uses devices {bad}, but {len(devices)} devices were given")
+
+
+def _build_stages(model: HFModel, specs: Sequence[StageSpec], devices: Sequence[torch.device]) -> list[Stage]:
+    """Each stage's layers loaded from the checkpoint straight to its device (only its tensors are read)."""
+    _check_specs(specs, devices)
+    layers = model.meta_layers()
+    stages = []
+    for s in specs:
+        with quiet_transformers():
+            model.materialize(layers, range(s.start, s.end), devices[s.device])
+        stages.append(Stage(layers[s.start:s.end]).eval())
+    return stages
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Loading without transformers' progress bars (a notebook cell shows the result, not 'Loading weights')."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _sync_all() -> None:
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+
+
+# --- one stage's work on one request -------------------------------------------------------------------------------
+
+class _StageState:
+    """What a stage keeps for one request: its KV cache, the padding mask and positions on its device."""
+
+    def __init__(self, cache, mask: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.mask, self.positions = cache, mask, positions
+
+    def advance(self) -> None:
+        """After a step: the next position, one more real token in the mask."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+
+
+class _StageRunner:
+    """One stage on its device: runs a request's prefill or decode step with the request's own KV cache."""
+
+    def __init__(self, model: HFModel, stage: Stage, spec: StageSpec, device: torch.device, recorder: Recorder):
+        self.model, self.stage, self.spec, self.device, self.recorder = model, stage, spec, device, recorder
+        self.holds_head = spec.end == model.n_layers
+        self.norm_index = model.n_layers - 2  # final norm: from here on only the last position matters
+        self.states: dict[int, _StageState] = {}
+
+    def reset(self) -> None:
+        self.states.clear()
+
+    def step(self, r: int, x: torch.Tensor, request: Request, phase: str) -> torch.Tensor:
+        """Prefill (x: the prompt's ids on stage 0, hidden states elsewhere) or one decode step of request r. The last
+        stage returns the last position's logits [rows, vocab]."""
+        if phase == "prefill":
+            self.states[r] = _StageState(self.model.new_cache(), request.mask.to(self.device),
+                                         request.positions().to(self.device))
+        state = self.states[r]
+        shape_ids = x if self.spec.start == 0 else torch.zeros(x.shape[:2], dtype=torch.long, device=self.device)
+        with self.recorder.span(phase, r):
+            ctx = self.model.context(shape_ids, state.mask, cache=state.cache, position_ids=state.positions)
+            h = x
+            for i, layer in enumerate(self.stage, start=self.spec.start):
+                if i == self.norm_index and h.shape[1] > 1:
+                    h = h[:, -1:]  # as generate: the norm and the head see only the last position
+                h = call_layer(layer, h, ctx)
+            state.advance()
+        return h[:, -1] if self.holds_head else h
+
+
+def _runners(model: HFModel, specs: Sequence[StageSpec], devices: Sequence[torch.device]) -> list[_StageRunner]:
+    stages = _build_stages(model, specs, devices)
+    return [_StageRunner(model, stage, spec, devices[spec.device], Recorder(spec.device, devices[spec.device]))
+            for stage, spec in zip(stages, specs)]
+
+
+def _events(runners: Sequence[_StageRunner]) -> list[Event]:
+    """Every stage's spans; two stages on one device share its row."""
+    return sorted((e for r in runners for e in r.recorder.events()), key=lambda e: (e.device, e.start))
+
+
+def _resolve_stopping(model: HFModel, new_tokens: int, stopping: Stopping | None) -> Stopping:
+    return stopping if stopping is not None else stopping_for(model, new_tokens)
+
+
+# --- (a) one device: Hugging Face's own generate -------------------------------------------------------------------
+
+class _Clock:
+    """A streamer that only notes when generate hands over tokens: first the prompt, then each new token (on GPUs
+    generate copies each to the host first, so every mark is after the device finished that step)."""
+
+    def __init__(self):
+        self.marks: list[float] = []
+
+    def put(self, value) -> None:
+        self.marks.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(hf: nn.Module, requests: Sequence[Request], rule: Stopping, device: torch.device,
+                engine: str = "one device", device_index: int = 0) -> Generation:
+    """Hugging Face's own `generate(do_sample=False)` over the requests one at a time, timed by a streamer: prefill
+    from the call to the first token, decode from there to the last. (The tensor-parallel ranks run this too.)"""
+    tokens, events, prefill, decode = [], [], 0.0, 0.0
+    for r, request in enumerate(requests):
+        clock = _Clock()
+        ids, mask = request.ids.to(device), request.mask.to(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=rule.new_tokens, do_sample=False,
+                              eos_token_id=list(rule.eos) or None, pad_token_id=rule.pad, streamer=clock)
+        marks = [t0, *clock.marks[1:]]  # the streamer's first mark is the prompt, handed over before any work
+        prefill += marks[1] - marks[0]
+        decode += marks[-1] - marks[1]
+        events.append(Event(device_index, "prefill", marks[0], marks[1], r))
+        events += [Event(device_index, "decode", a, b, r) for a, b in zip(marks[1:], marks[2:])]
+        tokens.append(out[:, ids.shape[1]:].cpu())
+    return Generation(engine, tokens, prefill, decode, *_counts(requests, tokens), events)
+
+
+def load_hf(model: HFModel, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole saved model on one device, as `from_pretrained` loads it (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=model.weights_dtype,
+                                                  attn_implementation=model.attn_implementation)
+    return hf.to(device).eval()
+
+
+class OneDevice:
+    """Hugging Face's `generate(do_sample=False)` on one device, one request at a time: the baseline, and the
+    reference every other engine's tokens are checked against."""
+
+    name = "one device"
+
+    def __init__(self, model: HFModel, device: torch.device | str = "cpu"):
+        self.model, self.device = model, torch.device(device)
+        self.hf = load_hf(model, self.device)
+
+    def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
+        rule = _resolve_stopping(self.model, new_tokens, stopping)
+        return hf_generate(self.hf, requests, rule, self.device, self.name)
+
+
+# --- (b) the layer split: stages one after the other ----------------------------------------------------------------
+
+class LayerSplit:
+    """The model cut into stages on the devices, each with its own KV cache, run one after the other for one request
+    at a time (how `from_pretrained(device_map=...)` runs: while one device works, the other waits).
+
+    `stages`: StageSpecs (`stages_from_device_map(model, plan.device_map)`, `stages_from_cuts(model, [k])`) or a
+    device_map; `devices`: the torch devices the specs' indices name (the rig's two devices)."""
+
+    name = "layer split"
+
+    def __init__(self, model: HFModel, stages: Sequence[StageSpec] | Mapping[str, int],
+                 devices: Sequence[torch.device]):
+        self.model, self.devices = model, [torch.device(d) for d in devices]
+        self.specs = stages_from_device_map(model, stages) if isinstance(stages, Mapping) else list(stages)
+        self.runners = _runners(model, self.specs, self.devices)
+
+    @property
+    def first_device(self) -> torch.device:
+        return self.runners[0].device
+
+    def _request(self, r: int, request: Request, rule: Stopping) -> tuple[torch.Tensor, float, float]:
+        """(tokens [rows, steps], prefill seconds, decode seconds) of one request, the stages in turn."""
+        last = self.runners[-1]
+        finished = torch.zeros(request.rows, dtype=torch.bool, device=last.device)
+        x, out = request.ids.to(self.first_device), []
+        t0 = time.perf_counter()
+        t1 = t0
+        phase = "prefill"
+        while True:
+            h = x
+            for runner in self.runners:
+                h = runner.step(r, h.to(runner.device), request, phase)
+            token, finished = rule.next_token(h, finished)
+            out.append(token)
+            if phase == "prefill":
+                _sync_all()
+                t1, phase = time.perf_counter(), "decode"
+            if rule.done(len(out), finished):
+                break
+            x = token.to(self.first_device)
+        _sync_all()
+        t2 = time.perf_counter()
+        for runner in self.runners:
+            runner.reset()
+        return torch.cat(out, dim=1).cpu(), t1 - t0, t2 - t1
+
+    def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
+        rule = _resolve_stopping(self.model, new_tokens, stopping)
+        for runner in self.runners:
+            runner.recorder.clear()
+        tokens, prefill, decode = [], 0.0, 0.0
+        with torch.no_grad():
+            for r, request in enumerate(requests):
+                t, p, d = self._request(r, request, rule)
+                tokens.append(t)
+                prefill += p
+                decode += d
+        return Generation(self.name, tokens, prefill, decode, *_counts(requests, tokens), _events(self.runners))
+
+
+# --- (c) pipelined: one thread per device, several requests in flight --------------------------------------------
+
+_STOP = object()  # down the pipe: no more work
+_ABORT = object()  # to stage 0: another stage failed
+
+
+class _Aborted(Exception):
+    """A stage stops because another one failed (that one's error is reported)."""
+
+
+def _get(box: queue.Queue, timeout_s: float):
+    try:
+        item = box.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"no message within {timeout_s:.0f} s: a stage stopped answering") from None
+    if item is _ABORT:
+        raise _Aborted()
+    return item
+
+
+class Pipelined(LayerSplit):
+    """The layer split with one thread per stage and every request in flight: while the last stage computes request
+    A's token, the first computes request B's. Stage s keeps a KV cache per request; tokens go from the last stage
+    back to the first. Each phase (all prefills, then all decode steps) runs as a pipeline over the requests; every
+    stage sees the requests in the order stage 0 sent them, so each inbox is a plain FIFO queue.
+
+    Needs one stage per device (a tied head placed with the embedding makes device 0 hold two stages: pass cuts).
+    """
+
+    name = "pipelined"
+
+    def __init__(self, model: HFModel, stages: Sequence[StageSpec] | Mapping[str, int],
+                 devices: Sequence[torch.device], timeout_s: float = 300.0):
+        specs = stages_from_device_map(model, stages) if isinstance(stages, Mapping) else list(stages)
+        used = [s.device for s in specs]
+        if len(specs) < 2 or len(set(used)) != len(used):
+            raise ValueError(f"a pipeline needs one contiguous stage per device, at least two; this split runs "
+                             f"{' -> '.join(f'device {d}' for d in used)} (a tied head placed with the embedding "
+                             "brings device 0 back at the end): give cuts instead, e.g. stages_from_cuts(model, [k])")
+        super().__init__(model, specs, devices)
+        self._streams(timeout_s)
+
+    @classmethod
+    def from_split(cls, split: LayerSplit, timeout_s: float = 300.0) -> "Pipelined":
+        """A pipeline over the very stages (weights) of a LayerSplit: no second copy of the model in memory."""
+        used = [s.device for s in split.specs]
+        if len(used) < 2 or len(set(used)) != len(used):
+            return cls(split.model, split.specs, split.devices, timeout_s)  # refuses, with the reason
+        self = cls.__new__(cls)
+        self.model, self.devices, self.specs, self.runners = split.model, split.devices, split.specs, split.runners
+        self._streams(timeout_s)
+        return self
+
+    def _streams(self, timeout_s: float) -> None:
+        from helpers.pipeline.comm import CopyStreams
+
+        self.timeout_s = timeout_s
+        self.compute = [torch.cuda.Stream(r.device) if r.device.type == "cuda" else None for r in self.runners]
+        self.copies = CopyStreams() if any(d.type == "cuda" for d in self.devices) else None
+
+    def _send(self, t: torch.Tensor, device: torch.device):
+        """Start moving `t` to the next stage's device: a Transfer whose `get()` the receiver calls (on GPUs the copy
+        runs on side streams and the receiver's stream waits for it; on the CPU nothing moves)."""
+        from helpers.pipeline.comm import send_to
+
+        return send_to(t, device, self.copies)
+
+    def _later_stage(self, s: int, requests: Sequence[Request], rule: Stopping, inboxes: list[queue.Queue],
+                     feedback: queue.Queue) -> None:
+        """Stages after the first: take (request, phase, transfer) from the inbox in order, compute, pass it on; the
+        last stage picks the token and sends it back to stage 0, with whether the request is done."""
+        runner, last = self.runners[s], s == len(self.runners) - 1
+        first_device = self.runners[0].device
+        finished: dict[int, torch.Tensor] = {}
+        steps: dict[int, int] = {}
+        while True:
+            msg = _get(inboxes[s], self.timeout_s)
+            if msg is _STOP:
+                if not last:
+                    inboxes[s + 1].put(_STOP)
+                return
+            r, phase, transfer = msg
+            h = runner.step(r, transfer.get(), requests[r], phase)
+            if not last:
+                inboxes[s + 1].put((r, phase, self._send(h, self.runners[s + 1].device)))
+                continue
+            if phase == "prefill":
+                finished[r] = torch.zeros(requests[r].rows, dtype=torch.bool, device=runner.device)
+                steps[r] = 0
+            token, finished[r] = rule.next_token(h, finished[r])
+            steps[r] += 1
+            feedback.put((r, self._send(token, first_device), rule.done(steps[r], finished[r])))
+
+    def _first_stage(self, requests: Sequence[Request], inboxes: list[queue.Queue], feedback: queue.Queue,
+                     out: dict) -> None:
+        """Stage 0 drives: every prefill, then (once all first tokens are back: the prefill phase ends) a decode
+        step for each request as soon as its previous token is back, until every request is done."""
+        runner, nxt = self.runners[0], self.runners[1].device
+
+        def send(r: int, x: torch.Tensor, phase: str) -> None:
+            h = runner.step(r, x, requests[r], phase)
+            inboxes[1].put((r, phase, self._send(h, nxt)))
+
+        tokens: dict[int, list] = {r: [] for r in range(len(requests))}
+        t0 = time.perf_counter()
+        for r, request in enumerate(requests):
+            send(r, request.ids.to(runner.device), "prefill")
+        firsts = [_get(feedback, self.timeout_s) for _ in requests]
+        _sync_all()
+        t1 = time.perf_counter()
+        in_flight = 0
+        for r, token, done in firsts:
+            tokens[r].append(token)
+            if not done:
+                send(r, token.get(), "decode")
+                in_flight += 1
+        while in_flight:
+            r, token, done = _get(feedback, self.timeout_s)
+            tokens[r].append(token)
+            in_flight -= 1
+            if not done:
+                send(r, token.get(), "decode")
+                in_flight += 1
+        inboxes[1].put(_STOP)
+        out.update(tokens=tokens, t0=t0, t1=t1)
+
+    def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
+        rule = _resolve_stopping(self.model, new_tokens, stopping)
+        _ = self.model.config  # read config.json once, before the threads share it
+        for runner in self.runners:
+            runner.recorder.clear()
+            runner.reset()
+        p = len(self.runners)
+        inboxes: list[queue.Queue] = [queue.Queue() for _ in range(p)]
+        feedback: queue.Queue = queue.Queue()
+        errors: list[tuple[int, BaseException]] = []
+        out: dict = {}
+
+        def worker(s: int) -> None:
+            try:
+                torch.set_grad_enabled(False)  # grad mode belongs to the thread
+                stream = self.compute[s]
+                if stream is not None:
+                    torch.cuda.set_device(self.runners[s].device)
+                    stream.wait_stream(torch.cuda.current_stream(self.runners[s].device))
+                with torch.cuda.stream(stream) if stream is not None else _nothing():
+                    if s == 0:
+                        self._first_stage(requests, inboxes, feedback, out)
+                    else:
+                        self._later_stage(s, requests, rule, inboxes, feedback)
+            except _Aborted:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+                errors.append((s, exc))
+                for box in (*inboxes, feedback):
+                    box.put(_ABORT)
+
+        threads = [threading.Thread(target=worker, args=(s,), name=f"stage{s}", daemon=True) for s in range(p)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for runner, stream in zip(self.runners, self.compute):
+            if stream is not None:  # the caller's stream waits for the stages
+                torch.cuda.current_stream(runner.device).wait_stream(stream)
+        _sync_all()
+        t2 = time.perf_counter()
+        for runner in self.runners:
+            runner.reset()
+        if errors:
+            s, exc = errors[0]
+            raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
+        tokens = [torch.cat([t.get() for t in out["tokens"][r]], dim=1).cpu() for r in range(len(requests))]
+        return Generation(self.name, tokens, out["t1"] - out["t0"], t2 - out["t1"], *_counts(requests, tokens),
+                          _events(self.runners))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# --- measurement ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Throughput:
+    """Medians over repeats of one engine on one workload; `last`: the last run (tokens, timeline)."""
+
+    engine: str
+    prefill_s: float
+    decode_s: float
+    prompt_tokens: int
+    decode_tokens: int
+    repeats: int
+    last: Generation = field(repr=False)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @classmethod
+    def of(cls, engine: str, runs: Sequence[Generation]) -> "Throughput":
+        if not runs:
+            raise ValueError(f"no runs of {engine} to take medians of")
+        last = runs[-1]
+        return cls(engine, statistics.median(g.prefill_s for g in runs), statistics.median(g.decode_s for g in runs),
+                   last.prompt_tokens, last.decode_tokens, len(runs), last)
+
+
+def measure(runs: Mapping[str, Callable[[], Generation]], repeats: int = 3, warmup: int = 1,
+            progress: bool = False) -> dict[str, Throughput]:
+    """Time each run (a function returning a Generation) in interleaved rounds, a, b, c, a, b, c, ..., after
+    `warmup` untimed rounds, so a slow moment of a shared machine hurts every engine alike; medians per phase."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    done: dict[str, list[Generation]] = {name: [] for name in runs}
+    rounds = range(repeats)
+    if progress:
+        from tqdm.auto import tqdm
+
+        rounds = tqdm(rounds, desc="timing", leave=False)
+    for _ in rounds:
+        for name, fn in runs.items():
+            done[name].append(fn())
+    return {name: Throughput.of(name, gens) for name, gens in done.items()}
+
+
+def throughput_rows(results: Mapping[str, Throughput], baseline: str | None = None) -> list[dict]:
+    """One row per engine: tokens/s of each phase, and each as a multiple of the baseline's (default: the first)."""
+    if not results:
+        return []
+    base = results[baseline or next(iter(results))]
+    return [{"engine": name, "prefill tok/s": t.prefill_tok_s, "decode tok/s": t.decode_tok_s,
+             "prefill x": t.prefill_tok_s / base.prefill_tok_s, "decode x": t.decode_tok_s / base.decode_tok_s,
+             "prefill ms": t.prefill_s * 1e3, "decode ms": t.decode_s * 1e3, "repeats": t.repeats}
+            for name, t in results.items()]
+
+
+def throughput_table(results: Mapping[str, Throughput], baseline: str | None = None) -> str:
+    from helpers.report import table
+
+    return table(throughput_rows(results, baseline))
+
+
+def plot_generation_timelines(results: Mapping[str, Throughput | Generation],
+                              device_names: dict[int, str] | None = None):
+    """One timeline per engine, stacked on one time axis (`helpers.timeline.plot_timelines`): prefill and decode
+    spans per device, the request's number on each bar, busy % per device."""
+    from helpers.timeline import plot_timelines
+
+    panels = {name: (r.last if isinstance(r, Throughput) else r).events for name, r in results.items()}
+    return plot_timelines(panels, device_names=device_names, busy_kinds=set(PHASES))
+
+
+# --- on two GPUs: the bandwidth bound of decoding ---------------------------------------------------------------------
+
+def decode_bounds(model: str = "llama-3-8b", dtype: str = "fp16", context: int = 512, gpu: str = "RTX 3090",
+                  link: str = "3090_gpu_to_gpu_no_p2p") -> dict:
+    """Upper bounds on single-stream decode speed from memory bandwidth alone (tokens/s), for one GPU and for two
+    joined by `link` (data/hardware.json): every weight and the KV cache of `context` tokens are read once per token.
+
+    - one GPU and the layer split: the same bytes, read by one card at a time (the split adds one hop of the hidden
+      state per token: the link's latency plus its bytes);
+    - pipelined, two or more requests in flight: both cards read at once, so the aggregate doubles (each request
+      still gets the one-card rate);
+    - tensor parallel: each card reads half, plus two all-reduces per layer, each costed as twice the link's
+      latency (the simulator's rule: an estimate; their bytes are negligible in decode).
+    """
+    from helpers.course import load_data
+    from helpers.inference.plan import model_shape
+
+    hardware = load_data("hardware")
+    card, wire = hardware["gpus"][gpu], hardware["links"][link]
+    shape = model_shape(model, dtype)
+    read = sum(layer.read_bytes(context, 1) for layer in shape.layers)
+    bandwidth = card["memory_bandwidth_gb_s"] * 1e9
+    latency = wire["latency_us"] * 1e-6
+    hop = latency + shape.hidden * shape.format.activation_bytes / (wire["gb_s_per_direction"] * 1e9)
+    allreduces = 2 * len(shape.decoder_layers)
+    one = read / bandwidth
+    split = one + hop
+    tp = read / 2 / bandwidth + allreduces * 2 * latency
+    return {"model": model, "dtype": dtype, "context": context, "gpu": gpu, "link": link,
+            "read_bytes_per_token": read, "bandwidth_gb_s": card["memory_bandwidth_gb_s"],
+            "link_latency_us": wire["latency_us"], "allreduces_per_token": allreduces,
+            "ms": {"one GPU": one * 1e3, "layer split": split * 1e3, "pipelined (per request)": split * 1e3,
+                   "tensor parallel": tp * 1e3},
+            "tok_s": {"one GPU": 1 / one, "layer split": 1 / split, "pipelined (2 requests, total)": 2 / split,
+                      "tensor parallel": 1 / tp},
+            "sources": {"bandwidth": card["source"], "link": wire["source"]}}
