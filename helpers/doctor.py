@@ -31,7 +31,7 @@ from helpers.check import max_grad_diff
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, detect_rig
-from helpers.training.support import engines_for, support
+from helpers.training.support import Support, support
 
 CFG = StackConfig(hidden=64, n_blocks=4, heads=2, seq_len=16, vocab=128)  # small: each check takes seconds
 BATCH = 8
@@ -181,6 +181,27 @@ def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
     return f"4 Adam steps, weights within {diff:.1e} of one device's, tied copies identical"
 
 
+def _generation(rig: Rig, engine: str, workdir: str) -> str:
+    """Greedy tokens of a small Llama (grouped-query attention, left-padded prompts) across the rig's devices, equal
+    to Hugging Face's generate on one device: the layer split, pipelined requests, or tensor parallelism."""
+    from helpers.inference.generate import LayerSplit, OneDevice, Pipelined, make_requests, same_tokens
+    from helpers.inference.generate import stages_from_cuts
+    from helpers.inference.tensor_parallel import run_tensor_parallel
+    from helpers.models.hf import hf_config, save_hf_model
+
+    model = save_hf_model(hf_config("llama", 4, 64, 4, CFG.vocab, 64, kv_heads=2), f"{workdir}/llama-{engine}")
+    requests = make_requests(2, CFG.vocab, per_request=2, lengths=(3, 9), seed=1)
+    reference = OneDevice(model, rig.devices[0]).generate(requests, 6).tokens
+    if engine == "tensor parallel":
+        tokens = run_tensor_parallel(model, requests, 6, rig, repeats=1, warmup=0).tokens
+    else:
+        cls = LayerSplit if engine == "layer split" else Pipelined
+        tokens = cls(model, stages_from_cuts(model, [3]), rig.devices).generate(requests, 6).tokens
+    if not same_tokens(tokens, reference):
+        raise AssertionError("greedy tokens differ from generate on one device")
+    return f"{sum(t.numel() for t in tokens)} tokens equal to generate on one device"
+
+
 def _cuda_paths(rig: Rig) -> str:
     """The pieces that only exist on GPUs: CUDA-event spans, the memory panel's NVML and allocator readings."""
     from helpers.memory import ledger_for
@@ -201,8 +222,9 @@ def _cuda_paths(rig: Rig) -> str:
             f"nvidia-smi {readings[0].nvml if readings[0].nvml is not None else 'N/A'}")
 
 
-def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, str, str, Callable[[], str]]]:
-    """(name, strategy, engine, run) for every check (`workdir` holds the models the checks save)."""
+def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[], str]]]:
+    """(name, whether this rig can run it, run) for every check (`workdir` holds the models the checks save)."""
+    from helpers.inference.tensor_parallel import tensor_parallel_support
     refs: dict[Precision, tuple] = {}
 
     def reference(precision: Precision = Precision()):
@@ -213,7 +235,7 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, str, str, Callable[[]
     bf16, fp16, bf16_weights = Precision(autocast="bf16"), Precision(autocast="fp16"), Precision(dtype="bf16")
 
     pipe = dict(pp=2, boundaries=CUT)
-    checks = [
+    by_strategy = [
         ("threads: naive split", "naive", "threads", lambda: _threads(rig, "gpipe", 1, reference())),
         ("threads: GPipe m=4", "gpipe", "threads", lambda: _threads(rig, "gpipe", 4, reference())),
         ("threads: 1F1B m=4", "1f1b", "threads", lambda: _threads(rig, "1f1b", 4, reference())),
@@ -249,12 +271,17 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, str, str, Callable[[]
            (lambda strategy=strategy, engine=engine: _hf(rig, strategy, engine, workdir)))
           for strategy, engine in (("1f1b", "threads"), ("1f1b", "processes"), ("gpipe", "torch"),
                                    ("fsdp2", "processes"))],
+        *[(f"generation: {engine}", "naive", "threads", (lambda engine=engine: _generation(rig, engine, workdir)))
+          for engine in ("layer split", "pipelined requests")],
     ]
+    checks = [(name, support(rig, strategy, engine, ranks=4 if strategy == "dp_x_pp" else 2), fn)
+              for name, strategy, engine, fn in by_strategy]
+    checks.append(("generation: tensor parallel", tensor_parallel_support(rig),
+                   lambda: _generation(rig, "tensor parallel", workdir)))
     return checks
 
 
-def run_check(rig: Rig, name: str, strategy: str, engine: str, fn: Callable[[], str]) -> Check:
-    verdict = support(rig, strategy, engine, ranks=4 if strategy == "dp_x_pp" else 2)
+def run_check(name: str, verdict: Support, fn: Callable[[], str]) -> Check:
     if not verdict.ok:
         return Check(name, "REFUSED", verdict.reason)
     t0 = time.perf_counter()
@@ -271,9 +298,8 @@ def all_checks(rig: Rig, progress: bool = True) -> list[Check]:
 
     checks = []
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as workdir:
-        for name, strategy, engine, fn in plan_checks(rig, workdir):
-            assert engine in engines_for(strategy)
-            checks.append(run_check(rig, name, strategy, engine, fn))
+        for name, verdict, fn in plan_checks(rig, workdir):
+            checks.append(run_check(name, verdict, fn))
             if progress:
                 print(f"  {checks[-1].status:<8} {name}", flush=True)
     t0 = time.perf_counter()
