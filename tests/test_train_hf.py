@@ -189,3 +189,17 @@ def test_train_refuses_bad_input_before_starting(saved):
     model = saved["llama-gqa"]
     with pytest.raises(ValueError, match=f"vocabulary of {VOCAB}"):
         model.context(torch.tensor([[1, VOCAB]]), None)
+
+
+def test_split_layered_loads_each_stage_and_keeps_ties(saved):
+    """Building stage by stage (each reads only its own tensors) registers the tie across stages, so the threads
+    engine sums the two copies' gradients exactly as when the whole model is loaded first."""
+    from helpers.pipeline.stages import split_layered
+
+    model = saved["gemma-tied"]
+    ref = reference(model, "right")
+    split = split_layered(model, [2], [torch.device("cpu")] * 2)
+    assert len(split.tied) == 1
+    x, y, mask = _data("right")
+    loss = ThreadedPipeline(split, "1f1b", 4, context=model.context).step(x, y, mask)
+    _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])

@@ -113,6 +113,24 @@ def split_model(model: nn.Module | Sequence[nn.Module], boundaries: int | Sequen
     return SplitModel(stages, devices[:len(stages)], tied)
 
 
+def split_layered(model, boundaries: int | Sequence[int], devices: Sequence[torch.device]) -> SplitModel:
+    """Build a `LayeredModel` (the block stack, an `HFModel`) straight into stages: each stage materialises only its
+    own layers, on its own device (a checkpoint's tensors are read once, stage by stage). Tied weights whose two
+    uses land on different stages are two copies, registered for `sync_tied_grads`; on one stage, one weight."""
+    layers = model.meta_layers()
+    bounds = [boundaries] if isinstance(boundaries, int) else list(boundaries)
+    ranges = stage_ranges(len(layers), bounds)
+    if len(ranges) > len(devices):
+        raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
+    for (a, b), device in zip(ranges, devices):
+        model.materialize(layers, range(a, b), device)
+    stage_of = {i: s for s, (a, b) in enumerate(ranges) for i in range(a, b)}
+    tied = [(layers[i].get_parameter(name_i), layers[j].get_parameter(name_j))
+            for (i, name_i), (j, name_j) in getattr(model, "tied_parameters", lambda: [])()
+            if stage_of[i] != stage_of[j]]
+    return SplitModel([Stage(layers[a:b]) for a, b in ranges], devices[:len(ranges)], tied)
+
+
 @dataclass
 class StageStep:
     """The state one stage keeps for one micro-batch between its forward and its backward."""
