@@ -70,11 +70,11 @@ def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], de
 
 
 def time_pipeline_runs(runs: Sequence[PipelineRun], x: torch.Tensor, y: torch.Tensor, repeats: int = 5,
-                       extra: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:
+                       extra: dict[str, Callable[[], object]] | None = None, progress: bool = True) -> dict[str, float]:
     """Median step seconds of each run (and of any `extra` callables), timed in interleaved rounds; then one
     recorded step per run fills its `events` and its ledger's activation peaks."""
     fns = {r.name: (lambda r=r: r.step(x, y)) for r in runs}
-    times = interleaved_medians({**(extra or {}), **fns}, repeats, progress=True)
+    times = interleaved_medians({**(extra or {}), **fns}, repeats, progress=progress)
     for r in runs:
         r.pipeline.clear_events()
         r.ledger.reset_peaks()
@@ -113,13 +113,6 @@ def stage_costs_per_microbatch(events: Sequence[Event]) -> dict[int, float]:
     return costs
 
 
-def ideal_step_time(events: Sequence[Event], m: int) -> float:
-    """A pipeline's step time with free communication and no scheduling overhead, from the measured per-micro-batch
-    stage costs c_s: sum(c_s) + (m - 1) * max(c_s) (fill, then the slowest stage sets the pace)."""
-    costs = list(stage_costs_per_microbatch(events).values())
-    return sum(costs) + (m - 1) * max(costs)
-
-
 @dataclass
 class BenchRow:
     strategy: str
@@ -131,19 +124,42 @@ class BenchRow:
     peak_activation_bytes: list[int]
     optimizer: str = "none"  # what the timed step includes besides forward and backward
     reference: str = "single"  # the one-device row this row's speed-up is taken against
+    caller_s: float = 0.0  # measured work of the calling thread around the engine (zero_grad, optimizer step)
+    optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
+    predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
+    excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
-        ideal = ideal_step_time(self.events, self.microbatches) if self.microbatches else None
+        predicted = batch / self.predicted_s if self.predicted_s else None
         return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
-                "samples_per_s": batch / self.step_s, "speedup": reference_s / self.step_s,
-                "speedup_vs": self.reference, "ideal_fraction": ideal / self.step_s if ideal else None,
-                "peak_activation_bytes": self.peak_activation_bytes}
+                "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
+                "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
+                "excluded_from_target": self.excluded, "speedup": reference_s / self.step_s,
+                "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
 
-BENCH_COLUMNS = ["strategy", "engine", "runner", "microbatches", "optimizer", "samples_per_s", "speedup",
-                 "ideal_fraction", "peak_activation_bytes"]
+BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "predicted", "error", "speedup",
+                 "peak_activation_bytes"]
+TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded with a reason aside
 
+LEGEND = f"""\
+strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), DDP, ZeRO-1, FSDP2, DP x PP
+engine       ours = the course's schedule interpreter; torch = PyTorch's engine (torch.distributed.pipelining,
+             DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard); none = plain autograd
+runner       one thread; threads = one thread per device in this process; processes = one process per device (gloo
+             on the CPU rig, NCCL on GPUs)
+m            micro-batches per step (pipelines; DP x PP: per replica); '-' = the whole batch at once
+optimizer    what the timed step includes after backward: none, or Adam (compare with single_adam)
+samples/s    measured: global batch / median step time over interleaved repeats (threads) or launches (processes)
+predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
+             at the row's micro-batch size rescaled to the whole model's measured time per micro-batch, the measured
+             optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
+             reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
+             compute when both are busy (threads and processes share the cores fairly: processor sharing)
+error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
+speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
+peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 
 @dataclass(frozen=True)
@@ -157,20 +173,46 @@ class BenchConfig:
     onefoneb_microbatches: int
     torch_microbatches: tuple[int, ...]
     rounds: int = 1  # launches of each multi-process job, interleaved across jobs
+    link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
 
 
 def default_config(quick: bool, rig) -> BenchConfig:
     scale = 1 if rig.is_cpu else 4
     if quick:
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=2,
-                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1)
+                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
+                           link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)))
     return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=4,
                        gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,), rounds=2)
 
 
-def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = ()):
+class Progress:
+    """One line on stderr per phase; on a terminal also tqdm bars, erased when done (leave=False), so nothing of
+    them runs into the table printed on stdout at the end."""
+
+    def __init__(self, enabled: bool = True):
+        import sys
+
+        self.enabled = enabled
+        self.bars = enabled and sys.stderr.isatty()
+
+    def phase(self, what: str) -> None:
+        import sys
+
+        if self.enabled:
+            print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    def bar(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, disable=not self.bars)
+
+
+def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = (),
+                progress: Progress | None = None, extra: dict | None = None):
     """One device, timed in the same interleaved rounds as the threaded pipelines."""
     from helpers.memory import measure_step_memory
+    from helpers.simulate.calibrate import optimizer_seconds
     from helpers.timeline import Recorder
 
     rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
@@ -188,24 +230,37 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
         one_device_step(adam_model)
         adam.step()
 
-    times = time_pipeline_runs(extra_runs, x, y, steps,
-                               extra={"single": one_device_step, "single_adam": one_device_adam_step})
+    times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device_step,
+                                                               "single_adam": one_device_adam_step, **(extra or {})},
+                               progress=bool(progress and progress.bars))
     peak = measure_step_memory(model, x, y, loss_fn, torch.optim.SGD(model.parameters(), lr=0.0)).activations
     rec.clear()
     one_device_step()
     events = rec.events()
-    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak]),
+    zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
+    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s),
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
-                            optimizer="adam", reference="single_adam")]
+                            optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s)]
 
 
-def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
+def _caller_seconds(run: PipelineRun) -> float:
+    """What `PipelineRun.step` does in the calling thread around the pipeline: zero_grad and the optimizer's step
+    (SGD with lr=0 here), measured."""
+    from helpers.simulate.calibrate import optimizer_seconds
+
+    return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
+
+
+def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
     """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
-    in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B."""
+    in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B. With `timer`
+    (a `helpers.simulate.calibrate.WholeModelTimer` of the same model), the whole model is timed at each row's
+    micro-batch size in the same interleaved rounds and between the launches, for the predictions."""
     from helpers.models import SyntheticTokens, build_stack
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
     if rig.is_cpu:
         torch.set_num_threads(rig.threads_per_device)
     model = build_stack(config.cfg).to(rig.devices[0])
@@ -214,10 +269,13 @@ def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]
     cut = [len(model) // 2]
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
     runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, s, m) for s, m in threaded]
-    times, rows = _single_row(model, x, y, lm_loss, config.steps, runs)
+    progress.phase(f"one device and {len(runs)} threaded pipelines, {config.steps} interleaved repeats")
+    sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
+    samplers = {f"calibration: whole model, micro-batch {b}": timer.sampler(b) for b in sizes} if timer else {}
+    times, rows = _single_row(model, x, y, lm_loss, config.steps, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
-                             [v.activations for v in r.ledger.report().values()]))
+                             [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r)))
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
@@ -226,24 +284,29 @@ def run_bench(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]
         {j: (lambda j=j: run_training(TrainJob(config.cfg, pp=2, boundaries=tuple(cut), schedule=j[2],
                                                microbatches=j[3], batch=config.batch, engine=j[1], overlap=j[4],
                                                steps=config.steps), rig)) for j in jobs},
-        config.rounds, "process pipelines", progress)
+        config.rounds, "process pipelines", progress,
+        between=(lambda j: timer.sample(config.batch // j[3])) if timer else None)
     for (strategy, engine, _, m, _), (step_s, res) in results.items():
         rows.append(BenchRow(strategy, engine, "processes", m, step_s, res.events, res.peak_activations))
-    return rows + data_parallel_rows(config, rig, progress)
+    return rows + data_parallel_rows(config, rig, progress, timer)
 
 
-def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool = True) -> dict:
+def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
+                  between: Callable | None = None) -> dict:
     """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
-    {key: (median step time pooled over all rounds, the last round's result)}."""
+    {key: (median step time pooled over all rounds, the last round's result)}. `between(key)` runs before each
+    launch (the bench times its calibration there)."""
     import statistics
 
-    from tqdm.auto import tqdm
-
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    progress.phase(f"{desc}: {len(launches)} jobs x {rounds} round(s), one launch each")
     pooled: dict = {k: [] for k in launches}
     last: dict = {}
-    bar = tqdm(total=rounds * len(launches), desc=desc, disable=not progress)
+    bar = progress.bar(rounds * len(launches), desc)
     for _ in range(rounds):
         for key, launch in launches.items():
+            if between is not None:
+                between(key)
             last[key] = launch()
             pooled[key].extend(last[key].step_times)
             bar.update()
@@ -251,30 +314,120 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool = True)
     return {k: (statistics.median(pooled[k]), last[k]) for k in launches}
 
 
-def data_parallel_rows(config: BenchConfig, rig, progress: bool = True) -> list[BenchRow]:
-    """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP."""
+DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
+
+
+def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP; with
+    `timer`, the whole model timed at each job's micro-batch size before its launches."""
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
     rows = []
-    results = run_in_rounds({s: (lambda s=s: run_training(TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch,
-                                                                   steps=config.steps, optimizer="adam"), rig))
-                             for s in ("ddp", "zero1", "fsdp2")}, config.rounds, "data parallel", progress)
+    dp_job = lambda s: TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch, steps=config.steps,  # noqa: E731
+                                optimizer="adam")
+    results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in ("ddp", "zero1", "fsdp2")},
+                            config.rounds, "data parallel", progress,
+                            between=(lambda _: timer.sample(config.batch // 2)) if timer else None)
     for strategy, (step_s, res) in results.items():
         rows.append(BenchRow(strategy, "torch", "processes", None, step_s, res.events,
                              [m.activations for m in res.memory], optimizer="adam", reference="single_adam"))
     if rig.is_cpu or torch.cuda.device_count() >= 4:
-        m = config.onefoneb_microbatches // 2
-        res = run_training(TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
-                                    steps=config.steps), rig, oversubscribe=rig.is_cpu)
-        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, res.step_s, res.events,
-                             res.peak_activations))
+        m = DP_X_PP_MICROBATCHES(config)
+        results = run_in_rounds({"dp_x_pp": lambda: run_training(
+            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
+            rig, oversubscribe=rig.is_cpu)}, config.rounds, "DP x PP", progress,
+            between=(lambda _: timer.sample(config.batch // 2 // m)) if timer else None)
+        step_s, res = results["dp_x_pp"]
+        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, step_s, res.events, res.peak_activations))
     return rows
 
 
+# --- predictions: the simulator, calibrated in the same run ------------------------------------------------------
+
+def microbatch_size(row: BenchRow, batch: int) -> int:
+    """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
+    replicas = 2 if row.strategy in ("ddp", "zero1", "fsdp2", "dp_x_pp") else 1
+    return batch // replicas // (row.microbatches or 1)
+
+
+def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
+    """The simulator's Job for a bench row."""
+    from helpers.simulate import Job
+
+    m = row.microbatches or 1
+    if row.strategy in ("single", "single_adam"):
+        return Job("single", batch)
+    if row.strategy in ("naive", "gpipe", "1f1b"):
+        return Job(row.strategy, batch, microbatches=m, stages=2, cut=tuple(cut) or None)
+    if row.strategy == "dp_x_pp":
+        return Job("dp_x_pp", batch, microbatches=m, stages=2, replicas=2, schedule="1f1b", cut=tuple(cut) or None)
+    return Job(row.strategy, batch, microbatches=m, replicas=2)
+
+
+def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[int] = (), adam_s: float = 0.0,
+                cores: int | None = None):
+    """The simulated step of `row`: its job on `workload` (costs at the row's micro-batch size), the row's links and
+    core sharing from `rig_model`, plus the work its calling thread does around the engine (`row.caller_s`).
+    Rows with Adam run it on every rank (`adam_s`: one device's Adam step over the whole model). Returns the
+    Simulation; `row.predicted_s` is set."""
+    from dataclasses import replace
+
+    if row.optimizer == "adam" and row.engine != "none":
+        workload = replace(workload, optimizer_s=adam_s)
+    engine = "threads" if row.runner in ("threads", "one thread") else "processes"
+    sim = rig_model.simulate(workload, simulation_job(row, batch, cut), engine)
+    row.predicted_s = sim.step_s + row.caller_s
+    return sim
+
+
+def calibrate(model: nn.Module, x, y, sizes: Sequence[int], progress: Progress, repeats: int = 3,
+              timer=None) -> dict:
+    """{micro-batch size: Calibrated} for `model` on this rig (helpers.simulate.calibrate.measure_workload), with
+    the whole model's times from `timer` where it sampled that size (between the rows' measurements)."""
+    from helpers.simulate.calibrate import measure_workload
+
+    out = {}
+    bar = progress.bar(len(sizes), "profiles")
+    for b in sorted(set(sizes), reverse=True):
+        out[b] = measure_workload(model, x, y, lm_loss, b, repeats, whole=timer.seconds(b) if timer else None)
+        bar.update()
+    bar.close()
+    return out
+
+
+def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, progress: Progress,
+                 timer=None) -> dict:
+    """Give every row its predicted step time, from this run's per-layer profiles (one per micro-batch size the rows
+    use), link fits and core sharing; returns the calibrations by micro-batch size."""
+    from helpers.models import SyntheticTokens, build_stack
+
+    model = build_stack(config.cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    sizes = sorted({microbatch_size(r, config.batch) for r in rows}, reverse=True)
+    progress.phase(f"calibrating: per-layer profile and whole-model time at micro-batch sizes {sizes}")
+    calibrated = calibrate(model, x, y, sizes, progress, timer=timer)
+    adam_s = next((r.optimizer_s for r in rows if r.strategy == "single_adam"), 0.0)
+    for row in rows:
+        workload = calibrated[microbatch_size(row, config.batch)].workload
+        predict_row(row, workload, rig_model, config.batch, [len(model) // 2], adam_s)
+        if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
+            from helpers.simulate import simulate
+
+            own = simulate(rig_model.calibrated(workload), simulation_job(row, config.batch, [len(model) // 2]),
+                           rig_model.p2p, rig_model.collectives)
+            row.excluded = (f"4 ranks time-share 2 cores: the prediction shares the cores fairly but does not model "
+                            f"the operating system switching 4 processes on 2 cores (caches refilled, a waiting rank "
+                            f"woken late); on 4 devices of their own it predicts {config.batch / own.step_s:.3g} "
+                            f"samples/s")
+    return calibrated
+
+
 def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
-                  extras: dict[str, list[dict]] | None = None) -> list[dict]:
-    """bench.json (rig, rows, and any extra tables) and one timeline PNG per row in `out_dir`; returns the rows."""
+                  extras: dict[str, list[dict]] | None = None, calibration: dict | None = None) -> list[dict]:
+    """bench.json (rig, rows, any extra tables, the calibration) and one timeline PNG per row in `out_dir`; returns
+    the rows."""
     import json
     from pathlib import Path
 
@@ -290,14 +443,48 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
     reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
     dicts = [r.as_dict(config.batch, reference[r.reference]) for r in rows]
     (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
-                                                "model": repr(config.cfg), "rows": dicts, **(extras or {})},
-                                               indent=2))
+                                                "model": repr(config.cfg), "rows": dicts, **(extras or {}),
+                                                "calibration": calibration or {}}, indent=2))
     for r in rows:
-        ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}, m={r.microbatches})")
-        ax.figure.savefig(out / f"timeline_{r.strategy}_{r.engine}_{r.runner.replace(' ', '-')}_m{r.microbatches}.png",
-                          dpi=90, bbox_inches="tight")
+        m = f", m={r.microbatches}" if r.microbatches else ""
+        ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}{m})")
+        ax.figure.savefig(out / timeline_name(r), dpi=90, bbox_inches="tight")
         plt.close(ax.figure)
     return dicts
+
+
+def timeline_name(row: BenchRow) -> str:
+    """timeline_<strategy>_<engine>_<runner>[_m<m>].png, with only letters, digits, '-' and '_'."""
+    import re
+
+    parts = [row.strategy, row.engine, row.runner] + ([f"m{row.microbatches}"] if row.microbatches else [])
+    return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
+
+
+def _percent(error: float | None, excluded: str | None = None) -> str:
+    if error is None:
+        return "-"
+    return f"{error:+.1%}" + ("*" if excluded or abs(error) > TARGET else "")
+
+
+def display_rows(dicts: Sequence[dict]) -> list[dict]:
+    """The printed table's rows: measured, predicted and the error side by side."""
+    return [{"strategy": d["strategy"], "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
+             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "predicted": d["predicted_samples_per_s"],
+             "error": _percent(d["error"], d["excluded_from_target"]), "speedup": d["speedup"],
+             "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+
+
+def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
+    """One line per row whose prediction is outside the target or excluded from it, with the reason."""
+    out = []
+    for d in dicts:
+        label = " ".join(str(d[k]) for k in (name_key, "engine", "runner", "microbatches") if d.get(k) is not None)
+        if d.get("excluded_from_target"):
+            out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
+        elif d.get("error") is not None and abs(d["error"]) > TARGET:
+            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -305,26 +492,145 @@ def main(argv: list[str] | None = None) -> None:
 
     from helpers.report import table
     from helpers.runtime.rig import detect_rig
+    from helpers.simulate.calibrate import measure_rig
 
     parser = argparse.ArgumentParser(prog="python -m helpers.bench",
-                                     description="Every strategy side by side on this rig, in one run.")
+                                     description="Every strategy side by side on this rig, in one run, each with the "
+                                                 "simulator's prediction calibrated in the same run.")
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
-    parser.add_argument("--quick", action="store_true", help="small model, few rows: a smoke test in <= 60 s")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a smaller model (hidden 256, 4 blocks, batch 16), one micro-batch count, "
+                             "2 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
+                             "is predicted (about 45 s on a 2-core CPU; the default run takes about 4-5 minutes)")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
     parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     ns = parser.parse_args(argv)
+    progress = Progress(not ns.no_progress)
+    load = MachineLoad()
     rig = detect_rig(force_cpu=ns.cpu or None)
     config = default_config(ns.quick, rig)
-    print(rig.describe())
-    rows = run_bench(config, rig)
-    extras = {} if ns.skip_extras else {"splits": split_comparison_rows(rig, ns.quick),
-                                        "checkpointing": checkpoint_sweep_rows(rig, ns.quick)}
-    dicts = write_results(rows, config, rig, ns.out, extras)
-    print(table(dicts, BENCH_COLUMNS))
+    print(rig.describe(), flush=True)
+    from helpers.models import SyntheticTokens, build_stack
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    tx, ty = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    timer = WholeModelTimer(build_stack(config.cfg).to(rig.devices[0]), tx.to(rig.devices[0]), ty.to(rig.devices[0]),
+                            lm_loss)
+    rows = run_bench(config, rig, progress, timer)
+
+    progress.phase("calibrating: link benchmark (point-to-point, all-reduce) and busy-core slowdown")
+    probe = build_stack(config.cfg).to(rig.devices[0])
+    mb = min(microbatch_size(r, config.batch) for r in rows)
+    px, py = SyntheticTokens(mb, config.cfg.seq_len, config.cfg.vocab).batch(0, mb)
+    rig_model = measure_rig(rig, probe, px.to(rig.devices[0]), py.to(rig.devices[0]), lm_loss, config.link_sizes)
+    calibrated = predict_rows(rows, config, rig, rig_model, progress, timer)
+    extras = {}
+    if not ns.skip_extras:
+        extras = {"splits": split_comparison_rows(rig, ns.quick, rig_model, progress),
+                  "checkpointing": checkpoint_sweep_rows(rig, ns.quick, rig_model, progress)}
+    load.stop()
+    calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
+    dicts = write_results(rows, config, rig, ns.out, extras, calibration)
+    print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
-        print(f"\n{name}:\n" + table(extra_rows))
+        shown = [{**r, "predicted": r.get("predicted_samples_per_s"),
+                  "error": _percent(r.get("error"), r.get("excluded_from_target"))} for r in extra_rows]
+        print(f"\n{name}:\n" + table(shown, EXTRA_COLUMNS[name]))
+    print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
+    missed = misses(dicts) + [line for name, extra_rows in extras.items() for line in misses(extra_rows, "split")]
+    print(f"\npredictions outside {TARGET:.0%} or excluded: " + ("none" if not missed else "\n" + "\n".join(missed)))
+    print("\n" + load.describe())
+    print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
 
+
+class MachineLoad:
+    """CPU time other processes used while the bench ran (Linux: /proc/stat minus this process and its children):
+    on a shared machine they slow some measurements and not others, and the predictions' errors say so."""
+
+    def __init__(self):
+        import os
+        import time
+
+        self.t0, self.busy0, self.mine0 = time.perf_counter(), self._busy(), self._mine()
+        self.cores = os.cpu_count() or 1
+        self.elapsed = self.foreign = None
+
+    @staticmethod
+    def _busy() -> float | None:
+        import os
+
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _mine() -> float:
+        import os
+
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def stop(self) -> None:
+        import time
+
+        self.elapsed = time.perf_counter() - self.t0
+        busy = self._busy()
+        if busy is not None and self.busy0 is not None:
+            self.foreign = max(0.0, (busy - self.busy0) - (self._mine() - self.mine0))
+
+    @property
+    def share(self) -> float | None:
+        return self.foreign / (self.elapsed * self.cores) if self.foreign is not None and self.elapsed else None
+
+    def record(self) -> dict:
+        return {"seconds": self.elapsed, "other_processes_cpu_s": self.foreign, "cores": self.cores,
+                "share_of_machine": self.share}
+
+    def describe(self) -> str:
+        if self.share is None:
+            return "machine load: not measured (needs /proc/stat)"
+        line = (f"machine load: other processes used {self.foreign:.0f} CPU-s of the {self.elapsed * self.cores:.0f} "
+                f"this run's {self.elapsed:.0f} s offered on {self.cores} cores ({self.share:.0%})")
+        if self.share > 0.05:
+            line += ("; they slowed some measurements and not others, so errors above a few percent may be theirs: "
+                     "rerun on a quiet machine")
+        return line
+
+
+def calibration_record(rig_model, calibrated: dict) -> dict:
+    """What the predictions were calibrated from, for bench.json and the printout."""
+    summary = rig_model.describe() + [
+        f"micro-batch {b}: whole model {c.forward_s * 1e3:.1f} ms forward + {c.backward_s * 1e3:.1f} ms backward, "
+        f"{c.stream_factor:.2f}x the per-layer profile's sum" for b, c in sorted(calibrated.items())]
+    return {"summary": summary,
+            "links": {"p2p": [rig_model.p2p.latency_s, rig_model.p2p.bandwidth],
+                      **{kind: [getattr(rig_model.collectives, kind).latency_s,
+                                getattr(rig_model.collectives, kind).bandwidth]
+                         for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}},
+            "copy_bandwidth": rig_model.copy_bandwidth,
+            "slowdown": {"threads": getattr(rig_model.thread_cores, "slowdown", None),
+                         "processes": getattr(rig_model.process_cores, "slowdown", None)},
+            "whole_model_s": {b: [c.forward_s, c.backward_s] for b, c in calibrated.items()},
+            "stream_factor": {b: c.stream_factor for b, c in calibrated.items()}}
+
+
+EXTRA_COLUMNS = {
+    "splits": ["split", "boundaries", "step (ms)", "samples/s", "predicted", "error", "speedup", "busy",
+               "predicted slowest/mean"],
+    "checkpointing": ["split", "step (ms)", "samples/s", "predicted", "error", "step vs none", "activations"],
+}
+EXTRA_LEGEND = """\
+splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
+             threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
+             per device; predicted slowest/mean = the slowest stage's profiled cost over the mean
+checkpointing  notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline (m=4, threads); step vs
+             none = step time / the unchecked pipeline's; activations = peak saved activations per device
+             (predicted and error as above)"""
 
 
 def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float]:
@@ -336,13 +642,32 @@ def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float
     return losses
 
 
-def split_comparison_rows(rig, quick: bool = False) -> list[dict]:
+def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict, workload, batch: int, m: int,
+                      rig_model, checkpoints: Sequence[Sequence[int]] | None = None) -> None:
+    """Add predicted samples/s and the error to `run_rows` rows of threaded GPipe runs."""
+    from helpers.simulate import Job, simulate
+
+    for i, (row, run) in enumerate(zip(rows, runs)):
+        job = Job("gpipe", batch, microbatches=m, stages=2, cut=tuple(run.boundaries),
+                  checkpoint=tuple(checkpoints[i]) if checkpoints else False)
+        step = simulate(workload, job, rig_model.threads_link, cores=rig_model.thread_cores).step_s
+        step += _caller_seconds(run)
+        row["predicted_samples_per_s"] = batch / step
+        row["error"] = times[run.name] / step - 1
+        row["excluded_from_target"] = None
+
+
+def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False) -> list[dict]:
     """Notebook 02's four splits of the non-uniform model, each trained as a 4-micro-batch GPipe pipeline and timed
-    against one device in the same interleaved rounds."""
+    against one device in the same interleaved rounds; with `rig_model` (a `RigModel` of this run), each row's
+    prediction from the same per-layer profile the splits were chosen on."""
     from helpers.models import SyntheticTokens, build_stack, nonuniform_config
     from helpers.partition import compare_splits
     from helpers.profile import profile_layers
+    from helpers.simulate.calibrate import WholeModelTimer
 
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    progress.phase("splits of a non-uniform model (notebook 02)")
     batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
     cfg = nonuniform_config(1 if rig.is_cpu else 4)
     model = build_stack(cfg).to(rig.devices[0])
@@ -353,31 +678,51 @@ def split_comparison_rows(rig, quick: bool = False) -> list[dict]:
     runs = [make_pipeline_run(name, model, s.boundaries, rig.devices, rig.labels, "gpipe", m)
             for name, s in splits.items()]
 
-    times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss)})
+    timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
+    calibration = {"calibration: whole model": timer.sampler(batch // m)} if timer else {}
+    times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss),
+                                                           **calibration}, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="one device")
     for row, split in zip(rows, splits.values()):
         row["predicted slowest/mean"] = split.imbalance
+    if rig_model is not None:
+        from helpers.simulate import Workload
+
+        fwd, bwd = timer.seconds(batch // m)
+        workload = Workload.from_profile(prof).rescaled(fwd / (batch // m), bwd / (batch // m))
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model)
     return rows
 
 
-def checkpoint_sweep_rows(rig, quick: bool = False) -> list[dict]:
+def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False) -> list[dict]:
     """Notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline; step time and saved
-    activations per device."""
+    activations per device; with `rig_model`, each row's prediction (the simulator recomputes the checkpointed
+    blocks' forward in backward) from one profile of the unchecked model."""
     from helpers.checkpointing import checkpoint_layers, every_kth
     from helpers.models import SyntheticTokens, build_stack
 
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    progress.phase("activation checkpointing sweep (notebook 03)")
     batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
     cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     blocks = list(range(1, cfg.n_blocks + 1))
     variants = {"none": [], **{f"every {k}": every_kth(blocks, k) for k in (4, 2, 1)}}
     runs = [make_pipeline_run(name, checkpoint_layers(model, which), [len(model) // 2], rig.devices, rig.labels,
                               "gpipe", m) for name, which in variants.items()]
-    times = time_pipeline_runs(runs, x, y, repeats)
+    from helpers.simulate.calibrate import WholeModelTimer, measure_workload
+
+    timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
+    calibration = {"calibration: whole model": timer.sampler(batch // m)} if timer else {}
+    times = time_pipeline_runs(runs, x, y, repeats, extra=calibration, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="none")
     for row in rows:
         row["step vs none"] = times[row["split"]] / times["none"]
+    if rig_model is not None:
+        workload = measure_workload(model, x, y, lm_loss, batch // m, repeats, whole=timer.seconds(batch // m)).workload
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model, list(variants.values()))
     return rows
 
 

@@ -2,29 +2,136 @@ import json
 
 import pytest
 
-from helpers.bench import ideal_step_time, main as bench_main
-from helpers.timeline import Event
+from helpers.bench import (BenchRow, Progress, default_config, display_rows, main as bench_main, microbatch_size,
+                           misses, predict_row, simulation_job, timeline_name)
+from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
+from helpers.simulate.calibrate import RigModel, fit_relative, least_disturbed, links_from_samples
+from helpers.simulate.hardware import Collectives
+
+F, B = 0.25, 0.5  # per sample and layer: binary fractions, so every sum below is exact
+BATCH = 16
 
 
-def test_ideal_step_time_from_stage_costs():
-    events = [Event(0, "forward", 0, 1, 0), Event(0, "backward", 1, 3, 0),
-              Event(1, "forward", 0, 2, 0), Event(1, "backward", 2, 6, 0)]
-    assert ideal_step_time(events, 4) == pytest.approx(3 + 6 + 3 * 6)
+def rig_model(slowdown: float = 1.0, link: Link = FREE_LINK) -> RigModel:
+    free = Collectives(FREE_LINK, FREE_LINK, FREE_LINK, FREE_LINK)
+    return RigModel(link, free, FREE_LINK, SharedCores(2, slowdown), SharedCores(2, slowdown))
 
 
-def test_bench_quick_writes_json_and_pngs(tmp_path):
+def row(strategy: str, runner: str = "threads", m: int | None = 4, **kw) -> BenchRow:
+    return BenchRow(strategy, "ours", runner, m, 1.0, [], [0, 0], **kw)
+
+
+def test_prediction_of_a_pipeline_row_is_the_schedule_plus_the_callers_work():
+    work = Workload.from_lists([F] * 4, [B] * 4)  # per sample; 2 stages of 2 layers
+    r = row("gpipe", m=4, caller_s=0.125)
+    sim = predict_row(r, work, rig_model(), BATCH, cut=[2])
+    per_mb = (BATCH // 4) * 2 * (F + B)  # one stage's forward + backward of one micro-batch
+    assert sim.step_s == (4 + 2 - 1) * per_mb
+    assert r.predicted_s == sim.step_s + 0.125
+    # both devices busy in the middle slots: a measured busy-core slowdown stretches exactly those
+    slow = row("gpipe", m=4)
+    predict_row(slow, work, rig_model(1.5), BATCH, cut=[2])
+    assert slow.predicted_s == pytest.approx(2 * per_mb + 1.5 * 3 * per_mb, rel=1e-12)
+
+
+def test_every_kind_of_row_maps_to_a_simulated_job():
+    assert microbatch_size(row("gpipe", m=8), 32) == 4
+    assert microbatch_size(row("ddp", "processes", None), 32) == 16
+    assert microbatch_size(row("dp_x_pp", "processes (4 ranks)", 4), 32) == 4
+    assert microbatch_size(row("single", "one thread", None), 32) == 32
+    jobs = {s: simulation_job(row(s, m=m), 32, [5]) for s, m in
+            [("single", None), ("naive", 1), ("1f1b", 8), ("ddp", None), ("zero1", None), ("fsdp2", None),
+             ("dp_x_pp", 4)]}
+    assert jobs["naive"].strategy == "naive" and jobs["1f1b"].cut == (5,) and jobs["1f1b"].microbatches == 8
+    assert jobs["ddp"].replicas == 2 and jobs["dp_x_pp"].devices == 4 and jobs["single"].devices == 1
+    work = Workload.from_lists([F] * 10, [B] * 10, params=[1000] * 10)
+    for strategy, job in jobs.items():
+        r = row(strategy, "processes", job.microbatches if strategy not in ("single", "ddp", "zero1", "fsdp2")
+                else None, optimizer="adam" if strategy in ("ddp", "zero1", "fsdp2") else "none")
+        predict_row(r, work, rig_model(), 32, [5], adam_s=0.5)
+        assert r.predicted_s > 0
+    # Adam on every rank: DDP pays a whole step of it, ZeRO-1 half
+    ddp, zero1 = (row(s, "processes", None, optimizer="adam") for s in ("ddp", "zero1"))
+    predict_row(ddp, work, rig_model(), 32, adam_s=0.5)
+    predict_row(zero1, work, rig_model(), 32, adam_s=0.5)
+    assert ddp.predicted_s - zero1.predicted_s == pytest.approx(0.25)
+
+
+def test_rows_carry_prediction_and_error_and_the_table_flags_misses():
+    good, bad, off = row("gpipe", m=4), row("1f1b", m=4), row("dp_x_pp", "processes (4 ranks)", 2)
+    good.predicted_s, bad.predicted_s, off.predicted_s = 1.0 / 1.05, 1.0 / 1.3, 0.5
+    off.excluded = "4 ranks share 2 cores"
+    dicts = [r.as_dict(BATCH, 2.0) for r in (good, bad, off)]
+    assert dicts[0]["predicted_samples_per_s"] == pytest.approx(BATCH * 1.05)
+    assert dicts[0]["error"] == pytest.approx(0.05) and dicts[1]["error"] == pytest.approx(0.3)
+    assert "ideal_fraction" not in dicts[0]
+    shown = display_rows(dicts)
+    assert [s["error"] for s in shown] == ["+5.0%", "+30.0%*", "+100.0%*"]
+    lines = misses(dicts)
+    assert len(lines) == 2 and "outside the 15% target" in lines[0] and "4 ranks share 2 cores" in lines[1]
+
+
+def test_timeline_names_are_plain():
+    assert timeline_name(row("ddp", "processes", None)) == "timeline_ddp_ours_processes.png"
+    assert timeline_name(row("dp_x_pp", "processes (4 ranks)", 2)) == "timeline_dp_x_pp_ours_processes-4-ranks_m2.png"
+
+
+def test_links_fitted_from_link_benchmark_samples():
+    from helpers.pipeline.comm import LinkSample
+
+    sizes = [4096 * 4**k for k in range(5)]
+    samples = [LinkSample("processes: point-to-point (gloo)", n, 1e-4 + n / 2e9) for n in sizes]
+    samples += [LinkSample("processes: all-reduce (gloo)", n, 2e-4 + n / 1e9) for n in sizes]
+    p2p, allreduce, threads = links_from_samples(samples)
+    assert p2p.latency_s == pytest.approx(1e-4) and p2p.bandwidth == pytest.approx(2e9)
+    assert allreduce.seconds(1e6) == pytest.approx(2e-4 + 1e6 / 1e9)
+    assert threads.seconds(1e9) == 0.0  # CPU threads hand tensors over in memory
+    with pytest.raises(ValueError, match="no point-to-point or all-reduce"):
+        links_from_samples(samples[:5])
+
+
+def test_relative_fit_keeps_the_latency_a_plain_fit_loses():
+    from helpers.simulate import fit_link
+
+    sizes = [4096 * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
+    seconds = [1.5e-4 + n / 2.5e9 for n in sizes]
+    seconds[-1] *= 1.03  # a little noise on the largest message
+    plain, link = fit_link(sizes, seconds), fit_relative(sizes, seconds)
+    # the 64 MiB message's noise moves a plain fit's latency far more than the relative fit's
+    assert abs(plain.latency_s - 1.5e-4) > 5 * abs(link.latency_s - 1.5e-4)
+    assert link.latency_s == pytest.approx(1.5e-4, rel=0.05) and link.bandwidth == pytest.approx(2.5e9, rel=0.05)
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_relative([1, 2, 3], [3.0, 2.0, 1.0])
+    assert least_disturbed([1.4, 1.02, 1.1]) == 1.02
+
+
+def test_progress_writes_lines_not_bars_when_not_a_terminal(capsys):
+    p = Progress(True)
+    p.phase("profiles")
+    bar = p.bar(3, "x")
+    bar.update()
+    bar.close()
+    err = capsys.readouterr().err
+    assert err == "bench: profiles\n"  # pytest's stderr is not a terminal: no bar drawn
+    assert default_config(True, type("R", (), {"is_cpu": True})()).batch == 16
+
+
+def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     bench_main(["--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
     data = json.loads((tmp_path / "bench.json").read_text())
     assert {r["split"] for r in data["splits"]} == {"equal layers", "equal params", "greedy memory", "optimal time"}
     assert len(data["checkpointing"]) == 4
     assert "CPU rig" in data["rig"]
     strategies = {(r["strategy"], r["engine"]) for r in data["rows"]}
     assert {("single", "none"), ("naive", "ours"), ("gpipe", "ours"), ("1f1b", "ours"), ("gpipe", "torch"),
-            ("1f1b", "torch")} <= strategies
-    for row in data["rows"]:
-        assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "ideal_fraction",
-                "peak_activation_bytes"} <= set(row)
-        assert row["samples_per_s"] > 0
-    assert len(list(tmp_path.glob("timeline_*.png"))) == len(data["rows"])
-
-
+            ("1f1b", "torch"), ("ddp", "torch"), ("zero1", "torch"), ("fsdp2", "torch")} <= strategies
+    for r in data["rows"] + data["splits"] + data["checkpointing"]:
+        assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
+    for r in data["rows"]:
+        assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "peak_activation_bytes"} <= set(r)
+        assert r["samples_per_s"] > 0
+    assert data["calibration"]["links"]["allgather"][1] > 0
+    pngs = list(tmp_path.glob("timeline_*.png"))
+    assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
+    assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out

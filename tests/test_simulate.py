@@ -1,5 +1,6 @@
 """The simulator against answers computed by hand: equal stages, exact costs, links whose every message is known."""
 import math
+from dataclasses import replace
 
 import matplotlib
 
@@ -13,8 +14,10 @@ from helpers.memory import BYTES_PER_PARAM, transformer_activation_bytes  # noqa
 from helpers.models import build_hf_model, hf_layers  # noqa: E402
 from helpers.pipeline.schedules import bubble_fraction  # noqa: E402
 from helpers.profile import LayerProfile, Profile  # noqa: E402
-from helpers.simulate import (FREE_LINK, MODELS, Job, Knobs, Link, Playground, Workload, allgather_s,  # noqa: E402
-                              allreduce_s, block_activation_bytes, fit_link, gpu_named, layer_flops, on_gpu,
+from helpers.simulate import (FREE_LINK, MODELS, Job, Knobs, Link, Playground, SharedCores, Workload,  # noqa: E402
+                              allgather_s, allreduce_s, block_activation_bytes, broadcast_s, collective_s,
+                              fit_collective_link, fit_collectives, fit_link,
+                              gpu_named, layer_flops, on_gpu,
                               predictions_vs_published, recommend_model, reducescatter_s, resnet50_workload,
                               simulate, simulate_memory, target_rig, target_rigs, transformer_workload)
 from helpers.timeline import Event, plot_timeline  # noqa: E402
@@ -86,6 +89,105 @@ def test_checkpointing_recomputes_the_forward_and_holds_only_inputs():
     assert sum(e.kind == "recompute" for e in sim.events) == 8
 
 
+def test_checkpointing_chosen_layers_recomputes_only_those():
+    work = Workload.from_lists([F] * 4, [B] * 4, activations=[1000.0] * 4, output=[10.0] * 4)
+    sim = simulate(work, Job("gpipe", batch=2, microbatches=2, cut=(2,), checkpoint=(1, 3)))
+    # each stage recomputes one layer's forward per micro-batch: (m + p - 1) slots of 2F + F + 2B
+    assert sim.step_s == 3 * (3 * F + 2 * B)
+    # a checkpointed layer keeps its 10-byte input instead of its 1000 bytes; one recompute's worth is transient
+    assert [m.activations for m in sim.memory.values()] == [2 * (1000 + 10) + 1000, 2 * (10 + 1000) + 1000]
+    everything = simulate(work, Job("gpipe", batch=2, microbatches=2, cut=(2,), checkpoint=(0, 1, 2, 3)))
+    assert everything.step_s == simulate(work, Job("gpipe", batch=2, microbatches=2, cut=(2,), checkpoint=True)).step_s
+    assert simulate(work, Job("gpipe", batch=2, microbatches=2, checkpoint=())).step_s == 3 * 2 * (F + B)
+    with pytest.raises(ValueError, match="indices of the workload's 4 layers"):
+        simulate(work, Job("gpipe", batch=2, microbatches=2, checkpoint=(4,)))
+    with pytest.raises(ValueError, match="tuple of layer indices"):
+        Job("gpipe", batch=2, microbatches=2, checkpoint=[1])
+
+
+# --- devices sharing cores (the CPU rig) ----------------------------------------------------------------------------
+
+def test_shared_cores_divide_fairly_and_slow_when_both_busy():
+    work = Workload.from_lists([F] * 2, [B] * 2)
+    ddp = Job("ddp", batch=2)
+    alone = simulate(work, ddp).step_s
+    assert alone == 2 * (F + B)
+    # a core per device and no slowdown: the same step as devices of their own
+    assert simulate(work, ddp, cores=SharedCores(2)).step_s == pytest.approx(alone, rel=1e-12)
+    # both devices busy the whole step: 1.25x slower
+    assert simulate(work, ddp, cores=SharedCores(2, 1.25)).step_s == pytest.approx(1.25 * alone, rel=1e-12)
+    # two replicas on one core take turns: twice the time
+    assert simulate(work, ddp, cores=SharedCores(1)).step_s == pytest.approx(2 * alone, rel=1e-12)
+    # DP x PP's four devices on two cores: all four always have work (1F1B, m = 8 >> p), so ~2x, never less
+    dpp = simulate(work, Job("dp_x_pp", batch=16, microbatches=8), cores=SharedCores(2)).step_s
+    free = simulate(work, Job("dp_x_pp", batch=16, microbatches=8)).step_s
+    assert 1.6 * free < dpp <= 2 * free + 1e-9
+
+
+def test_shared_cores_slow_only_what_overlaps():
+    # naive split: one stage computes at a time, so busy-core slowdown never applies
+    naive = Job("naive", batch=1)
+    work = equal_stages(2)
+    assert simulate(work, naive, cores=SharedCores(2, 1.5)).step_s == pytest.approx(2 * (F + B), rel=1e-12)
+    # GPipe m=2, p=2: of its 3 slots of F and of B the middle one has both stages busy
+    gpipe = simulate(work, Job("gpipe", batch=2, microbatches=2), cores=SharedCores(2, 1.5))
+    assert gpipe.step_s == pytest.approx(2 * F + 1.5 * F + 2 * B + 1.5 * B, rel=1e-12)
+    # links are not cores: a message costs the same
+    link = Link(0.125, 1e6)
+    sent = simulate(equal_stages(2, output=1e5), naive, link, cores=SharedCores(2, 1.5)).step_s
+    assert sent == pytest.approx(2 * (F + B) + 2 * link.seconds(1e5), rel=1e-12)
+    with pytest.raises(ValueError, match="slowdown"):
+        SharedCores(2, 0.5)
+    with pytest.raises(ValueError, match="core count"):
+        SharedCores(0)
+
+
+def test_collective_link_fitted_from_all_reduce_times():
+    latency, bandwidth = 2e-4, 1e9  # a measured all-reduce of n bytes: latency + n / bandwidth
+    sizes = [2**k for k in range(12, 26, 2)]
+    link = fit_collective_link(sizes, [latency + n / bandwidth for n in sizes])
+    for n in sizes:
+        assert allreduce_s(link, n, 2) == pytest.approx(latency + n / bandwidth, rel=1e-9)
+        assert allgather_s(link, n, 2) == pytest.approx((latency + n / bandwidth) / 2, rel=1e-9)
+    point = Link(1.0, 1.0)  # simulate() uses it for sends, `collective_link` for the all-reduce
+    work = Workload.from_lists([F] * 2, [B] * 2, params=[MiB // 4] * 2)
+    sim = simulate(work, Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100), point, collective_link=link)
+    assert sim.step_s == pytest.approx(2 * (F + B) + latency + 2 * MiB / bandwidth, rel=1e-9)
+    with pytest.raises(ValueError, match="at least 2 devices"):
+        fit_collective_link(sizes, [1.0] * len(sizes), devices=1)
+
+
+def test_measured_collectives_replace_the_ring():
+    lines = {"allreduce": (2e-4, 1e9), "allgather": (2e-4, 1e9), "reducescatter": (3e-4, 0.5e9),
+             "broadcast": (1e-4, 2e9)}
+    sizes = [2**k for k in range(12, 26, 2)]
+    coll = fit_collectives({k: (sizes, [lat + n / bw for n in sizes]) for k, (lat, bw) in lines.items()})
+    for kind, (lat, bw) in lines.items():
+        assert collective_s(coll, kind, MiB, 2) == pytest.approx(lat + MiB / bw, rel=1e-9)
+    assert collective_s(coll, "broadcast", MiB, 2, messages=3) == pytest.approx(3e-4 + MiB / 2e9, rel=1e-9)
+    ring = Link(1e-4, 1e9)  # a Link keeps the ring's costs
+    assert collective_s(ring, "allgather", MiB, 2) == allgather_s(ring, MiB, 2)
+    assert collective_s(ring, "broadcast", MiB, 2, 3) == broadcast_s(ring, MiB, 2, 3) == pytest.approx(3e-4 + MiB / 1e9)
+    # FSDP2 with measured collectives: nothing to hide behind when compute is free, so the step is all collectives
+    work = Workload.from_lists([1e-9] * 2, [1e-9] * 2, params=[MiB // 4] * 2)
+    sim = simulate(work, Job("fsdp2", batch=2, reshard_after_forward=False), collective_link=coll)
+    gathers, scatters = 2 * collective_s(coll, "allgather", MiB, 2), 2 * collective_s(coll, "reducescatter", MiB, 2)
+    assert sim.step_s >= max(gathers, scatters)
+    with pytest.raises(ValueError, match="measured over 2 devices"):
+        coll.seconds("allreduce", MiB, 4)
+    with pytest.raises(ValueError, match="no measurements of"):
+        fit_collectives({"allreduce": (sizes, sizes)})
+
+
+def test_rescaled_workload_keeps_the_profile_shape():
+    work = Workload.from_lists([1.0, 3.0], [2.0, 6.0])
+    scaled = work.rescaled(8.0, 4.0)
+    assert [layer.forward_s for layer in scaled.layers] == [2.0, 6.0]
+    assert [layer.backward_s for layer in scaled.layers] == [1.0, 3.0]
+    with pytest.raises(ValueError, match="positive"):
+        work.rescaled(0.0, 1.0)
+
+
 def test_timeline_is_the_measured_format_and_plots_unchanged():
     sim = simulate(equal_stages(2, output=1e6), Job("1f1b", batch=4, microbatches=4), Link(1e-3, 1e9))
     assert all(isinstance(e, Event) for e in sim.events)
@@ -132,12 +234,17 @@ def test_ddp_default_buckets_follow_pytorch():
     assert sizes == [MiB, 25 * MiB, 10 * MiB]  # 36 MiB of fp32 gradients: 1 MiB first, then 25 MiB buckets
 
 
-def test_zero1_shards_the_optimizer_and_gathers_the_weights():
+def test_zero1_shards_the_optimizer_and_broadcasts_the_weights():
     link = Link(0.05, MiB / 0.5)
     sim = simulate(ddp_workload(optimizer_s=1.0), Job("zero1", batch=2, bucket_mb=1, first_bucket_mb=1), link)
-    weights = 4 * LAYERS * PARAMS
+    # PyTorch's ZeroRedundancyOptimizer: each owner broadcasts its parameters, tensor by tensor, in turn: every
+    # byte crosses once, one latency per tensor (here one tensor per layer)
     assert sim.step_s == pytest.approx(LAYERS * (F + B) + allreduce_s(link, MiB, 2) + 1.0 / 2
-                                       + allgather_s(link, weights, 2), rel=1e-12)
+                                       + LAYERS * (0.05 + 0.5), rel=1e-12)
+    two = Workload.from_lists([F] * LAYERS, [B] * LAYERS, params=[PARAMS] * LAYERS, optimizer_s=1.0)
+    two = replace(two, layers=tuple(replace(layer, tensors=2) for layer in two.layers))  # weight and bias
+    sim2 = simulate(two, Job("zero1", batch=2, bucket_mb=1, first_bucket_mb=1), link)
+    assert sim2.step_s == pytest.approx(sim.step_s + LAYERS * 0.05, rel=1e-12)
     n = LAYERS * PARAMS
     assert sim.memory[0].params == 4 * n and sim.memory[0].grads == 4 * n and sim.memory[0].optimizer == 8 * n / 2
     ddp = simulate(ddp_workload(optimizer_s=1.0), Job("ddp", batch=2), link)
@@ -168,6 +275,30 @@ def test_fsdp2_forward_waits_for_all_gathers_slower_than_compute():
     kept = simulate(ddp_workload(), Job("fsdp2", batch=2, reshard_after_forward=False), link)
     assert [e.kind for e in kept.events if e.device == 0].count("allgather") == LAYERS
     assert kept.memory[0].params == 4 * (LAYERS * PARAMS / 2 + LAYERS * PARAMS)
+
+
+def test_fsdp2_without_forward_prefetch_exposes_every_forward_gather():
+    link = Link(0.0, MiB / 0.4)  # all-gather 0.2 s per layer, shorter than F: hidden with prefetch, not without
+    gather = allgather_s(link, MiB, 2)
+    hidden = simulate(ddp_workload(), Job("fsdp2", batch=2), link)
+    exposed = simulate(ddp_workload(), Job("fsdp2", batch=2, forward_prefetch=False), link)
+    assert exposed.step_s == pytest.approx(hidden.step_s + (LAYERS - 1) * gather, rel=1e-12)
+
+
+def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():
+    work = replace(ddp_workload(), copy_bandwidth=MiB / 0.125)  # copying 1 MiB takes 0.125 s
+    link = Link(0.0, 1e15)
+    ddp = simulate(work, Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100), link)
+    # each layer's backward copies its 1 MiB of gradients into the bucket and divides it (2 passes); after the
+    # all-reduce the bucket is copied back into the gradients (1 pass over all of them)
+    assert ddp.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 2 * 0.125 + LAYERS * 0.125, rel=1e-9)
+    free = simulate(ddp_workload(), Job("fsdp2", batch=2, reshard_after_forward=False), link)
+    fsdp = simulate(work, Job("fsdp2", batch=2, reshard_after_forward=False), link)
+    # per layer: shard in (half a MiB) and parameters out (1 MiB) before its forward, gradients in (1 MiB) after its
+    # backward; all on the critical path when the links are this fast
+    assert fsdp.step_s == pytest.approx(free.step_s + LAYERS * (0.0625 + 0.125 + 0.125), rel=1e-9)
+    with pytest.raises(ValueError, match="copy bandwidth"):
+        replace(ddp_workload(), copy_bandwidth=0.0)
 
 
 def test_dp_x_pp_runs_a_pipeline_per_replica_then_all_reduces_each_stage():
@@ -278,8 +409,14 @@ def test_attention_scores_counted_only_where_stored():
     s, h, a = 1024, 1024, 16
     assert block_activation_bytes(s, h, a, "eager", batch=3) == transformer_activation_bytes(3, s, h, 1, a)
     assert block_activation_bytes(s, h, a, "sdpa") == block_activation_bytes(s, h, a, "flash") == 34 * s * h
-    with pytest.raises(ValueError, match="unknown attention implementation"):
-        block_activation_bytes(s, h, a, "linear")
+    # the memory module's formula is the one switch: eager (the default) keeps the 5*a*s/h score term
+    assert transformer_activation_bytes(2, s, h, 3, a) == 3 * 2 * s * h * (34 + 5 * a * s // h)
+    assert transformer_activation_bytes(2, s, h, 3, a, attention="sdpa") == 3 * 2 * s * h * 34
+    assert transformer_activation_bytes(2, s, h, 3, a, 4, "flash") == 2 * 3 * 2 * s * h * 34
+    for bad in (lambda: block_activation_bytes(s, h, a, "linear"),
+                lambda: transformer_activation_bytes(1, s, h, 1, a, attention="linear")):
+        with pytest.raises(ValueError, match="unknown attention implementation"):
+            bad()
 
 
 def test_guide_recommends_ddp_for_a_model_that_fits_and_is_fair():

@@ -188,18 +188,6 @@ def test_every_rig_strategy_engine_works_or_says_why():
         check_job(TrainJob(CFG, dp=2, pp=2), rigs["two GPUs"])
 
 
-def test_two_gpu_plan_prefers_the_simplest_that_fits():
-    from helpers.training.guide import choose_two_gpus, plan_two_gpus
-
-    gib = 2**30
-    small = plan_two_gpus(10**8, 1e6, 16, 24 * gib, 0.05)
-    assert choose_two_gpus(small).startswith("DDP")
-    huge = plan_two_gpus(10**10, 1e6, 16, 24 * gib, 0.05)
-    assert choose_two_gpus(huge).startswith("does not fit")
-    mid = plan_two_gpus(2 * 10**9, 50e6, 16, 24 * gib, 0.05)  # 32 GB of state: only halved state fits
-    assert not mid[0].fits and any(o.fits for o in mid[1:])
-
-
 def _reference_with(precision, padding="none"):
     """One device, same data, same precision: the loss and fp32 gradients every engine is compared with."""
     model = build_stack(CFG).to(precision.weights)

@@ -6,6 +6,10 @@ message at a time. So a task is: a duration, the streams it runs on (in the orde
 link directions it holds while it runs, and the tasks it waits for. A collective sits on every participant's
 stream, so it starts when all of them reach it. Links are granted first come, first served, in the order messages
 became ready (ties: the order they were added); a message waiting for a link blocks later messages on that link.
+
+Devices that are not hardware of their own (the CPU rig: each virtual device is a thread or process on a shared pool
+of cores) run with `sharing` (`helpers.simulate.hardware.SharedCores`): the tasks that need a core then progress at
+the speed the pool gives them, which changes whenever a task starts or ends (processor sharing).
 """
 from __future__ import annotations
 
@@ -53,8 +57,11 @@ class TaskGraph:
             self._last_on_stream[s] = task_id
         return task_id
 
-    def run(self) -> float:
-        """Give every task its start and end; return the makespan."""
+    def run(self, sharing=None) -> float:
+        """Give every task its start and end; return the makespan. With `sharing` (a `SharedCores`), the tasks of
+        its kinds share its cores."""
+        if sharing is not None:
+            return self._run_shared(sharing)
         n = len(self.tasks)
         waiting = [len(t.after) for t in self.tasks]
         dependants: list[list[int]] = [[] for _ in range(n)]
@@ -90,6 +97,69 @@ class TaskGraph:
                 heapq.heappush(ready, item)
             if running and running[0][0] > now:
                 now = running[0][0]
+        if finished != n:
+            stuck = [f"{t.kind} (devices {list(t.devices)})" for t, w in zip(self.tasks, waiting) if w > 0][:5]
+            raise ValueError(f"the task graph deadlocks: {', '.join(stuck)} wait for tasks that never end")
+        return max((t.end for t in self.tasks), default=0.0)
+
+    def _dependants(self) -> tuple[list[int], list[list[int]]]:
+        waiting = [len(t.after) for t in self.tasks]
+        dependants: list[list[int]] = [[] for _ in self.tasks]
+        for i, t in enumerate(self.tasks):
+            for d in t.after:
+                dependants[d].append(i)
+        return waiting, dependants
+
+    def _run_shared(self, sharing) -> float:
+        """`run` with the tasks of `sharing.kinds` sharing `sharing.cores` cores: each running task of those kinds
+        occupies one core per device it runs on; while `users` such occupants want cores, each progresses at
+        min(1, cores / users) of its own speed, divided by `sharing.slowdown` while more than one core is busy.
+        Other tasks (links, copy engines) keep their own speed."""
+        n = len(self.tasks)
+        waiting, dependants = self._dependants()
+        ready = [(0.0, i) for i in range(n) if waiting[i] == 0]
+        heapq.heapify(ready)
+        remaining: dict[int, float] = {}
+        holder: dict[Hashable, int] = {}
+        now, finished = 0.0, 0
+        weight = [len(t.devices) if t.kind in sharing.kinds else 0 for t in self.tasks]
+        while ready or remaining:
+            blocked, claimed = [], set()
+            while ready:
+                ready_at, i = heapq.heappop(ready)
+                task = self.tasks[i]
+                if any(lk in holder or lk in claimed for lk in task.links):
+                    blocked.append((ready_at, i))
+                    claimed.update(task.links)
+                    continue
+                task.start = now
+                remaining[i] = task.duration
+                for lk in task.links:
+                    holder[lk] = i
+            for item in blocked:
+                heapq.heappush(ready, item)
+            if not remaining:
+                break
+            users = sum(weight[i] for i in remaining)
+            shared = min(1.0, sharing.cores / users) / (sharing.slowdown if min(users, sharing.cores) > 1 else 1.0) \
+                if users else 1.0
+            rate = {i: shared if weight[i] else 1.0 for i in remaining}
+            dt = min(remaining[i] / rate[i] for i in remaining)
+            now += dt
+            done = [i for i in remaining if remaining[i] / rate[i] <= dt * (1 + 1e-12)]
+            for i in remaining:
+                remaining[i] -= rate[i] * dt
+            for i in done:
+                del remaining[i]
+                task = self.tasks[i]
+                task.end = now
+                finished += 1
+                for lk in task.links:
+                    del holder[lk]
+                for j in dependants[i]:
+                    waiting[j] -= 1
+                    if waiting[j] == 0:
+                        heapq.heappush(ready, (now, j))
         if finished != n:
             stuck = [f"{t.kind} (devices {list(t.devices)})" for t, w in zip(self.tasks, waiting) if w > 0][:5]
             raise ValueError(f"the task graph deadlocks: {', '.join(stuck)} wait for tasks that never end")

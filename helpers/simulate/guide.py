@@ -16,13 +16,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from helpers.memory import GiB, fmt_bytes
+from helpers.memory import GiB, fmt_bytes, transformer_activation_bytes
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
 from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-ATTENTION_STORES_SCORES = {"eager": True, "sdpa": False, "flash": False}
 GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 RESERVE_BYTES = GiB  # CUDA context and allocator slack per GPU: an estimate (llama.cpp's --fit keeps 1024 MiB)
@@ -51,18 +50,16 @@ MODELS = {
 
 
 def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "sdpa", batch: int = 1,
-                           bytes_per_value: int = 2) -> float:
-    """Saved activations of one transformer block: Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit,
-    without the 5*a*s^2*b attention-score term when the attention implementation does not store the scores."""
-    if attention not in ATTENTION_STORES_SCORES:
-        raise ValueError(f"unknown attention implementation {attention!r}; choose one of "
-                         f"{list(ATTENTION_STORES_SCORES)}")
-    scores = 5 * heads * seq / hidden if ATTENTION_STORES_SCORES[attention] else 0
-    return seq * batch * hidden * (34 + scores) * bytes_per_value / 2
+                           bytes_per_value: int = 2) -> int:
+    """Saved activations of one transformer block (`helpers.memory.transformer_activation_bytes` for one layer):
+    Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit, without the 5*a*s^2*b attention-score term when
+    the attention implementation does not store the scores (SDPA's fused kernels, FlashAttention)."""
+    return transformer_activation_bytes(batch, seq, hidden, 1, heads, bytes_per_value, attention)
 
 
 @functools.lru_cache(maxsize=32)
-def _decoder_counts(shape: ModelShape, seq: int) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...]]:
+def _decoder_counts(shape: ModelShape, seq: int) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...],
+                                                         tuple[int, ...]]:
     """Per-sample (forward, backward) FLOPs and parameter counts of embedding, one block, final norm and head,
     counted on a one-block model built on the meta device."""
     from helpers.models import build_hf_model, hf_layers
@@ -74,9 +71,10 @@ def _decoder_counts(shape: ModelShape, seq: int) -> tuple[tuple[tuple[float, flo
             head = torch.nn.Linear(shape.hidden, shape.head_outputs)
     flops = layer_flops([embedding, block, norm, head], torch.zeros(1, seq, dtype=torch.long))
     params = [sum(p.numel() for p in module.parameters()) for module in (embedding, block, norm, head)]
+    tensors = [max(1, len(list(module.parameters()))) for module in (embedding, block, norm, head)]
     if shape.family == "gpt2" and shape.head_outputs is None:
         params[3] = 0  # GPT-2's head is the embedding's weight: counted once
-    return tuple(flops), tuple(params)
+    return tuple(flops), tuple(params), tuple(tensors)
 
 
 def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
@@ -84,7 +82,7 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf
     """Per-sample costs of a decoder on `gpu`: embedding, blocks, final norm, head. FLOPs counted on the meta device
     (one block, repeated); activations from `block_activation_bytes`; the head keeps its input and fp32 logits for
     the loss (an estimate of what Hugging Face's loss holds); GPT-2's head weight is the embedding's (counted once)."""
-    flops, counts = _decoder_counts(shape, seq)
+    flops, counts, tensors = _decoder_counts(shape, seq)
     v, outputs = VALUE_BYTES[dtype], shape.head_outputs or shape.vocab
     hidden_bytes = seq * shape.hidden * v
     parts = [("embedding", 0.0, hidden_bytes),
@@ -93,10 +91,10 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf
              ("final norm", hidden_bytes, hidden_bytes),
              ("head", hidden_bytes + seq * outputs * (v + 4), seq * outputs * v)]
     layers = []
-    for (name, activations, output), (f, b), params in zip(parts, flops, counts):
+    for (name, activations, output), (f, b), params, n_tensors in zip(parts, flops, counts, tensors):
         written = activations + output
         cost = LayerCost(name, roofline_s(f, written, gpu, dtype), roofline_s(b, 2 * written, gpu, dtype), params,
-                         activations, output)
+                         activations, output, n_tensors)
         layers += [replace(cost, name=f"block {i}") for i in range(shape.layers)] if name == "block" else [cost]
     n_params = sum(layer.params for layer in layers)
     return Workload(tuple(layers), recipe, ADAM_BYTES_PER_PARAM * n_params / gpu.memory_bandwidth)
@@ -132,6 +130,11 @@ class Recommendation:
 
     def rows(self) -> list[dict]:
         return [option.row() for option in self.options]
+
+    @property
+    def chosen(self) -> Option | None:
+        """The option the choice names (None when nothing fits)."""
+        return next((o for o in self.options if o.fits and o.job.label() == self.choice), None)
 
 
 def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:

@@ -61,6 +61,88 @@ def allgather_s(link: Link, nbytes: float, devices: int) -> float:
 reducescatter_s = allgather_s
 
 
+def broadcast_s(link: Link, nbytes: float, devices: int, messages: int = 1) -> float:
+    """Broadcast of `nbytes` from one device to the others, sent as `messages` tensors one after another (as
+    PyTorch's ZeroRedundancyOptimizer sends parameters): on a pipelined ring each message pays N-1 latencies and
+    the bytes cross each link once."""
+    if devices < 2 or nbytes <= 0:
+        return 0.0
+    return messages * (devices - 1) * link.latency_s + nbytes / link.bandwidth
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Collectives as a library really runs them on a rig, each measured and fitted as seconds = latency + bytes /
+    bandwidth of the whole tensor (an all-gather's gathered output, a reduce-scatter's full input, the tensor a
+    broadcast sends) over `devices` ranks. For libraries whose costs are not the ring's: gloo on the CPU rig takes
+    about as long for an all-gather as for an all-reduce of the same bytes, and longer for a reduce-scatter
+    (measured by `helpers.simulate.calibrate`)."""
+
+    allreduce: Link
+    allgather: Link
+    reducescatter: Link
+    broadcast: Link
+    devices: int = 2
+    name: str = "measured collectives"
+
+    def seconds(self, kind: str, nbytes: float, devices: int, messages: int = 1) -> float:
+        if devices < 2 or nbytes <= 0:
+            return 0.0
+        if devices != self.devices:
+            raise ValueError(f"{self.name} were measured over {self.devices} devices, not {devices}")
+        link = getattr(self, kind)
+        return messages * link.latency_s + nbytes / link.bandwidth
+
+    def __str__(self) -> str:
+        links = {kind: getattr(self, kind) for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}
+        return "; ".join(f"{kind} {link.bandwidth / 1e9:.3g} GB/s + {link.latency_s * 1e6:.3g} us"
+                         for kind, link in links.items())
+
+
+def collective_s(collectives: "Link | Collectives", kind: str, nbytes: float, devices: int, messages: int = 1) -> float:
+    """Seconds of one collective (allreduce, allgather, reducescatter or broadcast) of `nbytes` over `devices`: from
+    measured `Collectives`, or from a `Link` by the ring's costs."""
+    if isinstance(collectives, Collectives):
+        return collectives.seconds(kind, nbytes, devices, messages)
+    if kind == "broadcast":
+        return broadcast_s(collectives, nbytes, devices, messages)
+    ring = {"allreduce": allreduce_s, "allgather": allgather_s, "reducescatter": reducescatter_s}
+    if kind not in ring:
+        raise ValueError(f"unknown collective {kind!r}; choose one of {[*ring, 'broadcast']}")
+    return ring[kind](collectives, nbytes, devices)
+
+
+COMPUTE_TASKS = frozenset({"forward", "backward", "recompute", "optimizer"})
+COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast"})
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """Devices that share a pool of processors instead of owning their hardware: the CPU rig, where a virtual device
+    is a thread or a process pinned to one intra-op thread and the operating system shares the cores among them.
+
+    While `users` tasks of `kinds` want a core (a task counts once per device it runs on), each progresses at
+    min(1, cores / users) of its speed alone (processor sharing: the scheduler divides the cores fairly), and at
+    1 / `slowdown` of that while more than one core is busy (two cores computing at once each run slower than one
+    alone: shared caches and memory bandwidth, and for threads of one process the GIL; measure it, e.g. the bench
+    times the same work alone and on both cores at once). `kinds`: the compute kinds by default; add the
+    collectives on gloo, which copies and adds on the CPU.
+    """
+
+    cores: int
+    slowdown: float = 1.0
+    kinds: frozenset = COMPUTE_TASKS
+
+    def __post_init__(self):
+        if not (isinstance(self.cores, int) and self.cores >= 1):
+            raise ValueError(f"the core count must be a whole number >= 1, got {self.cores!r}")
+        if not (self.slowdown >= 1 and math.isfinite(self.slowdown)):
+            raise ValueError(f"the slowdown of busy cores must be a finite factor >= 1, got {self.slowdown}")
+
+    def __str__(self) -> str:
+        return f"{self.cores} shared cores, {self.slowdown:.3g}x slower when more than one is busy"
+
+
 def fit_link(sizes: Sequence[float], seconds: Sequence[float], name: str = "fitted link") -> Link:
     """Least-squares fit of seconds = latency + size / bandwidth to a link benchmark (sizes in bytes).
 
@@ -84,6 +166,29 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], name: str = "fitt
     if not slope > 0:
         raise ValueError("the times do not grow with message size: no bandwidth can be fitted")
     return Link(latency, 1 / slope, name)
+
+
+def fit_collective_link(sizes: Sequence[float], allreduce_seconds: Sequence[float], devices: int = 2,
+                        name: str = "fitted collectives") -> Link:
+    """The link that makes `allreduce_s` reproduce a measured all-reduce (time of one all-reduce of each size over
+    `devices`): a + n / B fitted, then latency a / (2(N-1)) and bandwidth B * 2(N-1)/N, the ring's steps and bytes.
+    All-gathers and reduce-scatters then cost half an all-reduce of the same bytes, as on a ring."""
+    if devices < 2:
+        raise ValueError(f"an all-reduce needs at least 2 devices, got {devices}")
+    fit = fit_link(sizes, allreduce_seconds, name)
+    steps = 2 * (devices - 1)
+    return Link(fit.latency_s / steps, fit.bandwidth * steps / devices, name)
+
+
+def fit_collectives(samples: dict[str, tuple[Sequence[float], Sequence[float]]], devices: int = 2,
+                    name: str = "measured collectives") -> Collectives:
+    """`Collectives` fitted to measured (sizes, seconds) of each of allreduce, allgather, reducescatter and
+    broadcast over `devices` ranks (sizes as `Collectives` defines them)."""
+    kinds = ("allreduce", "allgather", "reducescatter", "broadcast")
+    missing = [k for k in kinds if k not in samples]
+    if missing:
+        raise ValueError(f"no measurements of {missing}; give sizes and seconds for each of {list(kinds)}")
+    return Collectives(*(fit_link(*samples[k], name=k) for k in kinds), devices=devices, name=name)
 
 
 def _known(what: str, name: str, table: dict) -> dict:

@@ -8,8 +8,9 @@ waiting where `dependencies` says. Data parallelism follows PyTorch's engines:
   in torch/csrc/distributed/c10d/reducer.cpp), and each bucket's all-reduce starts as soon as its last gradient is
   ready, overlapping the rest of backward. Buckets are filled byte by byte here; DDP adds whole tensors, so its
   buckets can run over the cap by one tensor. Gradients travel in the recipe's gradient dtype.
-- ZeRO-1 (`ZeroRedundancyOptimizer` over DDP): DDP's all-reduce, the optimizer on this device's shard, then the
-  updated parameters all-gathered (PyTorch broadcasts each shard from its owner: the same bytes).
+- ZeRO-1 (`ZeroRedundancyOptimizer` over DDP): DDP's all-reduce, the optimizer on this device's shard, then each
+  owner broadcasts its updated parameters, tensor by tensor (PyTorch's default, `parameters_as_bucket_view=False`),
+  one broadcast after another on one communicator: every parameter byte crosses a link once, one latency per tensor.
 - FSDP2 (`fully_shard` per layer): all-gather a layer's parameters before its forward, prefetching the next
   layer's while the current one computes (at most two layers gathered); again before its backward when
   `reshard_after_forward` (the last layer stays gathered, its backward follows at once); reduce-scatter each
@@ -28,7 +29,7 @@ from helpers.memory import DeviceMemory, fmt_bytes
 from helpers.partition import optimal_split
 from helpers.pipeline.schedules import Action, dependencies, make_schedule
 from helpers.simulate.events import TaskGraph
-from helpers.simulate.hardware import FREE_LINK, Link, allgather_s, allreduce_s, reducescatter_s
+from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
 
@@ -57,12 +58,13 @@ class Job:
     microbatches: int = 1
     stages: int = 2  # pipeline stages (naive, gpipe, 1f1b, dp_x_pp)
     replicas: int = 2  # data-parallel replicas (ddp, zero1, fsdp2, dp_x_pp)
-    checkpoint: bool = False  # recompute every layer's activations in backward
+    checkpoint: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the layers to recompute
     schedule: str = "1f1b"  # the pipeline schedule inside dp_x_pp
     cut: tuple[int, ...] | None = None  # first layer of each stage after the first; default: time-balanced
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     reshard_after_forward: bool = True
+    forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -74,6 +76,10 @@ class Job:
         if self.strategy == "naive" and self.microbatches != 1:
             raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
                              "for micro-batches")
+        if not isinstance(self.checkpoint, bool) and (not isinstance(self.checkpoint, tuple) or any(
+                not isinstance(i, int) or i < 0 for i in self.checkpoint)):
+            raise ValueError(f"checkpoint must be True, False or a tuple of layer indices >= 0, got "
+                             f"{self.checkpoint!r}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
         if self.samples_per_microbatch * self.replicas_used * self.microbatches != self.batch:
@@ -106,9 +112,15 @@ class Job:
             parts.append(f"{self.replicas} x {self.stages}, {self.schedule}")
         if self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
-        if self.checkpoint:
+        if self.checkpoint is True:
             parts.append("checkpointing")
+        elif self.checkpoint:
+            parts.append(f"checkpointing {len(self.checkpoint)} layers")
         return ", ".join(parts)
+
+    def checkpoints(self, layer: int) -> bool:
+        """Whether `layer` recomputes its activations in backward."""
+        return self.checkpoint is True or (self.checkpoint is not False and layer in self.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -173,8 +185,12 @@ class _Trace:
 class _Builder:
     """Adds one job's tasks to a graph; keeps each device's activation trace and training state."""
 
-    def __init__(self, workload: Workload, job: Job, link: Link):
+    def __init__(self, workload: Workload, job: Job, link: Link, collective_link: Link | Collectives | None = None):
         self.w, self.job, self.link = workload, job, link
+        self.coll = collective_link or link
+        if job.checkpoint not in (True, False) and max(job.checkpoint, default=-1) >= len(workload.layers):
+            raise ValueError(f"checkpointed layers {sorted(job.checkpoint)} must be indices of the workload's "
+                             f"{len(workload.layers)} layers")
         self.layers = workload.layers
         self.graph = TaskGraph()
         self.size = job.samples_per_microbatch
@@ -186,15 +202,20 @@ class _Builder:
         return sum(getattr(layer, attr) for layer in self.layers[a:b])
 
     def held(self, a: int, b: int) -> float:
-        """Bytes a micro-batch keeps on the device until its backward: every saved activation, or with
-        checkpointing only each layer's input."""
-        if self.job.checkpoint:
-            return self.size * sum(self.layers[i - 1].output for i in range(max(a, 1), b))
-        return self.size * self._sum(a, b, "activations")
+        """Bytes a micro-batch keeps on the device until its backward: every saved activation, or for a
+        checkpointed layer only its input."""
+        ck = self.job.checkpoints
+        return self.size * sum((self.layers[i - 1].output if i > 0 else 0.0) if ck(i) else self.layers[i].activations
+                               for i in range(a, b))
 
     def transient(self, a: int, b: int) -> float:
-        """Extra bytes during backward: with checkpointing, one layer's recomputed activations at a time."""
-        return self.size * max(layer.activations for layer in self.layers[a:b]) if self.job.checkpoint else 0.0
+        """Extra bytes during backward: one checkpointed layer's recomputed activations at a time."""
+        return self.size * max((self.layers[i].activations for i in range(a, b) if self.job.checkpoints(i)),
+                               default=0.0)
+
+    def recompute_s(self, a: int, b: int) -> float:
+        """The forward of the checkpointed layers in [a, b), run again in backward."""
+        return self.size * sum(self.layers[i].forward_s for i in range(a, b) if self.job.checkpoints(i))
 
     def params(self, a: int, b: int) -> int:
         return int(self._sum(a, b, "params"))
@@ -205,14 +226,23 @@ class _Builder:
         return self.graph.add(self.size * self._sum(a, b, "forward_s"), [("compute", dev)], "forward", [dev],
                               after, microbatch=mb)
 
-    def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True) -> int:
-        """Backward of layers [a, b) (recompute first with checkpointing); `last` when it frees the micro-batch."""
+    def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True, extra_s: float = 0.0) -> int:
+        """Backward of layers [a, b) (recompute first with checkpointing), plus `extra_s` of work the engine does
+        inline (DDP's bucket copies); `last` when it frees the micro-batch."""
         self.traces[dev].backward(self.held(a, b), self.transient(a, b), mb, last)
-        if self.job.checkpoint:
-            after = [self.graph.add(self.size * self._sum(a, b, "forward_s"), [("compute", dev)], "recompute",
-                                    [dev], after, microbatch=mb)]
-        return self.graph.add(self.size * self._sum(a, b, "backward_s"), [("compute", dev)], "backward", [dev],
-                              after, microbatch=mb)
+        recompute = self.recompute_s(a, b)
+        if recompute:
+            after = [self.graph.add(recompute, [("compute", dev)], "recompute", [dev], after, microbatch=mb)]
+        return self.graph.add(self.size * self._sum(a, b, "backward_s") + extra_s, [("compute", dev)], "backward",
+                              [dev], after, microbatch=mb)
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
+        return nbytes / self.w.copy_bandwidth
+
+    def copy(self, dev: int, nbytes: float, after) -> int:
+        """A memory copy the engine does on the device's own compute (into or out of a communication buffer)."""
+        return self.graph.add(self.copy_s(nbytes), [("compute", dev)], "copy", [dev], after)
 
     def optimizer(self, dev: int, share: float, after) -> int:
         return self.graph.add(self.w.optimizer_s * share, [("compute", dev)], "optimizer", [dev], after)
@@ -307,58 +337,83 @@ class _Builder:
             out.append((last_layer, fill))
         return out
 
-    def local_steps(self, devices: list[int]) -> dict[tuple[int, int], int]:
+    def local_steps(self, devices: list[int], copy_passes: int = 0) -> dict[tuple[int, int], int]:
         """Forward and per-layer backward of every micro-batch on every replica; the last micro-batch's backward
-        task per (device, layer)."""
+        task per (device, layer). In the last (synchronising) micro-batch each layer's backward also makes
+        `copy_passes` passes over its gradient bytes (DDP copies each gradient into its bucket, our hook divides
+        the bucket)."""
         n, m = len(self.layers), self.job.microbatches
+        g = self.w.bytes_per_param[1]
         last = {}
         for dev in devices:
             for k in range(m):
                 self.forward(dev, 0, n, k, [])
                 for i in reversed(range(n)):
-                    last[(dev, i)] = self.backward(dev, i, i + 1, k, [], last=i == 0)
+                    extra = self.copy_s(copy_passes * g * self.layers[i].params) if k == m - 1 else 0.0
+                    last[(dev, i)] = self.backward(dev, i, i + 1, k, [], last=i == 0, extra_s=extra)
         return last
 
     def run_ddp(self, zero1: bool) -> None:
         devices = list(range(self.job.replicas))
         r = len(devices)
-        ready = self.local_steps(devices)
-        reduced = [self.collective("allreduce", devices, allreduce_s(self.link, nbytes, r), "comm",
+        ready = self.local_steps(devices, copy_passes=2)  # gradient into its bucket, the hook's division
+        reduced = [self.collective("allreduce", devices, collective_s(self.coll, "allreduce", nbytes, r), "comm",
                                    [ready[(d, layer)] for d in devices]) for layer, nbytes in self.buckets()]
-        updates = [self.optimizer(d, 1 / r if zero1 else 1.0, reduced[-1:]) for d in devices]
-        if zero1:
-            weights = self.w.bytes_per_param[0] * self.w.n_params
-            self.collective("allgather", devices, allgather_s(self.link, weights, r), "comm", updates)
+        grads = self.w.bytes_per_param[1] * self.w.n_params  # averaged buckets copied back into the gradients
+        copied = [self.copy(d, grads, reduced[-1:]) for d in devices]
+        updates = [self.optimizer(d, 1 / r if zero1 else 1.0, [c]) for d, c in zip(devices, copied)]
+        if zero1:  # each owner broadcasts its updated parameters, tensor by tensor, one after another
+            w = self.w.bytes_per_param[0]
+            for layer in self.layers:
+                if layer.params:
+                    self.collective("broadcast", devices, collective_s(self.coll, "broadcast", w * layer.params, r,
+                                                                        layer.tensors), "comm", updates)
         for d in devices:
             self.state[d] = self.state_for(self.w.n_params, shard=r if zero1 else 1)
 
     def run_fsdp2(self) -> None:
+        """FSDP2 as `fully_shard` runs it: before a layer computes, its parameters are all-gathered (copied into the
+        all-gather's input, gathered, copied out into the layer's parameters); after a layer's backward its
+        gradients are copied into the reduce-scatter's input and reduce-scattered. Copies run on the device.
+        Prefetch (at most two layers gathered): in backward FSDP2 issues the next layer's gather before computing
+        the current one; in forward it does so implicitly on GPUs, where the host issues the next gather while the
+        device still computes (`forward_prefetch=True`); on the CPU rig the host computes each layer itself, so the
+        next gather starts only as that layer begins (`forward_prefetch=False`)."""
         devices = list(range(self.job.replicas))
         r, n = len(devices), len(self.layers)
         w, g, o = self.w.bytes_per_param
-        gather = lambda i: allgather_s(self.link, w * self.layers[i].params, r)  # noqa: E731
-        scatter = lambda i: reducescatter_s(self.link, g * self.layers[i].params, r)  # noqa: E731
+        gather = lambda i: collective_s(self.coll, "allgather", w * self.layers[i].params, r)  # noqa: E731
+        scatter = lambda i: collective_s(self.coll, "reducescatter", g * self.layers[i].params, r)  # noqa: E731
+
+        def unshard(i: int) -> int:
+            """Copy-in of this device's shard, then the all-gather."""
+            copied = [self.copy(d, w * self.layers[i].params / r, []) for d in devices]
+            return self.collective("allgather", devices, gather(i), "allgather", copied)
+
         scattered = []
         for k in range(self.job.microbatches):
             fwd: dict[tuple[int, int], int] = {}
+            gathered = {0: unshard(0)} if self.layers[0].params else {}
             for i in range(n):
-                ag = None
-                if self.layers[i].params:  # prefetch: gather layer i once layer i-2 is done (two layers gathered)
-                    ag = self.collective("allgather", devices, gather(i), "allgather",
-                                         [fwd[(d, i - 2)] for d in devices if i >= 2])
+                if i not in gathered and self.layers[i].params:  # no prefetch: gathered as the layer starts
+                    gathered[i] = unshard(i)
+                if self.job.forward_prefetch and i + 1 < n and self.layers[i + 1].params:
+                    gathered[i + 1] = unshard(i + 1)  # issued before this layer computes
                 for d in devices:
-                    fwd[(d, i)] = self.forward(d, i, i + 1, k, [ag])
+                    ready = [self.copy(d, w * self.layers[i].params, [gathered[i]])] if i in gathered else []
+                    fwd[(d, i)] = self.forward(d, i, i + 1, k, ready)
             bwd: dict[tuple[int, int], int] = {}
+            regathered = {}
+            reshard = lambda i: self.layers[i].params and self.job.reshard_after_forward and i < n - 1  # noqa: E731
             for i in reversed(range(n)):
-                ag = None
-                if self.layers[i].params and self.job.reshard_after_forward and i < n - 1:
-                    before = [fwd[(d, n - 1)] for d in devices] if i == n - 2 else [bwd[(d, i + 2)] for d in devices]
-                    ag = self.collective("allgather", devices, gather(i), "allgather", before)
+                if i >= 1 and reshard(i - 1):  # FSDP2's backward prefetch: the next layer's gather, issued first
+                    regathered[i - 1] = unshard(i - 1)
                 for d in devices:
-                    bwd[(d, i)] = self.backward(d, i, i + 1, k, [ag], last=i == 0)
+                    ready = [self.copy(d, w * self.layers[i].params, [regathered[i]])] if i in regathered else []
+                    bwd[(d, i)] = self.backward(d, i, i + 1, k, ready, last=i == 0)
                 if self.layers[i].params:
-                    scattered.append(self.collective("reducescatter", devices, scatter(i), "reducescatter",
-                                                     [bwd[(d, i)] for d in devices]))
+                    copied = [self.copy(d, g * self.layers[i].params, [bwd[(d, i)]]) for d in devices]
+                    scattered.append(self.collective("reducescatter", devices, scatter(i), "reducescatter", copied))
         for d in devices:
             self.optimizer(d, 1 / r, scattered[-1:])
         sizes = [layer.params for layer in self.layers]
@@ -378,8 +433,8 @@ class _Builder:
         grad_bytes = self.w.bytes_per_param[1]
         for s, (a, b) in enumerate(ranges):
             group = [rep * p + s for rep in range(r)]
-            reduced = self.collective("allreduce", group, allreduce_s(self.link, grad_bytes * self.params(a, b), r),
-                                      "comm", [last[rep][s] for rep in range(r)])
+            seconds = collective_s(self.coll, "allreduce", grad_bytes * self.params(a, b), r)
+            reduced = self.collective("allreduce", group, seconds, "comm", [last[rep][s] for rep in range(r)])
             for dev in group:
                 self.optimizer(dev, self.params(a, b) / n, [reduced])
                 self.state[dev] = self.state_for(self.params(a, b))
@@ -410,11 +465,15 @@ def simulate_memory(workload: Workload, job: Job) -> dict[int, DeviceMemory]:
     return builder.memory()
 
 
-def simulate(workload: Workload, job: Job, link: Link = FREE_LINK) -> Simulation:
-    """Simulate one optimizer step of `job` on `workload` with devices joined pairwise by `link`."""
-    builder = _Builder(workload, job, link)
+def simulate(workload: Workload, job: Job, link: Link = FREE_LINK, collective_link: Link | Collectives | None = None,
+             cores: SharedCores | None = None) -> Simulation:
+    """Simulate one optimizer step of `job` on `workload` with devices joined pairwise by `link` (point-to-point
+    messages; also the collectives, by the ring's costs, unless `collective_link` models them: a Link, e.g.
+    `fit_collective_link` of a measured all-reduce, or measured `Collectives`). `cores`: the devices share a pool
+    of processors (the CPU rig), see `SharedCores`."""
+    builder = _Builder(workload, job, link, collective_link)
     builder.build()
-    step = builder.graph.run()
+    step = builder.graph.run(cores)
     events = builder.graph.events()
     busy = busy_fraction(events, COMPUTE_KINDS)
     memory = builder.memory()

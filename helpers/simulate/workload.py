@@ -8,7 +8,7 @@ simulator assumes; tiny micro-batches run less efficiently than that on real har
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from helpers.memory import BYTES_PER_PARAM
@@ -18,7 +18,8 @@ from helpers.profile import Profile
 @dataclass(frozen=True)
 class LayerCost:
     """One layer, for one sample: seconds of forward and backward, parameter count, bytes saved for backward and
-    bytes of its output (what crosses a stage boundary placed after it)."""
+    bytes of its output (what crosses a stage boundary placed after it); `tensors`: how many parameter tensors hold
+    its parameters (what is sent tensor by tensor costs one latency each)."""
 
     name: str
     forward_s: float
@@ -26,6 +27,7 @@ class LayerCost:
     params: int = 0
     activations: float = 0.0
     output: float = 0.0
+    tensors: int = 1
 
     def __post_init__(self):
         for what, value in (("forward", self.forward_s), ("backward", self.backward_s)):
@@ -35,17 +37,21 @@ class LayerCost:
                             ("output bytes", self.output)):
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"layer {self.name!r}: {what} must be >= 0, got {value}")
+        if not (isinstance(self.tensors, int) and self.tensors >= 1):
+            raise ValueError(f"layer {self.name!r}: tensor count must be a whole number >= 1, got {self.tensors!r}")
 
 
 @dataclass(frozen=True)
 class Workload:
     """A model to simulate: its layers in order, the training recipe (bytes per parameter for weights, gradients
-    and optimizer state, `helpers.memory.BYTES_PER_PARAM`) and the seconds of one optimizer step over all
-    parameters on one device."""
+    and optimizer state, `helpers.memory.BYTES_PER_PARAM`), the seconds of one optimizer step over all
+    parameters on one device, and how fast the device copies memory (the data-parallel engines copy gradients and
+    parameters into and out of their communication buffers; infinite: free)."""
 
     layers: tuple[LayerCost, ...]
     recipe: str = "fp32 + Adam"
     optimizer_s: float = 0.0
+    copy_bandwidth: float = math.inf  # bytes/s the device copies memory at (data-parallel engines' buffer copies)
 
     def __post_init__(self):
         if not self.layers:
@@ -54,6 +60,8 @@ class Workload:
             raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {list(BYTES_PER_PARAM)}")
         if not (self.optimizer_s >= 0 and math.isfinite(self.optimizer_s)):
             raise ValueError(f"optimizer step time must be >= 0 seconds, got {self.optimizer_s}")
+        if not self.copy_bandwidth > 0:
+            raise ValueError(f"copy bandwidth must be positive (bytes per second), got {self.copy_bandwidth}")
 
     @property
     def bytes_per_param(self) -> tuple[int, int, int]:
@@ -67,6 +75,20 @@ class Workload:
     def time_costs(self) -> list[float]:
         """Forward + backward seconds per layer and sample: what a balanced cut balances."""
         return [layer.forward_s + layer.backward_s for layer in self.layers]
+
+    def rescaled(self, forward_s: float, backward_s: float) -> "Workload":
+        """The same layers with their forward (backward) times scaled by one factor so that one sample's forward
+        (backward) through all of them takes `forward_s` (`backward_s`) seconds: the per-layer profile's shape,
+        a whole-model measurement's total. A profile runs each layer alone, over and over, so its weights stay in
+        cache; a training step streams every layer's weights and gradients through memory once per micro-batch,
+        which costs more the smaller the micro-batch (`helpers.bench` measures both and reports the factor)."""
+        for what, value in (("forward", forward_s), ("backward", backward_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"the whole model's {what} time must be a positive number of seconds, got {value}")
+        f = forward_s / sum(layer.forward_s for layer in self.layers)
+        b = backward_s / sum(layer.backward_s for layer in self.layers)
+        return replace(self, layers=tuple(replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * b)
+                                          for layer in self.layers))
 
     @classmethod
     def from_profile(cls, profile: Profile, recipe: str = "fp32 + Adam", optimizer_s: float = 0.0,

@@ -1,0 +1,430 @@
+"""Calibrate the simulator on the rig you have: every figure it needs, measured here and now.
+
+- `measure_workload(model, x, y, microbatch)`: the per-layer profile (`helpers.profile.profile_layers`) at the
+  micro-batch size a run will use, rescaled to the whole model's measured forward and backward time per
+  micro-batch (`Calibrated`: the workload, the profile it came from, and the factor between them).
+- `measure_rig(rig, ...)`: the links the engines use (`helpers.pipeline.comm.link_benchmark`: point-to-point and
+  all-reduce, fitted as latency + bytes / bandwidth on the relative error, `fit_relative`), the other collectives FSDP2 and ZeRO-1 use (all-gather,
+  reduce-scatter, broadcast: on gloo they do not cost what the ring's formulas say), and on the CPU rig how much
+  slower two virtual devices compute when both are busy, as threads of one process and as two processes
+  (`SharedCores`).
+- `optimizer_seconds(optimizer)`: one optimizer step, measured.
+
+Why the rescale: the profile runs each layer alone, over and over, so the layer's weights stay in cache; a training
+step streams every layer's weights and gradients through memory once per micro-batch. At large micro-batches the two
+agree; at small ones the whole model is slower than the sum of its layers (measured by `measure_workload`, shown
+as `stream_factor`). The profile still gives the shape (which layers cost what, the bytes they save and send).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from helpers.profile import Profile, profile_layers
+from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores
+from helpers.simulate.workload import Workload
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:
+    times = []
+    for r in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if r >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """A model's costs at one micro-batch size on this rig: `workload` (per sample, ready for `simulate`), the
+    per-layer `profile` it was shaped by, and the whole model's measured seconds per micro-batch."""
+
+    microbatch: int
+    workload: Workload
+    profile: Profile
+    forward_s: float  # whole model, one micro-batch, measured
+    backward_s: float
+
+    @property
+    def stream_factor(self) -> float:
+        """Whole-model time / sum of the per-layer profile: what streaming the weights costs at this size."""
+        return (self.forward_s + self.backward_s) / sum(self.profile.costs("time"))
+
+
+def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                        repeats: int = 4) -> tuple[float, float]:
+    """Median forward and backward seconds of one micro-batch (`x`, `y`) through the whole model, gradients
+    accumulating as in a training step with micro-batches."""
+    device = x.device
+    fwd, bwd = [], []
+    for r in range(1 + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        if r:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+class WholeModelTimer:
+    """The whole model's forward and backward at micro-batch sizes, timed one micro-batch at a time whenever asked:
+    between the measurements a calibration is for, so that both see the same machine (a shared or virtual machine's
+    speed drifts by several percent over minutes; measured on the course's CPU rig)."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
+        self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
+        self.samples: dict[int, list[tuple[float, float]]] = {}
+
+    def sample(self, microbatch: int) -> None:
+        """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches)."""
+        if not 1 <= microbatch <= self.x.shape[0]:
+            raise ValueError(f"micro-batch {microbatch} must be between 1 and the {self.x.shape[0]} samples given")
+        xb, yb, device = self.x[:microbatch], self.y[:microbatch], self.x.device
+        if microbatch not in self.samples:  # the first call at a size warms up, untimed
+            self.samples[microbatch] = []
+            self.loss_fn(self.model(xb), yb).backward()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = self.loss_fn(self.model(xb), yb)
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        self.samples[microbatch].append((t1 - t0, time.perf_counter() - t1))
+
+    def sampler(self, microbatch: int) -> Callable[[], None]:
+        return lambda: self.sample(microbatch)
+
+    def seconds(self, microbatch: int) -> tuple[float, float] | None:
+        """Median forward and backward seconds at `microbatch`, or None before any sample."""
+        got = self.samples.get(microbatch)
+        if not got:
+            return None
+        return statistics.median(f for f, _ in got), statistics.median(b for _, b in got)
+
+
+def measure_workload(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, microbatch: int,
+                     repeats: int = 3, recipe: str = "fp32 + Adam", optimizer_s: float = 0.0,
+                     whole: tuple[float, float] | None = None) -> Calibrated:
+    """Profile `model` layer by layer at `microbatch` samples (the first rows of `x`, `y`) and rescale the profile
+    to the whole model's measured forward and backward at that size (`whole`: seconds measured already, e.g. by a
+    `WholeModelTimer` between the runs being predicted; otherwise measured now)."""
+    if not 1 <= microbatch <= x.shape[0]:
+        raise ValueError(f"micro-batch {microbatch} must be between 1 and the {x.shape[0]} samples given")
+    xb, yb = x[:microbatch], y[:microbatch]
+    profile = profile_layers(model, xb, repeats=repeats, loss_fn=loss_fn, target=yb)
+    model.zero_grad(set_to_none=True)
+    forward_s, backward_s = whole or whole_model_seconds(model, xb, yb, loss_fn, repeats + 1)
+    base = with_tensor_counts(Workload.from_profile(profile, recipe, optimizer_s), model)
+    return Calibrated(microbatch, base.rescaled(forward_s / microbatch, backward_s / microbatch), profile, forward_s,
+                      backward_s)
+
+
+def with_tensor_counts(workload: Workload, model: nn.Module) -> Workload:
+    """`workload` with each layer's count of parameter tensors taken from `model`'s layers (what is sent tensor by
+    tensor, as ZeRO-1 broadcasts parameters, pays one latency per tensor)."""
+    from helpers.pipeline.stages import as_layers
+
+    layers = as_layers(model)
+    if len(layers) != len(workload.layers):
+        raise ValueError(f"the model has {len(layers)} layers, the workload {len(workload.layers)}")
+    return replace(workload, layers=tuple(replace(cost, tensors=max(1, len(list(layer.parameters()))))
+                                          for cost, layer in zip(workload.layers, layers)))
+
+
+def optimizer_seconds(optimizer: torch.optim.Optimizer, repeats: int = 5, zero_grad: bool = False) -> float:
+    """Median seconds of `optimizer.step()` (or of `zero_grad(set_to_none=False)`) on its current gradients;
+    parameters without a gradient get zeros first, so the step does its full work."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    device = params[0].device
+    fn = (lambda: optimizer.zero_grad(set_to_none=False)) if zero_grad else optimizer.step
+    return _median_time(fn, repeats, device)
+
+
+def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Seconds per byte of `dst.copy_(src)` on `device` (`nbytes` copied): the memory copies the data-parallel
+    engines make into and out of their communication buffers cost this much on the device's own compute."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), repeats, device) / nbytes
+
+
+# --- the rig ---------------------------------------------------------------------------------------------------------
+
+def least_disturbed(ratios: Sequence[float]) -> float:
+    """The busy-core slowdown from rounds of (together / alone) ratios: the smallest. It is a property of the
+    hardware; another process that runs during a round only adds to "together" (three things then share two
+    cores), so the round it left alone is the best estimate."""
+    if not ratios:
+        raise ValueError("no rounds measured")
+    return min(ratios)
+
+
+def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
+    """Threads: each of `work` timed alone, then all at once in threads; the smallest ratio (together / alone) of
+    the rounds (see `least_disturbed`)."""
+    import threading
+
+    ratios = []
+    for _ in range(rounds):
+        alone = []
+        for fn in work:
+            t0 = time.perf_counter()
+            fn()
+            alone.append(time.perf_counter() - t0)
+        together = [0.0] * len(work)
+        start = threading.Barrier(len(work))
+
+        def timed(i: int) -> None:
+            start.wait()
+            t0 = time.perf_counter()
+            work[i]()
+            together[i] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=timed, args=(i,)) for i in range(len(work))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ratios.append(sum(together) / sum(alone))
+    return least_disturbed(ratios)
+
+
+def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int = 5) -> float:
+    """How much slower forward + backward of (`x`, `y`) runs on two threads of this process at once (each on its
+    own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators."""
+    import copy
+
+    models = [model, copy.deepcopy(model)]
+
+    def work(m: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            loss_fn(m(x), y).backward()
+
+        return step
+
+    fns = [work(m) for m in models]
+    for fn in fns:
+        fn()  # warm-up
+    ratio = _corun(fns, rounds)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    return max(1.0, ratio)
+
+
+def _timed_collective(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for r in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int,
+                               sizes: Sequence[int], repeats: int) -> dict:
+    """Rank worker, two ranks: (1) forward + backward timed on each rank alone (the other waits), then on both at
+    once, `rounds` times: the ratios together / alone; (2) the collectives FSDP2 and ZeRO-1 use besides the
+    all-reduce, as they run on this backend: all-gather into a tensor of n bytes, reduce-scatter of n bytes,
+    broadcast of n bytes, the median of `repeats` for each size n."""
+    import torch.distributed as dist
+
+    from helpers.runtime.launch import rank_device
+
+    device = rank_device()
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def step() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        loss_fn(model(x), y).backward()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    step()
+    ratios = []
+    for _ in range(rounds):
+        alone = 0.0
+        for turn in range(world):
+            dist.barrier()
+            if turn == rank:
+                alone = step()
+            dist.barrier()
+        dist.barrier()
+        together = step()
+        pair = torch.tensor([alone, together], dtype=torch.float64)
+        dist.all_reduce(pair)
+        ratios.append(float(pair[1] / pair[0]))
+    samples: dict[str, tuple[list[int], list[float]]] = {k: ([], []) for k in ("allgather", "reducescatter",
+                                                                               "broadcast")}
+    for n in sizes:
+        full = torch.zeros(n // 4 // world * world, device=device)
+        shard = torch.zeros(full.numel() // world, device=device)
+        for kind, fn in (("allgather", lambda: dist.all_gather_into_tensor(full, shard)),
+                         ("reducescatter", lambda: dist.reduce_scatter_tensor(shard, full)),
+                         ("broadcast", lambda: dist.broadcast(full, src=0))):
+            samples[kind][0].append(full.numel() * 4)
+            samples[kind][1].append(_timed_collective(fn, repeats, device))
+    return {"ratios": ratios, "collectives": samples}
+
+
+def process_calibration(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                        sizes: Sequence[int], rounds: int = 5, repeats: int = 3) -> dict:
+    """`process_calibration_worker` on two ranks of `rig`; rank 0's answer."""
+    import copy
+
+    from helpers.runtime.launch import run
+
+    return run(process_calibration_worker, copy.deepcopy(model).cpu(), x.cpu(), y.cpu(), loss_fn, rounds,
+               list(sizes), repeats, rig=rig)[0]
+
+
+@dataclass(frozen=True)
+class RigModel:
+    """This rig as the simulator sees it, measured in this run: the multi-process engines' point-to-point link and
+    collectives (fitted), the threaded engine's link, and on the CPU rig how the virtual devices share the cores."""
+
+    p2p: Link
+    collectives: Collectives
+    threads_link: Link
+    thread_cores: SharedCores | None  # None: every device is hardware of its own (GPUs)
+    process_cores: SharedCores | None
+    copy_bandwidth: float = float("inf")  # bytes/s one device copies memory at
+    samples: tuple = ()  # the link benchmark's LinkSamples
+
+    @property
+    def host_computes(self) -> bool:
+        """CPU rig: the host thread does the compute itself, so it cannot issue work ahead of it (FSDP2's implicit
+        forward prefetch needs a GPU)."""
+        return self.process_cores is not None
+
+    def calibrated(self, workload: Workload) -> Workload:
+        """`workload` with this rig's measured copy bandwidth."""
+        return replace(workload, copy_bandwidth=self.copy_bandwidth)
+
+    def simulate(self, workload: Workload, job, engine: str = "processes"):
+        """`job` on `workload` as this rig runs it with `engine` ("threads": one process, or "processes"): the
+        engine's link, the measured collectives and copy bandwidth, FSDP2's forward prefetch only where the host
+        runs ahead of the device, and on the CPU rig the sharing of the cores."""
+        from helpers.simulate.strategies import simulate
+
+        if engine not in ("threads", "processes"):
+            raise ValueError(f"unknown engine {engine!r}; choose 'threads' or 'processes'")
+        if job.strategy == "fsdp2":
+            job = replace(job, forward_prefetch=not self.host_computes)
+        threads = engine == "threads"
+        return simulate(self.calibrated(workload), job, self.threads_link if threads else self.p2p, self.collectives,
+                        self.thread_cores if threads else self.process_cores)
+
+    def describe(self) -> list[str]:
+        lines = [f"point-to-point (processes): {self.p2p}", f"collectives (processes): {self.collectives}",
+                 f"threaded engine's hand-over: {self.threads_link}",
+                 f"memory copies: {self.copy_bandwidth / 1e9:.3g} GB/s"]
+        if self.thread_cores is not None:
+            lines += [f"threads: {self.thread_cores}", f"processes: {self.process_cores}"]
+        return lines
+
+
+def fit_relative(sizes: Sequence[float], seconds: Sequence[float], name: str = "fitted link") -> Link:
+    """seconds = latency + size / bandwidth fitted by least squares on the *relative* error (weights 1 / t^2), so a
+    sweep from kilobytes to tens of megabytes fits the small messages' latency as well as the large ones' bandwidth
+    (a plain least-squares fit, `fit_link`, is ruled by the largest messages and can clamp a real latency to zero:
+    ZeRO-1 sends about a hundred parameter tensors one by one, where the latency adds up). A negative intercept is
+    clamped to zero and the slope refitted through the origin."""
+    sizes, seconds = [float(v) for v in sizes], [float(t) for t in seconds]
+    if len(sizes) != len(seconds):
+        raise ValueError(f"{len(sizes)} message sizes for {len(seconds)} times")
+    if len(set(sizes)) < 2:
+        raise ValueError("fitting a link needs at least two different message sizes")
+    if any(v < 0 for v in sizes) or any(not t > 0 for t in seconds):
+        raise ValueError("message sizes must be >= 0 bytes and times > 0 seconds")
+    w = [1 / t**2 for t in seconds]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, sizes)), sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, sizes, seconds))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    latency = (sy - slope * sx) / sw
+    if latency < 0:
+        latency, slope = 0.0, sxy / sxx
+    if not slope > 0:
+        raise ValueError("the times do not grow with message size: no bandwidth can be fitted")
+    return Link(latency, 1 / slope, name)
+
+
+def links_from_samples(samples: Sequence) -> tuple[Link, Link, Link]:
+    """(point-to-point, all-reduce, threaded engine's link) fitted to `link_benchmark`'s samples; the all-reduce
+    as the time of one all-reduce of n bytes. On the CPU rig the threaded engine hands tensors over in memory: no
+    copy, a free link."""
+    by_path: dict[str, list] = {}
+    for s in samples:
+        by_path.setdefault(s.path, []).append(s)
+
+    def pick(prefix: str) -> list:
+        return next((v for k, v in by_path.items() if k.startswith(prefix)), [])
+
+    p2p, allreduce, copy = pick("processes: point-to-point"), pick("processes: all-reduce"), pick("threads:")
+    if not p2p or not allreduce:
+        raise ValueError("the link benchmark has no point-to-point or all-reduce samples to fit")
+    return (fit_relative([s.bytes for s in p2p], [s.seconds for s in p2p], p2p[0].path),
+            fit_relative([s.bytes for s in allreduce], [s.seconds for s in allreduce], allreduce[0].path),
+            fit_relative([s.bytes for s in copy], [s.seconds for s in copy], copy[0].path) if copy else
+            replace(FREE_LINK, name="in-memory hand-over (no copy)"))
+
+
+def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                sizes: Sequence[int] | None = None, repeats: int = 3, rounds: int = 5) -> RigModel:
+    """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that
+    shares the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast
+    and the busy-core slowdown of two processes in one more launch, and of two threads here. On gloo the
+    collectives add and copy on the CPU, so they take cores too."""
+    from helpers.pipeline.comm import default_sizes, link_benchmark
+
+    sizes = list(sizes) if sizes else default_sizes()
+    samples = link_benchmark(rig, sizes, repeats)
+    p2p, allreduce, threads_link = links_from_samples(samples)
+    measured = process_calibration(rig, model, x, y, loss_fn, sizes, rounds, repeats)
+    fits = {kind: fit_relative(*measured["collectives"][kind], name=kind) for kind in ("allgather", "reducescatter",
+                                                                                 "broadcast")}
+    backend = allreduce.name.split("(")[-1].rstrip(")") if "(" in allreduce.name else "measured"
+    collectives = Collectives(replace(allreduce, name="allreduce"), fits["allgather"], fits["reducescatter"],
+                              fits["broadcast"], 2, f"collectives ({backend})")
+    thread_cores = process_cores = None
+    copy_bandwidth = copy_seconds_per_byte(x.device) ** -1
+    if rig.is_cpu:
+        from helpers.runtime.rig import usable_cores
+
+        cores = max(1, usable_cores() // rig.threads_per_device)
+        thread_cores = SharedCores(cores, thread_slowdown(model, x, y, loss_fn, rounds), COMPUTE_TASKS)
+        process_cores = SharedCores(cores, max(1.0, least_disturbed(measured["ratios"])),
+                                    COMPUTE_TASKS | COLLECTIVES)
+    return RigModel(p2p, collectives, threads_link, thread_cores, process_cores, copy_bandwidth, tuple(samples))
