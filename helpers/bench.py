@@ -164,7 +164,7 @@ peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What the bench runs. Defaults: the model of REFERENCE.md's measurements, sized for a 2-core CPU."""
+    """What the bench runs. Defaults: 8 blocks of hidden 384 (14.4 M parameters) and batch 32, sized for a 2-core CPU."""
 
     cfg: StackConfig
     batch: int

@@ -30,7 +30,7 @@ import queue
 import statistics
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -115,8 +115,25 @@ def merge(requests: Sequence[Request], pad_token_id: int = 0) -> Request:
 
 # --- results ------------------------------------------------------------------------------------------------------
 
+class _Rates:
+    """Tokens per second of each phase, from the tokens it handled and the time it took."""
+
+    prompt_tokens: int
+    decode_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
 @dataclass(frozen=True)
-class Generation:
+class Generation(_Rates):
     """What one run of an engine produced: the new tokens of every request (each [rows, steps], on the CPU), the
     wall time of each phase over the whole workload, the tokens each phase handled, and the timeline."""
 
@@ -128,13 +145,6 @@ class Generation:
     decode_tokens: int  # tokens made by decode steps: rows x (steps - 1), summed over requests
     events: list[Event] = field(default_factory=list, repr=False)
 
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 def _counts(requests: Sequence[Request], tokens: Sequence[torch.Tensor]) -> tuple[int, int]:
@@ -655,7 +665,7 @@ class Pipelined(LayerSplit):
                 if stream is not None:
                     torch.cuda.set_device(self.runners[s].device)
                     stream.wait_stream(torch.cuda.current_stream(self.runners[s].device))
-                with torch.cuda.stream(stream) if stream is not None else _nothing():
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     if s == 0:
                         self._first_stage(requests, inboxes, feedback, out)
                     else:
@@ -687,15 +697,10 @@ class Pipelined(LayerSplit):
                           _events(self.runners))
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
 # --- measurement ----------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Throughput:
+class Throughput(_Rates):
     """Medians over repeats of one engine on one workload; `last`: the last run (tokens, timeline)."""
 
     engine: str
@@ -706,13 +711,6 @@ class Throughput:
     repeats: int
     last: Generation = field(repr=False)
 
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
     @classmethod
     def of(cls, engine: str, runs: Sequence[Generation]) -> "Throughput":

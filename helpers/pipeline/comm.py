@@ -108,14 +108,16 @@ def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) 
     _sync(device)
 
 
-def _timed(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of `fn()` over `repeats`, after one untimed warm-up, all ranks starting together."""
+def timed_across_ranks(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of `fn()` over `repeats`, after one untimed warm-up, all ranks starting together (a rank
+    worker: every rank calls it)."""
     times = []
     for r in range(repeats + 1):
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         if r:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -145,9 +147,9 @@ def process_links(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
             _one_way(buf, peer, second, device)
 
         samples.append(LinkSample(f"processes: point-to-point ({backend}{staged})", n,
-                                  _timed(round_trip, repeats, device) / 2))
+                                  timed_across_ranks(round_trip, repeats, device) / 2))
         samples.append(LinkSample(f"processes: all-reduce ({backend})", n,
-                                  _timed(lambda: dist.all_reduce(buf), repeats, device)))
+                                  timed_across_ranks(lambda: dist.all_reduce(buf), repeats, device)))
     return samples if rank == 0 else []
 
 

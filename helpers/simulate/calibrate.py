@@ -4,7 +4,7 @@
   micro-batch size a run will use, rescaled to the whole model's measured forward and backward time per
   micro-batch (`Calibrated`: the workload, the profile it came from, and the factor between them).
 - `measure_rig(rig, ...)`: the links the engines use (`helpers.pipeline.comm.link_benchmark`: point-to-point and
-  all-reduce, fitted as latency + bytes / bandwidth on the relative error, `fit_relative`), the other collectives FSDP2 and ZeRO-1 use (all-gather,
+  all-reduce, fitted as latency + bytes / bandwidth), the other collectives FSDP2 and ZeRO-1 use (all-gather,
   reduce-scatter, broadcast: on gloo they do not cost what the ring's formulas say), and on the CPU rig how much
   slower two virtual devices compute when both are busy, as threads of one process and as two processes
   (`SharedCores`).
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from helpers.profile import Profile, profile_layers
-from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores
+from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.simulate.workload import Workload
 
 
@@ -235,21 +235,6 @@ def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn:
     return max(1.0, ratio)
 
 
-def _timed_collective(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    import torch.distributed as dist
-
-    times = []
-    for r in range(repeats + 1):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int,
                                sizes: Sequence[int], repeats: int) -> dict:
     """Rank worker, two ranks: (1) forward + backward timed on each rank alone (the other waits), then on both at
@@ -258,6 +243,7 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
     broadcast of n bytes, the median of `repeats` for each size n."""
     import torch.distributed as dist
 
+    from helpers.pipeline.comm import timed_across_ranks
     from helpers.runtime.launch import rank_device
 
     device = rank_device()
@@ -294,7 +280,7 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
                          ("reducescatter", lambda: dist.reduce_scatter_tensor(shard, full)),
                          ("broadcast", lambda: dist.broadcast(full, src=0))):
             samples[kind][0].append(full.numel() * 4)
-            samples[kind][1].append(_timed_collective(fn, repeats, device))
+            samples[kind][1].append(timed_across_ranks(fn, repeats, device))
     return {"ratios": ratios, "collectives": samples}
 
 
@@ -355,32 +341,6 @@ class RigModel:
         return lines
 
 
-def fit_relative(sizes: Sequence[float], seconds: Sequence[float], name: str = "fitted link") -> Link:
-    """seconds = latency + size / bandwidth fitted by least squares on the *relative* error (weights 1 / t^2), so a
-    sweep from kilobytes to tens of megabytes fits the small messages' latency as well as the large ones' bandwidth
-    (a plain least-squares fit, `fit_link`, is ruled by the largest messages and can clamp a real latency to zero:
-    ZeRO-1 sends about a hundred parameter tensors one by one, where the latency adds up). A negative intercept is
-    clamped to zero and the slope refitted through the origin."""
-    sizes, seconds = [float(v) for v in sizes], [float(t) for t in seconds]
-    if len(sizes) != len(seconds):
-        raise ValueError(f"{len(sizes)} message sizes for {len(seconds)} times")
-    if len(set(sizes)) < 2:
-        raise ValueError("fitting a link needs at least two different message sizes")
-    if any(v < 0 for v in sizes) or any(not t > 0 for t in seconds):
-        raise ValueError("message sizes must be >= 0 bytes and times > 0 seconds")
-    w = [1 / t**2 for t in seconds]
-    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, sizes)), sum(wi * t for wi, t in zip(w, seconds))
-    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
-    sxy = sum(wi * x * t for wi, x, t in zip(w, sizes, seconds))
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    latency = (sy - slope * sx) / sw
-    if latency < 0:
-        latency, slope = 0.0, sxy / sxx
-    if not slope > 0:
-        raise ValueError("the times do not grow with message size: no bandwidth can be fitted")
-    return Link(latency, 1 / slope, name)
-
-
 def links_from_samples(samples: Sequence) -> tuple[Link, Link, Link]:
     """(point-to-point, all-reduce, threaded engine's link) fitted to `link_benchmark`'s samples; the all-reduce
     as the time of one all-reduce of n bytes. On the CPU rig the threaded engine hands tensors over in memory: no
@@ -395,9 +355,9 @@ def links_from_samples(samples: Sequence) -> tuple[Link, Link, Link]:
     p2p, allreduce, copy = pick("processes: point-to-point"), pick("processes: all-reduce"), pick("threads:")
     if not p2p or not allreduce:
         raise ValueError("the link benchmark has no point-to-point or all-reduce samples to fit")
-    return (fit_relative([s.bytes for s in p2p], [s.seconds for s in p2p], p2p[0].path),
-            fit_relative([s.bytes for s in allreduce], [s.seconds for s in allreduce], allreduce[0].path),
-            fit_relative([s.bytes for s in copy], [s.seconds for s in copy], copy[0].path) if copy else
+    return (fit_link([s.bytes for s in p2p], [s.seconds for s in p2p], p2p[0].path),
+            fit_link([s.bytes for s in allreduce], [s.seconds for s in allreduce], allreduce[0].path),
+            fit_link([s.bytes for s in copy], [s.seconds for s in copy], copy[0].path) if copy else
             replace(FREE_LINK, name="in-memory hand-over (no copy)"))
 
 
@@ -413,7 +373,7 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
     samples = link_benchmark(rig, sizes, repeats)
     p2p, allreduce, threads_link = links_from_samples(samples)
     measured = process_calibration(rig, model, x, y, loss_fn, sizes, rounds, repeats)
-    fits = {kind: fit_relative(*measured["collectives"][kind], name=kind) for kind in ("allgather", "reducescatter",
+    fits = {kind: fit_link(*measured["collectives"][kind], name=kind) for kind in ("allgather", "reducescatter",
                                                                                  "broadcast")}
     backend = allreduce.name.split("(")[-1].rstrip(")") if "(" in allreduce.name else "measured"
     collectives = Collectives(replace(allreduce, name="allreduce"), fits["allgather"], fits["reducescatter"],
