@@ -24,3 +24,87 @@ def test_outputs_are_stripped():
 def test_names_are_numbered_in_order():
     numbers = [int(re.match(r"(\d\d)_[a-z0-9_]+\.ipynb$", p.name).group(1)) for p in NOTEBOOKS]
     assert numbers == list(range(len(numbers))), [p.name for p in NOTEBOOKS]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOSSARY = ROOT / "GLOSSARY.md"
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def _markdown_cells(path):
+    return ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"] if cell["cell_type"] == "markdown"]
+
+
+def _lines_outside_fences(text):
+    """The lines of a markdown text that are not inside a fenced code block (a '# comment' there is no heading)."""
+    fenced = False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            yield line
+
+
+def glossary_anchor(heading):
+    """The anchor GitHub gives a heading: its text (no markup) lowercased, punctuation other than '-' and '_' dropped,
+    each space a hyphen (so "Pinned / pageable memory" -> "pinned--pageable-memory")."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link in a heading: its text
+    text = text.replace("`", "").replace("*", "")
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+
+
+def _glossary_anchors():
+    anchors, seen = set(), {}
+    for line in _lines_outside_fences(GLOSSARY.read_text()):
+        m = re.match(r"#{1,6} +(.+?)\s*$", line)
+        if m:
+            base = glossary_anchor(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            anchors.add(base if n == 0 else f"{base}-{n}")  # GitHub numbers repeated headings
+    return anchors
+
+
+GLOSSARY_LINK = re.compile(r"\]\(([^)\s]*GLOSSARY\.md)#([^)\s]*)\)")
+
+
+def test_titles_are_numbered_like_the_file():
+    bad = []
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text())["cells"]
+        first = "".join(cells[0]["source"]).split("\n", 1)[0] if cells else ""
+        if not (cells and cells[0]["cell_type"] == "markdown" and first.startswith(f"# {path.name[:2]} · ")):
+            bad.append(f"{path.name}: {first!r}")
+    assert not bad, f"the first cell must be markdown titled '# NN · ...' with the file's number: {bad}"
+
+
+def test_no_heading_starts_with_a_stray_hash():
+    bad = [f"{path.name}: {line!r}" for path in NOTEBOOKS for text in _markdown_cells(path)
+           for line in _lines_outside_fences(text) if re.match(r"#{1,6} +#", line)]
+    assert not bad, f"'# #' renders a stray '#' in the heading and the outline: {bad}"
+
+
+def test_glossary_anchor_matches_github():
+    assert glossary_anchor("CUDA stream, event, `record_stream`") == "cuda-stream-event-record_stream"
+    assert glossary_anchor("ZeRO, FSDP") == "zero-fsdp"
+    assert glossary_anchor("Pinned / pageable memory") == "pinned--pageable-memory"
+    assert glossary_anchor("PCIe x8/x8") == "pcie-x8x8"
+    assert glossary_anchor("PCIe peer-to-peer (P2P), NVLink") == "pcie-peer-to-peer-p2p-nvlink"
+    assert glossary_anchor("`reshard_after_forward`") == "reshard_after_forward"
+
+
+def test_glossary_links_resolve():
+    anchors = _glossary_anchors()
+    sources = [(p.name, "../GLOSSARY.md", text) for p in NOTEBOOKS for text in _markdown_cells(p)]
+    sources.append(("README.md", "GLOSSARY.md", (ROOT / "README.md").read_text()))
+    broken = [f"{name}: {target}#{anchor}" for name, expected, text in sources
+              for target, anchor in GLOSSARY_LINK.findall(text) if target != expected or anchor not in anchors]
+    broken += [f"GLOSSARY.md: #{anchor}" for anchor in re.findall(r"\]\(#([^)\s]*)\)", GLOSSARY.read_text())
+               if anchor not in anchors]
+    assert not broken, f"links to no heading of GLOSSARY.md (or by the wrong path): {broken}"
+
+
+def test_notebooks_link_the_glossary():
+    missing = [p.name for p in NOTEBOOKS if int(p.name[:2]) >= 1
+               and not any("../GLOSSARY.md#" in text for text in _markdown_cells(p))]
+    assert not missing, f"link the glossary at the first use of a term it defines: {missing}"
