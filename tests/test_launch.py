@@ -101,8 +101,16 @@ def test_unpicklable_argument_is_refused():
         run(workers.all_reduce_sum, (x for x in range(3)), rig=cpu_rig())
 
 
-def test_keyboard_interrupt_leaves_no_children():
-    import signal
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt here, as in a notebook kernel, even when the test run was started in the
+    background, where the shell makes processes ignore SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_leaves_no_children(ctrl_c_raises):
     import threading
 
     threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -178,7 +186,10 @@ def test_second_interrupt_during_cleanup_still_ends_everything():
     time.sleep(0.5)
     caller.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    caller.wait(timeout=20)
+    try:
+        caller.wait(timeout=20)
+    finally:
+        caller.kill()  # a failure here must not leave the caller behind for the next tests
     assert time.monotonic() - t0 < GRACE_S, "the second Ctrl-C must not wait out the grace period"
     assert _wait_gone(marker) == []
 
