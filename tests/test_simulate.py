@@ -285,6 +285,18 @@ def test_fsdp2_without_forward_prefetch_exposes_every_forward_gather():
     assert exposed.step_s == pytest.approx(hidden.step_s + (LAYERS - 1) * gather, rel=1e-12)
 
 
+def test_fsdp2_collectives_that_hold_the_host_overlap_nothing():
+    # the CPU rig: FSDP2 waits for every all-gather and reduce-scatter in the thread that computes, so a step is
+    # the sum of its parts: LAYERS gathers in forward, LAYERS - 1 again in backward (the last layer stays
+    # gathered), LAYERS reduce-scatters (on a ring as long as a gather), and the compute
+    link = Link(0.0, MiB / 0.4)
+    sim = simulate(ddp_workload(), Job("fsdp2", batch=2, forward_prefetch=False, host_waits=True), link)
+    gather = allgather_s(link, MiB, 2)
+    assert sim.step_s == pytest.approx(LAYERS * (F + B) + (3 * LAYERS - 1) * gather, rel=1e-12)
+    overlapped = simulate(ddp_workload(), Job("fsdp2", batch=2, forward_prefetch=False), link)
+    assert overlapped.step_s < sim.step_s
+
+
 def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():
     work = replace(ddp_workload(), copy_bandwidth=MiB / 0.125)  # copying 1 MiB takes 0.125 s
     link = Link(0.0, 1e15)

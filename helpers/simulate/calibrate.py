@@ -235,12 +235,37 @@ def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn:
     return max(1.0, ratio)
 
 
+def broadcast_message_seconds(device: torch.device, repeats: int, nbytes: int = 4 * 2**20,
+                              messages: int = 64) -> float:
+    """Rank worker: what each further tensor adds to a broadcast sent tensor by tensor, as ZeroRedundancyOptimizer
+    sends parameters (every broadcast issued with async_op=True, then all waited for): `nbytes` as `messages`
+    tensors against `nbytes` in one, the difference per extra message. A fit over message sizes cannot give it:
+    its intercept is decided by the large messages' noise (on gloo it came out 0 us, clamped), while the bench
+    model's 102 parameter tensors, broadcast so from one rank of the CPU rig, took 30-34 ms where their bytes alone
+    take 17 ms."""
+    import torch.distributed as dist
+
+    from helpers.pipeline.comm import timed_across_ranks
+
+    whole = torch.zeros(nbytes // 4, device=device)
+    parts = list(whole.chunk(messages))
+
+    def tensor_by_tensor() -> None:
+        for work in [dist.broadcast(t, src=0, async_op=True) for t in parts]:
+            work.wait()
+
+    split = timed_across_ranks(tensor_by_tensor, repeats, device)
+    one = timed_across_ranks(lambda: dist.broadcast(whole, src=0), repeats, device)
+    return max(0.0, (split - one) / (messages - 1))
+
+
 def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int,
                                sizes: Sequence[int], repeats: int) -> dict:
     """Rank worker, two ranks: (1) forward + backward timed on each rank alone (the other waits), then on both at
     once, `rounds` times: the ratios together / alone; (2) the collectives FSDP2 and ZeRO-1 use besides the
     all-reduce, as they run on this backend: all-gather into a tensor of n bytes, reduce-scatter of n bytes,
-    broadcast of n bytes, the median of `repeats` for each size n."""
+    broadcast of n bytes, the median of `repeats` for each size n, and a broadcast's cost per tensor when sent
+    tensor by tensor (`broadcast_message_seconds`)."""
     import torch.distributed as dist
 
     from helpers.pipeline.comm import timed_across_ranks
@@ -281,7 +306,8 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
                          ("broadcast", lambda: dist.broadcast(full, src=0))):
             samples[kind][0].append(full.numel() * 4)
             samples[kind][1].append(timed_across_ranks(fn, repeats, device))
-    return {"ratios": ratios, "collectives": samples}
+    return {"ratios": ratios, "collectives": samples,
+            "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5))}
 
 
 def process_calibration(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
@@ -321,13 +347,14 @@ class RigModel:
     def simulate(self, workload: Workload, job, engine: str = "processes"):
         """`job` on `workload` as this rig runs it with `engine` ("threads": one process, or "processes"): the
         engine's link, the measured collectives and copy bandwidth, FSDP2's forward prefetch only where the host
-        runs ahead of the device, and on the CPU rig the sharing of the cores."""
+        runs ahead of the device (where it computes itself, it also waits for each of FSDP2's collectives), and on
+        the CPU rig the sharing of the cores."""
         from helpers.simulate.strategies import simulate
 
         if engine not in ("threads", "processes"):
             raise ValueError(f"unknown engine {engine!r}; choose 'threads' or 'processes'")
         if job.strategy == "fsdp2":
-            job = replace(job, forward_prefetch=not self.host_computes)
+            job = replace(job, forward_prefetch=not self.host_computes, host_waits=self.host_computes)
         threads = engine == "threads"
         return simulate(self.calibrated(workload), job, self.threads_link if threads else self.p2p, self.collectives,
                         self.thread_cores if threads else self.process_cores)
@@ -365,8 +392,9 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
                 sizes: Sequence[int] | None = None, repeats: int = 3, rounds: int = 5) -> RigModel:
     """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that
     shares the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast
-    and the busy-core slowdown of two processes in one more launch, and of two threads here. On gloo the
-    collectives add and copy on the CPU, so they take cores too."""
+    (its latency: the measured cost of each further tensor, what ZeRO-1 pays per tensor) and the busy-core
+    slowdown of two processes in one more launch, and of two threads here. On gloo the collectives add and copy on
+    the CPU, so they take cores too."""
     from helpers.pipeline.comm import default_sizes, link_benchmark
 
     sizes = list(sizes) if sizes else default_sizes()
@@ -375,6 +403,7 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
     measured = process_calibration(rig, model, x, y, loss_fn, sizes, rounds, repeats)
     fits = {kind: fit_link(*measured["collectives"][kind], name=kind) for kind in ("allgather", "reducescatter",
                                                                                  "broadcast")}
+    fits["broadcast"] = replace(fits["broadcast"], latency_s=measured["broadcast_message_s"])
     backend = allreduce.name.split("(")[-1].rstrip(")") if "(" in allreduce.name else "measured"
     collectives = Collectives(replace(allreduce, name="allreduce"), fits["allgather"], fits["reducescatter"],
                               fits["broadcast"], 2, f"collectives ({backend})")

@@ -65,6 +65,7 @@ class Job:
     first_bucket_mb: float = 1.0
     reshard_after_forward: bool = True
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
+    host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -251,10 +252,13 @@ class _Builder:
         return self.graph.add(self.link.seconds(nbytes), [("send", src, dst)], "send", [src], [after],
                               links=[("link", src, dst)], microbatch=mb)
 
-    def collective(self, kind: str, group: list[int], seconds: float, stream: str, after) -> int:
-        """One collective over `group` (a ring: it holds every link i -> i+1 of the group)."""
+    def collective(self, kind: str, group: list[int], seconds: float, stream: str, after,
+                   holds_compute: bool = False) -> int:
+        """One collective over `group` (a ring: it holds every link i -> i+1 of the group); `holds_compute`: the
+        thread that computes waits for it, so it also holds every member's compute stream."""
         ring = [("link", group[i], group[(i + 1) % len(group)]) for i in range(len(group))] if len(group) > 1 else []
-        return self.graph.add(seconds, [(stream, d) for d in group], kind, group, after, links=ring)
+        streams = [(stream, d) for d in group] + ([("compute", d) for d in group] if holds_compute else [])
+        return self.graph.add(seconds, streams, kind, group, after, links=ring)
 
     # --- strategies ---------------------------------------------------------------------------------------------
     def ranges(self) -> list[tuple[int, int]]:
@@ -378,17 +382,26 @@ class _Builder:
         Prefetch (at most two layers gathered): in backward FSDP2 issues the next layer's gather before computing
         the current one; in forward it does so implicitly on GPUs, where the host issues the next gather while the
         device still computes (`forward_prefetch=True`); on the CPU rig the host computes each layer itself, so the
-        next gather starts only as that layer begins (`forward_prefetch=False`)."""
+        next gather starts only as that layer begins (`forward_prefetch=False`).
+        Where the host computes, the collectives also hold it (`host_waits=True`): FSDP2 issues them with
+        async_op=False (`unshard_async_op`, `DefaultAllGather`, `DefaultReduceScatter` in
+        torch/distributed/fsdp/_fully_shard), which on gloo waits for the result in the calling thread, so no
+        gather and no reduce-scatter overlaps compute (measured on the CPU rig: all 20 gathers and 10
+        reduce-scatters of a step of the bench's model blocking, about 27% of the step)."""
         devices = list(range(self.job.replicas))
         r, n = len(devices), len(self.layers)
         w, g, o = self.w.bytes_per_param
         gather = lambda i: collective_s(self.coll, "allgather", w * self.layers[i].params, r)  # noqa: E731
         scatter = lambda i: collective_s(self.coll, "reducescatter", g * self.layers[i].params, r)  # noqa: E731
 
+        def issue(kind: str, seconds: float, after) -> int:
+            """One of FSDP2's collectives on its own stream (all-gathers and reduce-scatters have one each)."""
+            return self.collective(kind, devices, seconds, kind, after, holds_compute=self.job.host_waits)
+
         def unshard(i: int) -> int:
             """Copy-in of this device's shard, then the all-gather."""
             copied = [self.copy(d, w * self.layers[i].params / r, []) for d in devices]
-            return self.collective("allgather", devices, gather(i), "allgather", copied)
+            return issue("allgather", gather(i), copied)
 
         scattered = []
         for k in range(self.job.microbatches):
@@ -413,7 +426,7 @@ class _Builder:
                     bwd[(d, i)] = self.backward(d, i, i + 1, k, ready, last=i == 0)
                 if self.layers[i].params:
                     copied = [self.copy(d, g * self.layers[i].params, [bwd[(d, i)]]) for d in devices]
-                    scattered.append(self.collective("reducescatter", devices, scatter(i), "reducescatter", copied))
+                    scattered.append(issue("reducescatter", scatter(i), copied))
         for d in devices:
             self.optimizer(d, 1 / r, scattered[-1:])
         sizes = [layer.params for layer in self.layers]
