@@ -96,7 +96,7 @@ def test_glossary_anchor_matches_github():
 def test_glossary_links_resolve():
     anchors = _glossary_anchors()
     sources = [(p.name, "../GLOSSARY.md", text) for p in NOTEBOOKS for text in _markdown_cells(p)]
-    sources.append(("README.md", "GLOSSARY.md", (ROOT / "README.md").read_text()))
+    sources += [(name, "GLOSSARY.md", (ROOT / name).read_text()) for name in ("README.md", "INSTRUCTORS.md")]
     broken = [f"{name}: {target}#{anchor}" for name, expected, text in sources
               for target, anchor in GLOSSARY_LINK.findall(text) if target != expected or anchor not in anchors]
     broken += [f"GLOSSARY.md: #{anchor}" for anchor in re.findall(r"\]\(#([^)\s]*)\)", GLOSSARY.read_text())
