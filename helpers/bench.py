@@ -182,8 +182,8 @@ def default_config(quick: bool, rig) -> BenchConfig:
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=2,
                            gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
                            link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)))
-    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=4,
-                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,), rounds=2)
+    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6,
+                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,), rounds=3)
 
 
 class Progress:
@@ -612,7 +612,7 @@ def calibration_record(rig_model, calibrated: dict) -> dict:
                       **{kind: [getattr(rig_model.collectives, kind).latency_s,
                                 getattr(rig_model.collectives, kind).bandwidth]
                          for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}},
-            "copy_bandwidth": rig_model.copy_bandwidth,
+            "copy_bandwidth": rig_model.copy_bandwidth, "fsdp2_host_s": rig_model.fsdp2_host_s,
             "slowdown": {"threads": getattr(rig_model.thread_cores, "slowdown", None),
                          "processes": getattr(rig_model.process_cores, "slowdown", None)},
             "whole_model_s": {b: [c.forward_s, c.backward_s] for b, c in calibrated.items()},
@@ -668,7 +668,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("splits of a non-uniform model (notebook 02)")
-    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 6)
     cfg = nonuniform_config(1 if rig.is_cpu else 4)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
@@ -703,7 +703,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("activation checkpointing sweep (notebook 03)")
-    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 4)
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 6)
     cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)

@@ -16,7 +16,7 @@ KIND_COLORS = {
     "forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "recv": "#8C8C8C",
     "allreduce": "#C44E52", "optimizer": "#8172B3", "recompute": "#937860", "compute": "#4C72B0",
     "allgather": "#DA8BC3", "reducescatter": "#CCB974", "transfer": "#55A868", "loss": "#64B5CD",
-    "prefill": "#4C72B0", "decode": "#55A868",
+    "prefill": "#4C72B0", "decode": "#55A868", "copy": "#B0B0B0", "host": "#6E6E6E",
 }
 
 

@@ -256,11 +256,13 @@ def test_fsdp2_hides_its_collectives_when_they_are_shorter_than_compute():
     sim = simulate(ddp_workload(optimizer_s=1.0), Job("fsdp2", batch=2), link)
     gather, scatter = allgather_s(link, MiB, 2), reducescatter_s(link, MiB, 2)
     assert gather == scatter == 0.2
-    # first layer's all-gather, all compute, the first layer's reduce-scatter, the sharded optimizer step
-    assert sim.step_s == pytest.approx(gather + LAYERS * (F + B) + scatter + 1.0 / 2, rel=1e-12)
-    # forward gathers every layer; backward again except the last (kept), reduce-scatter per layer
+    # first layer's all-gather, all forward compute, the last layer's gather again (FSDP2 reshards every unit but
+    # the root after forward, so backward starts by regathering: torchtitan keeps its last block gathered for this
+    # reason), all backward compute, the first layer's reduce-scatter, the sharded optimizer step
+    assert sim.step_s == pytest.approx(2 * gather + LAYERS * (F + B) + scatter + 1.0 / 2, rel=1e-12)
+    # forward gathers every layer, backward again, reduce-scatter per layer
     kinds = [e.kind for e in sim.events if e.device == 0]
-    assert kinds.count("allgather") == 2 * LAYERS - 1 and kinds.count("reducescatter") == LAYERS
+    assert kinds.count("allgather") == 2 * LAYERS and kinds.count("reducescatter") == LAYERS
     n = LAYERS * PARAMS
     assert sim.memory[0].params == 4 * (n / 2 + 2 * PARAMS)  # shard + two gathered layers
     assert sim.memory[0].optimizer == 8 * n / 2
@@ -287,14 +289,30 @@ def test_fsdp2_without_forward_prefetch_exposes_every_forward_gather():
 
 def test_fsdp2_collectives_that_hold_the_host_overlap_nothing():
     # the CPU rig: FSDP2 waits for every all-gather and reduce-scatter in the thread that computes, so a step is
-    # the sum of its parts: LAYERS gathers in forward, LAYERS - 1 again in backward (the last layer stays
-    # gathered), LAYERS reduce-scatters (on a ring as long as a gather), and the compute
+    # the sum of its parts: LAYERS gathers in forward, LAYERS again in backward, LAYERS reduce-scatters (on a ring
+    # as long as a gather), and the compute
     link = Link(0.0, MiB / 0.4)
     sim = simulate(ddp_workload(), Job("fsdp2", batch=2, forward_prefetch=False, host_waits=True), link)
     gather = allgather_s(link, MiB, 2)
-    assert sim.step_s == pytest.approx(LAYERS * (F + B) + (3 * LAYERS - 1) * gather, rel=1e-12)
+    assert sim.step_s == pytest.approx(LAYERS * (F + B) + 3 * LAYERS * gather, rel=1e-12)
     overlapped = simulate(ddp_workload(), Job("fsdp2", batch=2, forward_prefetch=False), link)
     assert overlapped.step_s < sim.step_s
+
+
+def test_fsdp2_host_work_adds_to_every_collective_where_the_host_computes():
+    link = Link(0.0, MiB / 0.4)
+    job = Job("fsdp2", batch=2, forward_prefetch=False, host_waits=True)
+    bare = simulate(ddp_workload(), job, link)
+    sim = simulate(ddp_workload(), replace(job, fsdp2_host_s=0.01), link)
+    assert sim.step_s == pytest.approx(bare.step_s + 3 * LAYERS * 0.01, rel=1e-12)
+    assert [e.kind for e in sim.events if e.device == 0].count("host") == 3 * LAYERS
+    # a host that runs ahead of its device (GPUs) does this work beside the compute: only the first gather's, with
+    # nothing before it to hide behind, shows
+    ahead = simulate(ddp_workload(), replace(job, host_waits=False, fsdp2_host_s=0.01), link)
+    assert ahead.step_s == pytest.approx(simulate(ddp_workload(), replace(job, host_waits=False), link).step_s
+                                         + 0.01, rel=1e-12)
+    with pytest.raises(ValueError, match="host work per collective"):
+        Job("fsdp2", batch=2, fsdp2_host_s=-1.0)
 
 
 def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():

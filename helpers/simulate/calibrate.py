@@ -174,18 +174,20 @@ def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeat
 
 # --- the rig ---------------------------------------------------------------------------------------------------------
 
-def least_disturbed(ratios: Sequence[float]) -> float:
-    """The busy-core slowdown from rounds of (together / alone) ratios: the smallest. It is a property of the
-    hardware; another process that runs during a round only adds to "together" (three things then share two
-    cores), so the round it left alone is the best estimate."""
+def typical_slowdown(ratios: Sequence[float]) -> float:
+    """The busy-core slowdown from rounds of (together / alone) ratios: their median. Each ratio divides two noisy
+    times, and on a shared or virtual machine either can be disturbed: measured on the course's 2-core CPU rig,
+    single rounds ranged from 0.70 to 1.40 around a median of 1.05 (processes) and 0.92 to 1.20 around 1.13
+    (threads). The smallest ratio, used before, picks the round whose "alone" was slowed and made every
+    two-device prediction 5-25% too fast."""
     if not ratios:
         raise ValueError("no rounds measured")
-    return min(ratios)
+    return statistics.median(ratios)
 
 
 def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
-    """Threads: each of `work` timed alone, then all at once in threads; the smallest ratio (together / alone) of
-    the rounds (see `least_disturbed`)."""
+    """Threads: each of `work` timed alone, then all at once in threads; the typical ratio (together / alone) of
+    the rounds (see `typical_slowdown`)."""
     import threading
 
     ratios = []
@@ -210,10 +212,10 @@ def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
         for t in threads:
             t.join()
         ratios.append(sum(together) / sum(alone))
-    return least_disturbed(ratios)
+    return typical_slowdown(ratios)
 
 
-def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int = 5) -> float:
+def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int = 7) -> float:
     """How much slower forward + backward of (`x`, `y`) runs on two threads of this process at once (each on its
     own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators."""
     import copy
@@ -257,6 +259,72 @@ def broadcast_message_seconds(device: torch.device, repeats: int, nbytes: int = 
     split = timed_across_ranks(tensor_by_tensor, repeats, device)
     one = timed_across_ranks(lambda: dist.broadcast(whole, src=0), repeats, device)
     return max(0.0, (split - one) / (messages - 1))
+
+
+def fsdp2_units(model: nn.Module) -> list[int]:
+    """Bytes of each unit `fully_shard` would gather for `model` sharded as the course shards it (each layer with
+    parameters its own unit, the whole model the root unit, holding no parameters of its own here)."""
+    from helpers.pipeline.stages import as_layers
+
+    return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in as_layers(model)
+            if any(True for _ in layer.parameters())]
+
+
+def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                       repeats: int) -> float:
+    """Rank worker: the host work `fully_shard` does around each collective it issues, beyond the collective and
+    the copies the simulator models. A sharded copy of `model` (each layer, then the whole) trains on (`x`, `y`),
+    in turns with the same computation unsharded and with the same all-gathers (forward, and again in backward
+    for every unit resharded after forward) and reduce-scatters made by hand; the difference, less the copies in
+    and out of the collectives' buffers at this device's measured copy speed, shared over the collectives.
+    Found with the profiler on the course's CPU rig, about 4 ms per layer: DTensor dispatch, the copies slower
+    than a plain copy, the collectives' wrappers, page faults. Time it with a small micro-batch: the compute is
+    subtracted, its noise is not."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers.pipeline.stages import as_layers
+
+    device, world = x.device, dist.get_world_size()
+    sharded = copy.deepcopy(model)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in as_layers(sharded):
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    units = fsdp2_units(model)
+    buffers = {n: (torch.zeros(n // 4 // world * world, device=device),
+                   torch.zeros(n // 4 // world, device=device)) for n in set(units)}
+    gathers = units * 2  # every unit but the root (no parameters here) is resharded after forward
+
+    def by_hand() -> None:
+        for n in gathers:
+            dist.all_gather_into_tensor(*buffers[n])
+        for n in reversed(units):
+            dist.reduce_scatter_tensor(buffers[n][1], buffers[n][0])
+
+    def train(m: nn.Module) -> Callable[[], None]:
+        return lambda: loss_fn(m(x), y).backward()
+
+    work = {"sharded": train(sharded), "plain": train(model), "collectives": by_hand}
+    times: dict[str, list[float]] = {name: [] for name in work}
+    for r in range(1 + repeats):  # interleaved, so that a slow moment hits all three; the first round warms up
+        for name, fn in work.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    shard_bytes = sum(gathers) / world + sum(units)  # copy-in of the shard, copy-out of what was gathered
+    copies = (shard_bytes + sum(units)) * copy_seconds_per_byte(device)  # + gradients into the reduce-scatter
+    extra = medians["sharded"] - medians["plain"] - medians["collectives"] - copies
+    return max(0.0, extra / (len(gathers) + len(units)))
 
 
 def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int,
@@ -307,11 +375,12 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
             samples[kind][0].append(full.numel() * 4)
             samples[kind][1].append(timed_across_ranks(fn, repeats, device))
     return {"ratios": ratios, "collectives": samples,
-            "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5))}
+            "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5)),
+            "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, 5))}
 
 
 def process_calibration(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                        sizes: Sequence[int], rounds: int = 5, repeats: int = 3) -> dict:
+                        sizes: Sequence[int], rounds: int = 7, repeats: int = 3) -> dict:
     """`process_calibration_worker` on two ranks of `rig`; rank 0's answer."""
     import copy
 
@@ -333,6 +402,7 @@ class RigModel:
     process_cores: SharedCores | None
     copy_bandwidth: float = float("inf")  # bytes/s one device copies memory at
     samples: tuple = ()  # the link benchmark's LinkSamples
+    fsdp2_host_s: float = 0.0  # fully_shard's host work per collective (fsdp2_host_seconds)
 
     @property
     def host_computes(self) -> bool:
@@ -354,7 +424,8 @@ class RigModel:
         if engine not in ("threads", "processes"):
             raise ValueError(f"unknown engine {engine!r}; choose 'threads' or 'processes'")
         if job.strategy == "fsdp2":
-            job = replace(job, forward_prefetch=not self.host_computes, host_waits=self.host_computes)
+            job = replace(job, forward_prefetch=not self.host_computes, host_waits=self.host_computes,
+                          fsdp2_host_s=self.fsdp2_host_s)
         threads = engine == "threads"
         return simulate(self.calibrated(workload), job, self.threads_link if threads else self.p2p, self.collectives,
                         self.thread_cores if threads else self.process_cores)
@@ -362,7 +433,8 @@ class RigModel:
     def describe(self) -> list[str]:
         lines = [f"point-to-point (processes): {self.p2p}", f"collectives (processes): {self.collectives}",
                  f"threaded engine's hand-over: {self.threads_link}",
-                 f"memory copies: {self.copy_bandwidth / 1e9:.3g} GB/s"]
+                 f"memory copies: {self.copy_bandwidth / 1e9:.3g} GB/s",
+                 f"FSDP2's host work: {self.fsdp2_host_s * 1e3:.2f} ms per collective"]
         if self.thread_cores is not None:
             lines += [f"threads: {self.thread_cores}", f"processes: {self.process_cores}"]
         return lines
@@ -389,7 +461,7 @@ def links_from_samples(samples: Sequence) -> tuple[Link, Link, Link]:
 
 
 def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                sizes: Sequence[int] | None = None, repeats: int = 3, rounds: int = 5) -> RigModel:
+                sizes: Sequence[int] | None = None, repeats: int = 3, rounds: int = 7) -> RigModel:
     """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that
     shares the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast
     (its latency: the measured cost of each further tensor, what ZeRO-1 pays per tensor) and the busy-core
@@ -414,6 +486,7 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
 
         cores = max(1, usable_cores() // rig.threads_per_device)
         thread_cores = SharedCores(cores, thread_slowdown(model, x, y, loss_fn, rounds), COMPUTE_TASKS)
-        process_cores = SharedCores(cores, max(1.0, least_disturbed(measured["ratios"])),
+        process_cores = SharedCores(cores, max(1.0, typical_slowdown(measured["ratios"])),
                                     COMPUTE_TASKS | COLLECTIVES)
-    return RigModel(p2p, collectives, threads_link, thread_cores, process_cores, copy_bandwidth, tuple(samples))
+    return RigModel(p2p, collectives, threads_link, thread_cores, process_cores, copy_bandwidth, tuple(samples),
+                    measured["fsdp2_host_s"])

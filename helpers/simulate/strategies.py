@@ -13,15 +13,17 @@ waiting where `dependencies` says. Data parallelism follows PyTorch's engines:
   one broadcast after another on one communicator: every parameter byte crosses a link once, one latency per tensor.
 - FSDP2 (`fully_shard` per layer): all-gather a layer's parameters before its forward, prefetching the next
   layer's while the current one computes (at most two layers gathered); again before its backward when
-  `reshard_after_forward` (the last layer stays gathered, its backward follows at once); reduce-scatter each
+  `reshard_after_forward` (the last layer too: FSDP2 keeps only the root unit gathered); reduce-scatter each
   layer's gradients after its backward, every micro-batch. All-gathers and reduce-scatters have their own streams
-  but share the link.
+  but share the link. Before each collective the host does measured work of its own (`Job.fsdp2_host_s`).
 - DP x PP: a pipeline per replica, then one flat all-reduce per stage across replicas (as our engine does).
 Compute and communication overlap freely (separate streams); communication kernels are not modelled as slowing
 compute. Memory per device: weights, gradients and optimizer state by the ZeRO formulas (Rajbhandari et al. 2020)
 plus the peak of activations held by in-flight micro-batches, walked in the order each device runs its work.
 """
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass, field
 
@@ -66,6 +68,7 @@ class Job:
     reshard_after_forward: bool = True
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
     host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
+    fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -81,6 +84,8 @@ class Job:
                 not isinstance(i, int) or i < 0 for i in self.checkpoint)):
             raise ValueError(f"checkpoint must be True, False or a tuple of layer indices >= 0, got "
                              f"{self.checkpoint!r}")
+        if not (self.fsdp2_host_s >= 0 and math.isfinite(self.fsdp2_host_s)):
+            raise ValueError(f"FSDP2's host work per collective must be seconds >= 0, got {self.fsdp2_host_s!r}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
         if self.samples_per_microbatch * self.replicas_used * self.microbatches != self.batch:
@@ -387,21 +392,32 @@ class _Builder:
         async_op=False (`unshard_async_op`, `DefaultAllGather`, `DefaultReduceScatter` in
         torch/distributed/fsdp/_fully_shard), which on gloo waits for the result in the calling thread, so no
         gather and no reduce-scatter overlaps compute (measured on the CPU rig: all 20 gathers and 10
-        reduce-scatters of a step of the bench's model blocking, about 27% of the step)."""
+        reduce-scatters of a step of the bench's model blocking, about 27% of the step).
+        Before each collective the host does `fsdp2_host_s` of work of its own (DTensor dispatch, the collectives'
+        wrappers: measured in the same run by `calibrate.fsdp2_host_seconds`); it holds the compute where the host
+        computes, and runs beside the device elsewhere."""
         devices = list(range(self.job.replicas))
         r, n = len(devices), len(self.layers)
         w, g, o = self.w.bytes_per_param
         gather = lambda i: collective_s(self.coll, "allgather", w * self.layers[i].params, r)  # noqa: E731
         scatter = lambda i: collective_s(self.coll, "reducescatter", g * self.layers[i].params, r)  # noqa: E731
 
-        def issue(kind: str, seconds: float, after) -> int:
-            """One of FSDP2's collectives on its own stream (all-gathers and reduce-scatters have one each)."""
-            return self.collective(kind, devices, seconds, kind, after, holds_compute=self.job.host_waits)
+        def issue(kind: str, seconds: float, nbytes: float, after: dict[int, list[int]]) -> int:
+            """One of FSDP2's collectives on its own stream (all-gathers and reduce-scatters have one each): on each
+            device the host's work for it, which waits for nothing on the device, then the copy of `nbytes` into
+            its input after `after[device]`, then the collective."""
+            copied = []
+            for d in devices:
+                deps = list(after.get(d, []))
+                if self.job.fsdp2_host_s:
+                    host = "compute" if self.job.host_waits else "host"
+                    deps.append(self.graph.add(self.job.fsdp2_host_s, [(host, d)], "host", [d]))
+                copied.append(self.copy(d, nbytes, deps))
+            return self.collective(kind, devices, seconds, kind, copied, holds_compute=self.job.host_waits)
 
         def unshard(i: int) -> int:
             """Copy-in of this device's shard, then the all-gather."""
-            copied = [self.copy(d, w * self.layers[i].params / r, []) for d in devices]
-            return issue("allgather", gather(i), copied)
+            return issue("allgather", gather(i), w * self.layers[i].params / r, {})
 
         scattered = []
         for k in range(self.job.microbatches):
@@ -417,7 +433,9 @@ class _Builder:
                     fwd[(d, i)] = self.forward(d, i, i + 1, k, ready)
             bwd: dict[tuple[int, int], int] = {}
             regathered = {}
-            reshard = lambda i: self.layers[i].params and self.job.reshard_after_forward and i < n - 1  # noqa: E731
+            reshard = lambda i: self.layers[i].params and self.job.reshard_after_forward  # noqa: E731
+            if reshard(n - 1):  # the last layer too: only the root unit stays gathered after forward
+                regathered[n - 1] = unshard(n - 1)
             for i in reversed(range(n)):
                 if i >= 1 and reshard(i - 1):  # FSDP2's backward prefetch: the next layer's gather, issued first
                     regathered[i - 1] = unshard(i - 1)
@@ -425,8 +443,8 @@ class _Builder:
                     ready = [self.copy(d, w * self.layers[i].params, [regathered[i]])] if i in regathered else []
                     bwd[(d, i)] = self.backward(d, i, i + 1, k, ready, last=i == 0)
                 if self.layers[i].params:
-                    copied = [self.copy(d, g * self.layers[i].params, [bwd[(d, i)]]) for d in devices]
-                    scattered.append(issue("reducescatter", scatter(i), copied))
+                    scattered.append(issue("reducescatter", scatter(i), g * self.layers[i].params,
+                                           {d: [bwd[(d, i)]] for d in devices}))
         for d in devices:
             self.optimizer(d, 1 / r, scattered[-1:])
         sizes = [layer.params for layer in self.layers]
