@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from helpers.measure import interleaved_medians
+from helpers.measure import Timings, interleaved_medians, relative_spread
 from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.stages import split_model
@@ -70,7 +70,7 @@ def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], de
 
 
 def time_pipeline_runs(runs: Sequence[PipelineRun], x: torch.Tensor, y: torch.Tensor, repeats: int = 5,
-                       extra: dict[str, Callable[[], object]] | None = None, progress: bool = True) -> dict[str, float]:
+                       extra: dict[str, Callable[[], object]] | None = None, progress: bool = True) -> Timings:
     """Median step seconds of each run (and of any `extra` callables), timed in interleaved rounds; then one
     recorded step per run fills its `events` and its ledger's activation peaks."""
     fns = {r.name: (lambda r=r: r.step(x, y)) for r in runs}
@@ -91,12 +91,17 @@ def run_rows(runs: Sequence[PipelineRun], times: dict[str, float], batch: int,
         busy = busy_fraction(r.events)
         report = r.ledger.report()
         rows.append({"split": r.name, "boundaries": list(r.boundaries), "step (ms)": times[r.name] * 1e3,
-                     "samples/s": batch / times[r.name],
+                     "samples/s": batch / times[r.name], **_spread_of(times, r.name),
                      **({"speedup": times[baseline] / times[r.name]} if baseline else {}),
                      "busy": [round(busy.get(i, 0.0), 2) for i in range(len(report))],
                      "params": [m.params for m in report.values()],
                      "activations": [m.activations for m in report.values()]})
     return rows
+
+
+def _spread_of(times: dict[str, float], name: str) -> dict:
+    """{"spread": ...} of `name` where `times` kept its samples (a `Timings`), else nothing."""
+    return {"spread": relative_spread(times.samples[name])} if isinstance(times, Timings) else {}
 
 
 # --- python -m helpers.bench -------------------------------------------------------------------------------------
@@ -128,6 +133,7 @@ class BenchRow:
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
+    spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -135,11 +141,11 @@ class BenchRow:
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
                 "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
                 "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
-                "excluded_from_target": self.excluded, "speedup": reference_s / self.step_s,
+                "excluded_from_target": self.excluded, "spread": self.spread, "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
 
-BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "predicted", "error", "speedup",
+BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "spread", "predicted", "error", "speedup",
                  "peak_activation_bytes"]
 TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded with a reason aside
 
@@ -152,6 +158,8 @@ runner       one thread; threads = one thread per device in this process; proces
 m            micro-batches per step (pipelines; DP x PP: per replica); '-' = the whole batch at once
 optimizer    what the timed step includes after backward: none, or Adam (compare with single_adam)
 samples/s    measured: global batch / median step time over interleaved repeats (threads) or launches (processes)
+spread       the noise of that median: half the interquartile range of the step times over their median; an error
+             not much larger than it is within what the machine's jitter allows one run to show
 predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
              at the row's micro-batch size rescaled to the whole model's measured time per micro-batch, the measured
              optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
@@ -238,9 +246,12 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     one_device_step()
     events = rec.events()
     zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
-    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s),
+    spread = {k: relative_spread(times.samples[k]) for k in ("single", "single_adam")}
+    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s,
+                            spread=spread["single"]),
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
-                            optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s)]
+                            optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
+                            spread=spread["single_adam"])]
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -275,7 +286,8 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     times, rows = _single_row(model, x, y, lm_loss, config.steps, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
-                             [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r)))
+                             [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
+                             spread=relative_spread(times.samples[r.name])))
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
@@ -286,15 +298,16 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
                                                steps=config.steps), rig)) for j in jobs},
         config.rounds, "process pipelines", progress,
         between=(lambda j: timer.sample(config.batch // j[3])) if timer else None)
-    for (strategy, engine, _, m, _), (step_s, res) in results.items():
-        rows.append(BenchRow(strategy, engine, "processes", m, step_s, res.events, res.peak_activations))
+    for (strategy, engine, _, m, _), (step_s, spread, res) in results.items():
+        rows.append(BenchRow(strategy, engine, "processes", m, step_s, res.events, res.peak_activations,
+                             spread=spread))
     return rows + data_parallel_rows(config, rig, progress, timer)
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   between: Callable | None = None) -> dict:
     """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
-    {key: (median step time pooled over all rounds, the last round's result)}. `between(key)` runs before each
+    {key: (median step time pooled over all rounds, its `relative_spread`, the last round's result)}. `between(key)` runs before each
     launch (the bench times its calibration there)."""
     import statistics
 
@@ -311,7 +324,7 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
             pooled[key].extend(last[key].step_times)
             bar.update()
     bar.close()
-    return {k: (statistics.median(pooled[k]), last[k]) for k in launches}
+    return {k: (statistics.median(pooled[k]), relative_spread(pooled[k]), last[k]) for k in launches}
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
@@ -329,17 +342,19 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
     results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in ("ddp", "zero1", "fsdp2")},
                             config.rounds, "data parallel", progress,
                             between=(lambda _: timer.sample(config.batch // 2)) if timer else None)
-    for strategy, (step_s, res) in results.items():
+    for strategy, (step_s, spread, res) in results.items():
         rows.append(BenchRow(strategy, "torch", "processes", None, step_s, res.events,
-                             [m.activations for m in res.memory], optimizer="adam", reference="single_adam"))
+                             [m.activations for m in res.memory], optimizer="adam", reference="single_adam",
+                             spread=spread))
     if rig.is_cpu or torch.cuda.device_count() >= 4:
         m = DP_X_PP_MICROBATCHES(config)
         results = run_in_rounds({"dp_x_pp": lambda: run_training(
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
             rig, oversubscribe=rig.is_cpu)}, config.rounds, "DP x PP", progress,
             between=(lambda _: timer.sample(config.batch // 2 // m)) if timer else None)
-        step_s, res = results["dp_x_pp"]
-        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, step_s, res.events, res.peak_activations))
+        step_s, spread, res = results["dp_x_pp"]
+        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, step_s, res.events, res.peak_activations,
+                             spread=spread))
     return rows
 
 
@@ -467,10 +482,15 @@ def _percent(error: float | None, excluded: str | None = None) -> str:
     return f"{error:+.1%}" + ("*" if excluded or abs(error) > TARGET else "")
 
 
+def _plus_minus(spread: float | None) -> str:
+    return "-" if spread is None else f"±{spread:.0%}"
+
+
 def display_rows(dicts: Sequence[dict]) -> list[dict]:
     """The printed table's rows: measured, predicted and the error side by side."""
     return [{"strategy": d["strategy"], "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
-             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "predicted": d["predicted_samples_per_s"],
+             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "spread": _plus_minus(d.get("spread")),
+             "predicted": d["predicted_samples_per_s"],
              "error": _percent(d["error"], d["excluded_from_target"]), "speedup": d["speedup"],
              "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
 
@@ -483,7 +503,8 @@ def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
         if d.get("excluded_from_target"):
             out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
         elif d.get("error") is not None and abs(d["error"]) > TARGET:
-            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target)")
+            noise = f"; the measured step times spread {_plus_minus(d['spread'])}" if d.get("spread") else ""
+            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise})")
     return out
 
 
@@ -534,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     dicts = write_results(rows, config, rig, ns.out, extras, calibration)
     print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
-        shown = [{**r, "predicted": r.get("predicted_samples_per_s"),
+        shown = [{**r, "predicted": r.get("predicted_samples_per_s"), "spread": _plus_minus(r.get("spread")),
                   "error": _percent(r.get("error"), r.get("excluded_from_target"))} for r in extra_rows]
         print(f"\n{name}:\n" + table(shown, EXTRA_COLUMNS[name]))
     print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
@@ -620,9 +641,10 @@ def calibration_record(rig_model, calibrated: dict) -> dict:
 
 
 EXTRA_COLUMNS = {
-    "splits": ["split", "boundaries", "step (ms)", "samples/s", "predicted", "error", "speedup", "busy",
+    "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "speedup", "busy",
                "predicted slowest/mean"],
-    "checkpointing": ["split", "step (ms)", "samples/s", "predicted", "error", "step vs none", "activations"],
+    "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "step vs none",
+                      "activations"],
 }
 EXTRA_LEGEND = """\
 splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on

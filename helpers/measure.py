@@ -16,14 +16,33 @@ def _sync() -> None:
             torch.cuda.synchronize(i)
 
 
+class Timings(dict):
+    """Median seconds by name (a plain dict of medians), with every timed sample kept in `samples`: how much a
+    median can be trusted is in the spread of what it was taken from (`relative_spread`)."""
+
+    def __init__(self, samples: dict[str, list[float]]):
+        super().__init__({k: statistics.median(v) for k, v in samples.items()})
+        self.samples = samples
+
+
+def relative_spread(samples: list[float]) -> float | None:
+    """Half the interquartile range of `samples` over their median: the noise a median of them sits in (None with
+    fewer than 2 samples)."""
+    if len(samples) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / 2 / statistics.median(samples)
+
+
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of `fn()` in seconds (CUDA synchronised where present)."""
     return interleaved_medians({"fn": fn}, repeats, warmup)["fn"]
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
-                        progress: bool = False) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin: a, b, c, a, b, c, ..."""
+                        progress: bool = False) -> Timings:
+    """Median seconds per call of each function, timed round-robin: a, b, c, a, b, c, ... (a `Timings`: a dict of
+    medians that keeps the samples)."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     for fn in fns.values():
@@ -42,4 +61,4 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, 
             fn()
             _sync()
             times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return Timings(times)

@@ -90,6 +90,25 @@ def test_links_fitted_from_link_benchmark_samples():
         links_from_samples(samples[:5])
 
 
+def test_timings_keep_their_samples_and_the_spread_is_half_the_interquartile_range():
+    from helpers.measure import Timings, interleaved_medians, relative_spread
+
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 2 / 3.0)
+    assert relative_spread([1.0]) is None
+    t = Timings({"a": [3.0, 1.0, 2.0]})
+    assert t == {"a": 2.0} and t.samples["a"] == [3.0, 1.0, 2.0]
+    timed = interleaved_medians({"x": lambda: None, "y": lambda: None}, repeats=3)
+    assert set(timed) == {"x", "y"} and all(len(v) == 3 for v in timed.samples.values())
+
+
+def test_a_miss_is_printed_with_the_noise_of_its_measurement():
+    bad = row("1f1b", m=4)
+    bad.predicted_s, bad.spread = 1.0 / 1.3, 0.08
+    d = bad.as_dict(BATCH, 2.0)
+    assert display_rows([d])[0]["spread"] == "±8%"
+    assert "spread ±8%" in misses([d])[0]
+
+
 def test_the_median_round_sets_the_slowdown():
     assert typical_slowdown([1.4, 0.7, 1.05, 1.1, 1.02]) == 1.05  # one disturbed round either way changes nothing
     with pytest.raises(ValueError, match="no rounds"):
