@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a smaller model (hidden 256, 4 blocks, batch 16), one micro-batch count, "
                              "2 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
-                             "is predicted (about 45 s on a 2-core CPU; the default run takes 4-12 minutes there)")
+                             "is predicted (45-100 s on a 2-core CPU; the default run takes 4-12 minutes there)")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
     parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
