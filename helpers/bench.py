@@ -101,7 +101,7 @@ def run_rows(runs: Sequence[PipelineRun], times: dict[str, float], batch: int,
 
 def _spread_of(times: dict[str, float], name: str) -> dict:
     """{"spread": ...} of `name` where `times` kept its samples (a `Timings`), else nothing."""
-    return {"spread": relative_spread(times.samples[name])} if isinstance(times, Timings) else {}
+    return {"spread": times.spread(name)} if isinstance(times, Timings) else {}
 
 
 # --- python -m helpers.bench -------------------------------------------------------------------------------------
@@ -145,8 +145,8 @@ class BenchRow:
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
 
-BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "spread", "predicted", "error", "speedup",
-                 "peak_activation_bytes"]
+BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "spread", "predicted", "error",
+                 "speedup", "peak_activation_bytes"]
 TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded with a reason aside
 
 LEGEND = f"""\
@@ -246,12 +246,11 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     one_device_step()
     events = rec.events()
     zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
-    spread = {k: relative_spread(times.samples[k]) for k in ("single", "single_adam")}
     return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s,
-                            spread=spread["single"]),
+                            spread=times.spread("single")),
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
                             optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
-                            spread=spread["single_adam"])]
+                            spread=times.spread("single_adam"))]
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -287,7 +286,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
-                             spread=relative_spread(times.samples[r.name])))
+                             spread=times.spread(r.name)))
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
@@ -307,8 +306,8 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   between: Callable | None = None) -> dict:
     """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
-    {key: (median step time pooled over all rounds, its `relative_spread`, the last round's result)}. `between(key)` runs before each
-    launch (the bench times its calibration there)."""
+    {key: (median step time pooled over all rounds, its `relative_spread`, the last round's result)}.
+    `between(key)` runs before each launch (the bench times its calibration there)."""
     import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
@@ -503,7 +502,8 @@ def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
         if d.get("excluded_from_target"):
             out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
         elif d.get("error") is not None and abs(d["error"]) > TARGET:
-            noise = f"; the measured step times spread {_plus_minus(d['spread'])}" if d.get("spread") else ""
+            spread = d.get("spread")
+            noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
             out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise})")
     return out
 

@@ -24,6 +24,10 @@ class Timings(dict):
         super().__init__({k: statistics.median(v) for k, v in samples.items()})
         self.samples = samples
 
+    def spread(self, name: str) -> float | None:
+        """`relative_spread` of `name`'s samples."""
+        return relative_spread(self.samples[name])
+
 
 def relative_spread(samples: list[float]) -> float | None:
     """Half the interquartile range of `samples` over their median: the noise a median of them sits in (None with

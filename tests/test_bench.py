@@ -97,6 +97,7 @@ def test_timings_keep_their_samples_and_the_spread_is_half_the_interquartile_ran
     assert relative_spread([1.0]) is None
     t = Timings({"a": [3.0, 1.0, 2.0]})
     assert t == {"a": 2.0} and t.samples["a"] == [3.0, 1.0, 2.0]
+    assert t.spread("a") == pytest.approx(relative_spread([3.0, 1.0, 2.0]))
     timed = interleaved_medians({"x": lambda: None, "y": lambda: None}, repeats=3)
     assert set(timed) == {"x", "y"} and all(len(v) == 3 for v in timed.samples.values())
 
@@ -107,6 +108,8 @@ def test_a_miss_is_printed_with_the_noise_of_its_measurement():
     d = bad.as_dict(BATCH, 2.0)
     assert display_rows([d])[0]["spread"] == "±8%"
     assert "spread ±8%" in misses([d])[0]
+    bad.spread = 0.0  # steady to the last sample: still said
+    assert "spread ±0%" in misses([bad.as_dict(BATCH, 2.0)])[0]
 
 
 def test_the_median_round_sets_the_slowdown():
