@@ -158,8 +158,10 @@ runner       one thread; threads = one thread per device in this process; proces
 m            micro-batches per step (pipelines; DP x PP: per replica); '-' = the whole batch at once
 optimizer    what the timed step includes after backward: none, or Adam (compare with single_adam)
 samples/s    measured: global batch / median step time over interleaved repeats (threads) or launches (processes)
-spread       the noise of that median: half the interquartile range of the step times over their median; an error
-             not much larger than it is within what the machine's jitter allows one run to show
+spread       the noise of that median: half the interquartile range of the step times over their median (processes:
+             pooled over every launch); an error not much larger than it is within what the machine's jitter allows
+             one run to show. With one launch per job (--quick) it cannot show how launches a minute apart differ:
+             up to 26% on the 2-core CPU rig (the same DDP job, three launches in a row)
 predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
              at the row's micro-batch size rescaled to the whole model's measured time per micro-batch, the measured
              optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
