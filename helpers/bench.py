@@ -16,7 +16,7 @@ from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline
-from helpers.timeline import Event, busy_fraction
+from helpers.timeline import Event, busy_fraction, seconds_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -134,6 +134,7 @@ class BenchRow:
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
+    predicted_phase_s: dict[str, float] = field(default_factory=dict)  # simulated forward / backward seconds
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -141,12 +142,15 @@ class BenchRow:
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
                 "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
                 "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
-                "excluded_from_target": self.excluded, "spread": self.spread, "speedup": reference_s / self.step_s,
+                "excluded_from_target": self.excluded, "spread": self.spread,
+                **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.events, self.predicted_phase_s)
+                   for phase in PHASES},
+                "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
 
 BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "spread", "predicted", "error",
-                 "speedup", "peak_activation_bytes"]
+                 "forward", "backward", "speedup", "peak_activation_bytes"]
 TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded with a reason aside
 
 LEGEND = f"""\
@@ -168,6 +172,11 @@ predicted    the simulator's samples/s for the same row (helpers.simulate), cali
              reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
              compute when both are busy (threads and processes share the cores fairly: processor sharing)
 error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
+forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
+             simulator's, summed over devices, in the one step recorded for its timeline: how fast the machine
+             computed during that row against the calibration. An error close to them is that speed; an error well
+             beyond them is in what else the step does (waiting for messages and collectives). '-' where the spans
+             include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and backward
 speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
 peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
@@ -188,8 +197,8 @@ class BenchConfig:
 
 def default_config(quick: bool, rig) -> BenchConfig:
     scale = 1 if rig.is_cpu else 4
-    if quick:
-        return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=2,
+    if quick:  # 3 steps, so their median is not the first: 2-18% slower on the CPU rig (DDP rebuilds its buckets)
+        return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=3,
                            gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
                            link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)))
     return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6,
@@ -394,6 +403,7 @@ def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[in
     engine = "threads" if row.runner in ("threads", "one thread") else "processes"
     sim = rig_model.simulate(workload, simulation_job(row, batch, cut), engine)
     row.predicted_s = sim.step_s + row.caller_s
+    row.predicted_phase_s = phase_seconds(sim.events)
     return sim
 
 
@@ -477,6 +487,29 @@ def timeline_name(row: BenchRow) -> str:
     return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
 
 
+PHASES = {"forward": {"forward"}, "backward": {"backward", "recompute"}}  # the timeline kinds of each phase
+# strategies whose recorded spans of a phase include communication, which the simulator keeps apart
+SPANS_INCLUDE_COMMUNICATION = {"forward": {"fsdp2"}, "backward": {"ddp", "zero1", "fsdp2"}}
+
+
+def phase_seconds(events: Sequence[Event]) -> dict[str, float]:
+    """Seconds spent in each of `PHASES`, summed over devices."""
+    return {phase: seconds_of(events, kinds) for phase, kinds in PHASES.items()}
+
+
+def compute_drift(strategy: str, phase: str, measured: Sequence[Event], predicted: dict[str, float]) -> float | None:
+    """How much longer `measured`'s spans of `phase` took than the simulator's (`predicted`: `phase_seconds` of the
+    simulated step), or None where they are not comparable (`SPANS_INCLUDE_COMMUNICATION`) or missing."""
+    measured_s, predicted_s = seconds_of(measured, PHASES[phase]), predicted.get(phase)
+    if strategy in SPANS_INCLUDE_COMMUNICATION[phase] or not predicted_s or not measured_s:
+        return None
+    return measured_s / predicted_s - 1
+
+
+def _signed(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:+.0%}"
+
+
 def _percent(error: float | None, excluded: str | None = None) -> str:
     if error is None:
         return "-"
@@ -492,8 +525,17 @@ def display_rows(dicts: Sequence[dict]) -> list[dict]:
     return [{"strategy": d["strategy"], "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
              "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "spread": _plus_minus(d.get("spread")),
              "predicted": d["predicted_samples_per_s"],
-             "error": _percent(d["error"], d["excluded_from_target"]), "speedup": d["speedup"],
+             "error": _percent(d["error"], d["excluded_from_target"]),
+             "forward": _signed(d.get("forward_vs_predicted")), "backward": _signed(d.get("backward_vs_predicted")),
+             "speedup": d["speedup"],
              "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+
+
+def _drift_said(d: dict) -> str:
+    """'; in the step recorded for its timeline its forward passes took 4% longer ... than simulated', or ''."""
+    said = [f"{phase} passes took {abs(x):.0%} {'longer' if x >= 0 else 'less time'}" for phase in PHASES
+            if (x := d.get(f"{phase}_vs_predicted")) is not None]
+    return f"; in the step recorded for its timeline its {' and '.join(said)} than simulated" if said else ""
 
 
 def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
@@ -506,7 +548,7 @@ def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
         elif d.get("error") is not None and abs(d["error"]) > TARGET:
             spread = d.get("spread")
             noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
-            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise})")
+            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
     return out
 
 
@@ -523,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a smaller model (hidden 256, 4 blocks, batch 16), one micro-batch count, "
-                             "2 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
+                             "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
                              "is predicted (45-100 s on a 2-core CPU; the default run takes 4-12 minutes there)")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
     parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
@@ -558,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
         shown = [{**r, "predicted": r.get("predicted_samples_per_s"), "spread": _plus_minus(r.get("spread")),
+                  **{phase: _signed(r.get(f"{phase}_vs_predicted")) for phase in PHASES},
                   "error": _percent(r.get("error"), r.get("excluded_from_target"))} for r in extra_rows]
         print(f"\n{name}:\n" + table(shown, EXTRA_COLUMNS[name]))
     print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
@@ -643,10 +686,10 @@ def calibration_record(rig_model, calibrated: dict) -> dict:
 
 
 EXTRA_COLUMNS = {
-    "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "speedup", "busy",
-               "predicted slowest/mean"],
-    "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "step vs none",
-                      "activations"],
+    "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "forward",
+               "backward", "speedup", "busy", "predicted slowest/mean"],
+    "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
+                      "step vs none", "activations"],
 }
 EXTRA_LEGEND = """\
 splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
@@ -668,16 +711,19 @@ def training_curve(run: PipelineRun, data, steps: int, batch: int) -> list[float
 
 def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict, workload, batch: int, m: int,
                       rig_model, checkpoints: Sequence[Sequence[int]] | None = None) -> None:
-    """Add predicted samples/s and the error to `run_rows` rows of threaded GPipe runs."""
+    """Add predicted samples/s, the error and the compute's drift (`compute_drift`) to `run_rows` rows of threaded
+    GPipe runs."""
     from helpers.simulate import Job, simulate
 
     for i, (row, run) in enumerate(zip(rows, runs)):
         job = Job("gpipe", batch, microbatches=m, stages=2, cut=tuple(run.boundaries),
                   checkpoint=tuple(checkpoints[i]) if checkpoints else False)
-        step = simulate(workload, job, rig_model.threads_link, cores=rig_model.thread_cores).step_s
-        step += _caller_seconds(run)
+        sim = simulate(workload, job, rig_model.threads_link, cores=rig_model.thread_cores)
+        step = sim.step_s + _caller_seconds(run)
         row["predicted_samples_per_s"] = batch / step
         row["error"] = times[run.name] / step - 1
+        row.update({f"{phase}_vs_predicted": compute_drift("gpipe", phase, run.events, phase_seconds(sim.events))
+                    for phase in PHASES})
         row["excluded_from_target"] = None
 
 

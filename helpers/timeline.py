@@ -124,6 +124,11 @@ def makespan(events: Iterable[Event]) -> float:
     return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
 
 
+def seconds_of(events: Iterable[Event], kinds: set[str]) -> float:
+    """Total duration of the events of `kinds`, summed over devices (nested spans of one kind count twice)."""
+    return sum(e.duration for e in events if e.kind in kinds)
+
+
 def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -> dict[int, float]:
     """Per device: time spent computing (merged spans of `busy_kinds`, by default the compute kinds: waiting for a
     message is not work) / the whole makespan."""

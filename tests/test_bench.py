@@ -148,3 +148,28 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     pngs = list(tmp_path.glob("timeline_*.png"))
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
+
+
+def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
+    from helpers.bench import compute_drift
+    from helpers.timeline import Event
+
+    work = Workload.from_lists([F] * 4, [B] * 4)
+    measured = [Event(d, "forward", 0.0, 1.5) for d in (0, 1)] + [Event(d, "backward", 2.0, 18.0) for d in (0, 1)]
+    measured.append(Event(0, "recv", 0.0, 9.0))  # waiting is neither phase
+    r = BenchRow("naive", "ours", "processes", 1, 40.0, measured, [0, 0])
+    predict_row(r, work, rig_model(), BATCH, cut=[2])
+    # both stages' forward and backward, one micro-batch of the whole batch
+    assert r.predicted_phase_s == {"forward": BATCH * 4 * F, "backward": BATCH * 4 * B}
+    d = r.as_dict(BATCH, 2.0)
+    assert d["forward_vs_predicted"] == pytest.approx(3.0 / 16.0 - 1)
+    assert d["backward_vs_predicted"] == pytest.approx(32.0 / 32.0 - 1)
+    assert (display_rows([d])[0]["forward"], display_rows([d])[0]["backward"]) == ("-81%", "+0%")
+    r.predicted_s = 1.0  # a miss says how long its passes took against the simulation
+    assert ("its forward passes took 81% less time and backward passes took 0% longer than simulated"
+            in misses([r.as_dict(BATCH, 2.0)])[0])
+    # DDP's backward spans hold the all-reduce hook, FSDP2's spans its gathers: not comparable
+    assert compute_drift("ddp", "forward", measured, r.predicted_phase_s) == pytest.approx(3.0 / 16.0 - 1)
+    assert compute_drift("ddp", "backward", measured, r.predicted_phase_s) is None
+    assert compute_drift("fsdp2", "forward", measured, r.predicted_phase_s) is None
+    assert compute_drift("gpipe", "forward", [], r.predicted_phase_s) is None
