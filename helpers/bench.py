@@ -16,7 +16,7 @@ from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline
-from helpers.timeline import Event, busy_fraction, seconds_of
+from helpers.timeline import PHASES, Event, busy_fraction, median_phases, phase_seconds
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,6 +46,7 @@ class PipelineRun:
     boundaries: tuple[int, ...]
     optimizer: torch.optim.Optimizer | None = None
     events: list[Event] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)  # each timed step's `phase_seconds`
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.optimizer is not None:
@@ -70,11 +71,18 @@ def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], de
 
 
 def time_pipeline_runs(runs: Sequence[PipelineRun], x: torch.Tensor, y: torch.Tensor, repeats: int = 5,
-                       extra: dict[str, Callable[[], object]] | None = None, progress: bool = True) -> Timings:
-    """Median step seconds of each run (and of any `extra` callables), timed in interleaved rounds; then one
-    recorded step per run fills its `events` and its ledger's activation peaks."""
-    fns = {r.name: (lambda r=r: r.step(x, y)) for r in runs}
-    times = interleaved_medians({**(extra or {}), **fns}, repeats, progress=progress)
+                       extra: dict[str, Callable[[], object]] | None = None, progress: bool = True,
+                       after: dict[str, Callable[[], object]] | None = None) -> Timings:
+    """Median step seconds of each run (and of any `extra` callables, `after` hooks as `interleaved_medians`'),
+    timed in interleaved rounds, each run's timed steps' `phases` read from its timeline; then one recorded step per
+    run fills its `events` and its ledger's activation peaks."""
+    def fresh_step(r: PipelineRun) -> None:
+        r.pipeline.clear_events()
+        r.step(x, y)
+
+    fns = {r.name: (lambda r=r: fresh_step(r)) for r in runs}
+    reads = {r.name: (lambda r=r: r.phases.append(phase_seconds(r.pipeline.events()))) for r in runs}
+    times = interleaved_medians({**(extra or {}), **fns}, repeats, progress=progress, after={**(after or {}), **reads})
     for r in runs:
         r.pipeline.clear_events()
         r.ledger.reset_peaks()
@@ -135,6 +143,7 @@ class BenchRow:
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
     predicted_phase_s: dict[str, float] = field(default_factory=dict)  # simulated forward / backward seconds
+    measured_phase_s: dict[str, float] = field(default_factory=dict)  # their median over the timed steps
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -143,8 +152,8 @@ class BenchRow:
                 "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
                 "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
                 "excluded_from_target": self.excluded, "spread": self.spread,
-                **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.events, self.predicted_phase_s)
-                   for phase in PHASES},
+                **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
+                                                          self.predicted_phase_s) for phase in PHASES},
                 "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
@@ -173,8 +182,8 @@ predicted    the simulator's samples/s for the same row (helpers.simulate), cali
              compute when both are busy (threads and processes share the cores fairly: processor sharing)
 error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
 forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
-             simulator's, summed over devices, in the one step recorded for its timeline: how fast the machine
-             computed during that row against the calibration. An error close to them is that speed; an error well
+             simulator's, summed over devices, in the median timed step (every launch's, for processes): how fast
+             the machine computed during that row against the calibration. An error close to them is that speed; an error well
              beyond them is in what else the step does (waiting for messages and collectives). '-' where the spans
              include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and backward
 speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
@@ -239,6 +248,7 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     adam = torch.optim.Adam(adam_model.parameters(), lr=1e-3)
 
     def one_device_step(m: nn.Module = model):
+        rec.clear()
         m.zero_grad(set_to_none=False)
         with rec.span("forward", 0):
             loss = loss_fn(m(x), y)
@@ -249,19 +259,20 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
         one_device_step(adam_model)
         adam.step()
 
+    phases: dict[str, list[dict[str, float]]] = {"single": [], "single_adam": []}
     times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device_step,
                                                                "single_adam": one_device_adam_step, **(extra or {})},
-                               progress=bool(progress and progress.bars))
+                               progress=bool(progress and progress.bars),
+                               after={k: (lambda k=k: phases[k].append(phase_seconds(rec.events()))) for k in phases})
     peak = measure_step_memory(model, x, y, loss_fn, torch.optim.SGD(model.parameters(), lr=0.0)).activations
-    rec.clear()
     one_device_step()
     events = rec.events()
     zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
     return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s,
-                            spread=times.spread("single")),
+                            spread=times.spread("single"), measured_phase_s=median_phases(phases["single"])),
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
                             optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
-                            spread=times.spread("single_adam"))]
+                            spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))]
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -297,7 +308,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
-                             spread=times.spread(r.name)))
+                             spread=times.spread(r.name), measured_phase_s=median_phases(r.phases)))
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
@@ -308,22 +319,35 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
                                                steps=config.steps), rig)) for j in jobs},
         config.rounds, "process pipelines", progress,
         between=(lambda j: timer.sample(config.batch // j[3])) if timer else None)
-    for (strategy, engine, _, m, _), (step_s, spread, res) in results.items():
-        rows.append(BenchRow(strategy, engine, "processes", m, step_s, res.events, res.peak_activations,
-                             spread=spread))
+    for (strategy, engine, _, m, _), got in results.items():
+        rows.append(BenchRow(strategy, engine, "processes", m, got.step_s, got.last.events,
+                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s))
     return rows + data_parallel_rows(config, rig, progress, timer)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A multi-process job's launches taken together: over every launch's timed steps, the median step time, its
+    `relative_spread` and the median seconds of each phase (`median_phases`); the last launch's result (its
+    timeline and memory)."""
+
+    step_s: float
+    spread: float
+    phase_s: dict[str, float]
+    last: object
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   between: Callable | None = None) -> dict:
     """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
-    {key: (median step time pooled over all rounds, its `relative_spread`, the last round's result)}.
-    `between(key)` runs before each launch (the bench times its calibration there)."""
+    {key: `Pooled`} (each launch returns a `TrainResult`). `between(key)` runs before each launch (the bench times
+    its calibration there)."""
     import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase(f"{desc}: {len(launches)} jobs x {rounds} round(s), one launch each")
-    pooled: dict = {k: [] for k in launches}
+    steps: dict = {k: [] for k in launches}
+    phases: dict = {k: [] for k in launches}
     last: dict = {}
     bar = progress.bar(rounds * len(launches), desc)
     for _ in range(rounds):
@@ -331,10 +355,12 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
             if between is not None:
                 between(key)
             last[key] = launch()
-            pooled[key].extend(last[key].step_times)
+            steps[key].extend(last[key].step_times)
+            phases[key].extend(last[key].phase_times)
             bar.update()
     bar.close()
-    return {k: (statistics.median(pooled[k]), relative_spread(pooled[k]), last[k]) for k in launches}
+    return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k])
+            for k in launches}
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
@@ -352,19 +378,19 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
     results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in ("ddp", "zero1", "fsdp2")},
                             config.rounds, "data parallel", progress,
                             between=(lambda _: timer.sample(config.batch // 2)) if timer else None)
-    for strategy, (step_s, spread, res) in results.items():
-        rows.append(BenchRow(strategy, "torch", "processes", None, step_s, res.events,
-                             [m.activations for m in res.memory], optimizer="adam", reference="single_adam",
-                             spread=spread))
+    for strategy, got in results.items():
+        rows.append(BenchRow(strategy, "torch", "processes", None, got.step_s, got.last.events,
+                             [m.activations for m in got.last.memory], optimizer="adam", reference="single_adam",
+                             spread=got.spread, measured_phase_s=got.phase_s))
     if rig.is_cpu or torch.cuda.device_count() >= 4:
         m = DP_X_PP_MICROBATCHES(config)
         results = run_in_rounds({"dp_x_pp": lambda: run_training(
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
             rig, oversubscribe=rig.is_cpu)}, config.rounds, "DP x PP", progress,
             between=(lambda _: timer.sample(config.batch // 2 // m)) if timer else None)
-        step_s, spread, res = results["dp_x_pp"]
-        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, step_s, res.events, res.peak_activations,
-                             spread=spread))
+        got = results["dp_x_pp"]
+        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
+                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s))
     return rows
 
 
@@ -487,20 +513,15 @@ def timeline_name(row: BenchRow) -> str:
     return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
 
 
-PHASES = {"forward": {"forward"}, "backward": {"backward", "recompute"}}  # the timeline kinds of each phase
 # strategies whose recorded spans of a phase include communication, which the simulator keeps apart
 SPANS_INCLUDE_COMMUNICATION = {"forward": {"fsdp2"}, "backward": {"ddp", "zero1", "fsdp2"}}
 
 
-def phase_seconds(events: Sequence[Event]) -> dict[str, float]:
-    """Seconds spent in each of `PHASES`, summed over devices."""
-    return {phase: seconds_of(events, kinds) for phase, kinds in PHASES.items()}
-
-
-def compute_drift(strategy: str, phase: str, measured: Sequence[Event], predicted: dict[str, float]) -> float | None:
-    """How much longer `measured`'s spans of `phase` took than the simulator's (`predicted`: `phase_seconds` of the
-    simulated step), or None where they are not comparable (`SPANS_INCLUDE_COMMUNICATION`) or missing."""
-    measured_s, predicted_s = seconds_of(measured, PHASES[phase]), predicted.get(phase)
+def compute_drift(strategy: str, phase: str, measured: dict[str, float], predicted: dict[str, float]) -> float | None:
+    """How much longer the measured spans of `phase` took than the simulator's (each a `phase_seconds`: `measured`
+    the median timed step's, `predicted` the simulated step's), or None where they are not comparable
+    (`SPANS_INCLUDE_COMMUNICATION`) or missing."""
+    measured_s, predicted_s = measured.get(phase), predicted.get(phase)
     if strategy in SPANS_INCLUDE_COMMUNICATION[phase] or not predicted_s or not measured_s:
         return None
     return measured_s / predicted_s - 1
@@ -532,10 +553,10 @@ def display_rows(dicts: Sequence[dict]) -> list[dict]:
 
 
 def _drift_said(d: dict) -> str:
-    """'; in the step recorded for its timeline its forward passes took 4% longer ... than simulated', or ''."""
+    """'; in its median step its forward passes took 4% longer ... than simulated', or ''."""
     said = [f"{phase} passes took {abs(x):.0%} {'longer' if x >= 0 else 'less time'}" for phase in PHASES
             if (x := d.get(f"{phase}_vs_predicted")) is not None]
-    return f"; in the step recorded for its timeline its {' and '.join(said)} than simulated" if said else ""
+    return f"; in its median step its {' and '.join(said)} than simulated" if said else ""
 
 
 def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
@@ -722,8 +743,8 @@ def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict
         step = sim.step_s + _caller_seconds(run)
         row["predicted_samples_per_s"] = batch / step
         row["error"] = times[run.name] / step - 1
-        row.update({f"{phase}_vs_predicted": compute_drift("gpipe", phase, run.events, phase_seconds(sim.events))
-                    for phase in PHASES})
+        row.update({f"{phase}_vs_predicted": compute_drift("gpipe", phase, median_phases(run.phases),
+                                                           phase_seconds(sim.events)) for phase in PHASES})
         row["excluded_from_target"] = None
 
 

@@ -44,9 +44,10 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
-                        progress: bool = False) -> Timings:
+                        progress: bool = False, after: dict[str, Callable[[], object]] | None = None) -> Timings:
     """Median seconds per call of each function, timed round-robin: a, b, c, a, b, c, ... (a `Timings`: a dict of
-    medians that keeps the samples)."""
+    medians that keeps the samples). `after[name]` runs after each timed call of `fns[name]`, outside its timing
+    (e.g. to read the timeline that call recorded; not after the warm-up calls)."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     for fn in fns.values():
@@ -65,4 +66,6 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, 
             fn()
             _sync()
             times[name].append(time.perf_counter() - t0)
+            if after and name in after:
+                after[name]()
     return Timings(times)

@@ -5,10 +5,11 @@ it) or, on GPUs, with CUDA events resolved after a synchronise. One function dra
 """
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -127,6 +128,21 @@ def makespan(events: Iterable[Event]) -> float:
 def seconds_of(events: Iterable[Event], kinds: set[str]) -> float:
     """Total duration of the events of `kinds`, summed over devices (nested spans of one kind count twice)."""
     return sum(e.duration for e in events if e.kind in kinds)
+
+
+PHASES = {"forward": {"forward"}, "backward": {"backward", "recompute"}}  # the timeline kinds of each phase
+
+
+def phase_seconds(events: Iterable[Event]) -> dict[str, float]:
+    """Seconds spent in each of `PHASES`, summed over devices."""
+    events = list(events)
+    return {phase: seconds_of(events, kinds) for phase, kinds in PHASES.items()}
+
+
+def median_phases(steps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the median over steps of `phase_seconds` (one dict per step): the typical step, not the one
+    recorded for a timeline, which on a shared machine can be 20% off either way."""
+    return {phase: statistics.median(s[phase] for s in steps) for phase in PHASES} if steps else {}
 
 
 def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -> dict[int, float]:

@@ -98,8 +98,11 @@ def test_timings_keep_their_samples_and_the_spread_is_half_the_interquartile_ran
     t = Timings({"a": [3.0, 1.0, 2.0]})
     assert t == {"a": 2.0} and t.samples["a"] == [3.0, 1.0, 2.0]
     assert t.spread("a") == pytest.approx(relative_spread([3.0, 1.0, 2.0]))
-    timed = interleaved_medians({"x": lambda: None, "y": lambda: None}, repeats=3)
+    seen = []
+    timed = interleaved_medians({"x": lambda: seen.append("x"), "y": lambda: None}, repeats=3,
+                                after={"x": lambda: seen.append("read")})
     assert set(timed) == {"x", "y"} and all(len(v) == 3 for v in timed.samples.values())
+    assert seen == ["x"] + ["x", "read"] * 3  # after each timed call, not after the warm-up
 
 
 def test_a_miss_is_printed_with_the_noise_of_its_measurement():
@@ -141,6 +144,8 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
             ("1f1b", "torch"), ("ddp", "torch"), ("zero1", "torch"), ("fsdp2", "torch")} <= strategies
     for r in data["rows"] + data["splits"] + data["checkpointing"]:
         assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
+        if r.get("strategy") not in ("ddp", "zero1", "fsdp2"):  # threads, processes, one thread: a drift each
+            assert r["forward_vs_predicted"] is not None and r["backward_vs_predicted"] is not None
     for r in data["rows"]:
         assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "peak_activation_bytes"} <= set(r)
         assert r["samples_per_s"] > 0
@@ -152,12 +157,16 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
     from helpers.bench import compute_drift
-    from helpers.timeline import Event
+    from helpers.timeline import Event, median_phases, phase_seconds
 
     work = Workload.from_lists([F] * 4, [B] * 4)
-    measured = [Event(d, "forward", 0.0, 1.5) for d in (0, 1)] + [Event(d, "backward", 2.0, 18.0) for d in (0, 1)]
-    measured.append(Event(0, "recv", 0.0, 9.0))  # waiting is neither phase
-    r = BenchRow("naive", "ours", "processes", 1, 40.0, measured, [0, 0])
+    step = [Event(d, "forward", 0.0, 1.5) for d in (0, 1)] + [Event(d, "backward", 2.0, 18.0) for d in (0, 1)]
+    step.append(Event(0, "recv", 0.0, 9.0))  # waiting is neither phase
+    slow = [Event(d, "forward", 0.0, 30.0) for d in (0, 1)] + [Event(d, "backward", 30.0, 90.0) for d in (0, 1)]
+    # the median timed step, phase by phase: one slow step among three does not move it
+    measured = median_phases([phase_seconds(step), phase_seconds(slow), phase_seconds(step)])
+    assert measured == {"forward": 3.0, "backward": 32.0} and median_phases([]) == {}
+    r = BenchRow("naive", "ours", "processes", 1, 40.0, step, [0, 0], measured_phase_s=measured)
     predict_row(r, work, rig_model(), BATCH, cut=[2])
     # both stages' forward and backward, one micro-batch of the whole batch
     assert r.predicted_phase_s == {"forward": BATCH * 4 * F, "backward": BATCH * 4 * B}
@@ -172,4 +181,4 @@ def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones()
     assert compute_drift("ddp", "forward", measured, r.predicted_phase_s) == pytest.approx(3.0 / 16.0 - 1)
     assert compute_drift("ddp", "backward", measured, r.predicted_phase_s) is None
     assert compute_drift("fsdp2", "forward", measured, r.predicted_phase_s) is None
-    assert compute_drift("gpipe", "forward", [], r.predicted_phase_s) is None
+    assert compute_drift("gpipe", "forward", {}, r.predicted_phase_s) is None

@@ -43,6 +43,9 @@ def test_pipelines_equal_one_device(kw, reference):
     assert max_grad_diff(grads, res.grads) <= 1e-5
     assert {e.device for e in res.events} == {0, 1}
     assert sum(e.kind == "forward" for e in res.events) == 2 * kw["microbatches"]
+    # every timed step's forward and backward seconds, both ranks together (the bench's drift columns)
+    assert len(res.phase_times) == len(res.step_times) == 1
+    assert 0 < res.phase_times[0]["forward"] < res.step_times[0] * 2
     assert all(p > 0 for p in res.peak_activations)
     if kw.get("overlap", True):
         assert not any(e.kind == "send" for e in res.events), "overlapped sends never block"

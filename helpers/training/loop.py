@@ -3,7 +3,8 @@
 A rank: lays the world out on a (dp, pp) DeviceMesh, builds only what it owns (its stage; FSDP2: its shards) from
 the meta device, applies the job's strategies (helpers.training.strategies), then runs the same loop for all of
 them: warm-up step (its gradients are the parity check, its state the memory report), timed steps (synchronised,
-each the slowest rank's), one recorded step (timeline and activation peak).
+each the slowest rank's, with the seconds each rank spent in forward and backward), one recorded step (timeline and
+activation peak).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Autocast, make_scaler
 from helpers.runtime.launch import rank_device, run
 from helpers.runtime.rig import Rig
-from helpers.timeline import Event, Recorder, gather_events
+from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.job import TrainJob, check_job
 from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
                                          sum_replica_grads, tied_copies)
@@ -37,6 +38,7 @@ class TrainResult:
     loss: float  # the global batch's loss at the first step: comparable with one device's
     step_s: float  # median over steps of the slowest rank's step time
     step_times: list[float]  # every timed step (slowest rank), for pooling rounds
+    phase_times: list[dict[str, float]]  # every timed step's `phase_seconds`, summed over ranks
     events: list[Event]  # every rank's timeline of the last step; device = global rank
     memory: list[DeviceMemory]  # per rank: state after a step, activations at their peak
     grads: list[torch.Tensor] = field(default_factory=list)  # first step, whole model, parameters() order
@@ -54,9 +56,10 @@ def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe:
     check_job(job, rig, oversubscribe)
     parts = run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe)
     per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
+    phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
     replica0 = sorted((p for p in parts if p["dp"] == 0), key=lambda p: p["pp"])
     return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
-                       events=parts[0]["events"], memory=[p["memory"] for p in parts],
+                       phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for p in replica0 for g in p["grads"]], cuda_peak=[p["cuda_peak"] for p in parts],
                        losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()})
 
@@ -236,10 +239,10 @@ def train_worker(job: TrainJob) -> dict:
         raise ValueError(f"a {job.dp} x {job.pp} mesh has {job.world} devices but the world has "
                          f"{dist.get_world_size()} ranks")
     r = _Rank(job)
-    times, grads, losses, memory = [], [], [], DeviceMemory()
+    times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
     for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
+        r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
         if i == job.steps + 1:
-            r.rec.clear()
             r.ledger.reset_peaks()
             if r.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(r.device)
@@ -254,6 +257,7 @@ def train_worker(job: TrainJob) -> dict:
         _synchronize(r.device)
         if 0 < i <= job.steps:
             times.append(time.perf_counter() - t0)
+            phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
         dist.all_reduce(total)
         losses.append(total.item() / r.batch.normalizer)
@@ -262,7 +266,7 @@ def train_worker(job: TrainJob) -> dict:
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
     state = _trained_state(r.module, r.layers_range[0]) if job.return_state else {}
-    return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "memory": memory,
+    return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
             "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}}
 
