@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -144,6 +144,9 @@ class BenchRow:
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
     predicted_phase_s: dict[str, float] = field(default_factory=dict)  # simulated forward / backward seconds
     measured_phase_s: dict[str, float] = field(default_factory=dict)  # their median over the timed steps
+    # the whole-model samples this row's prediction is calibrated from (a WholeModelTimer key; None: the run's)
+    calibration_key: Hashable | None = None
+    whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -154,7 +157,7 @@ class BenchRow:
                 "excluded_from_target": self.excluded, "spread": self.spread,
                 **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
                                                           self.predicted_phase_s) for phase in PHASES},
-                "speedup": reference_s / self.step_s,
+                "whole_model_s": self.whole_model_s, "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
 
@@ -176,7 +179,8 @@ spread       the noise of that median: half the interquartile range of the step 
              one run to show. With one launch per job (--quick) it cannot show how launches a minute apart differ:
              up to 26% on the 2-core CPU rig (the same DDP job, three launches in a row)
 predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
-             at the row's micro-batch size rescaled to the whole model's measured time per micro-batch, the measured
+             at the row's micro-batch size rescaled to the whole model's time per micro-batch measured with that row
+             (same interleaved rounds; multi-process rows: just before and after each launch), the measured
              optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
              reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
              compute when both are busy (threads and processes share the cores fairly: processor sharing)
@@ -283,11 +287,15 @@ def _caller_seconds(run: PipelineRun) -> float:
     return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
 
 
+THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
+
+
 def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
     """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
     in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B. With `timer`
     (a `helpers.simulate.calibrate.WholeModelTimer` of the same model), the whole model is timed at each row's
-    micro-batch size in the same interleaved rounds and between the launches, for the predictions."""
+    micro-batch size in the same interleaved rounds (threads) and around each launch (processes), each row's samples
+    kept under its `calibration_key`, for the predictions."""
     from helpers.models import SyntheticTokens, build_stack
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
@@ -303,12 +311,15 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, s, m) for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.steps} interleaved repeats")
     sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
-    samplers = {f"calibration: whole model, micro-batch {b}": timer.sampler(b) for b in sizes} if timer else {}
+    samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
+                if timer else {})
     times, rows = _single_row(model, x, y, lm_loss, config.steps, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
                              spread=times.spread(r.name), measured_phase_s=median_phases(r.phases)))
+    for row in rows:  # one device and the threaded pipelines: timed in the same rounds as the samplers
+        row.calibration_key = THREADS_KEY
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
@@ -318,10 +329,12 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
                                                microbatches=j[3], batch=config.batch, engine=j[1], overlap=j[4],
                                                steps=config.steps), rig)) for j in jobs},
         config.rounds, "process pipelines", progress,
-        between=(lambda j: timer.sample(config.batch // j[3])) if timer else None)
-    for (strategy, engine, _, m, _), got in results.items():
+        around=(lambda j: timer.sample(config.batch // j[3], j)) if timer else None)
+    for j, got in results.items():
+        strategy, engine, _, m, _ = j
         rows.append(BenchRow(strategy, engine, "processes", m, got.step_s, got.last.events,
-                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s))
+                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
+                             calibration_key=j))
     return rows + data_parallel_rows(config, rig, progress, timer)
 
 
@@ -338,10 +351,10 @@ class Pooled:
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
-                  between: Callable | None = None) -> dict:
+                  around: Callable | None = None) -> dict:
     """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
-    {key: `Pooled`} (each launch returns a `TrainResult`). `between(key)` runs before each launch (the bench times
-    its calibration there)."""
+    {key: `Pooled`} (each launch returns a `TrainResult`). `around(key)` runs just before and just after each
+    launch (the bench times its calibration there, so each row's sees the minutes the row ran)."""
     import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
@@ -352,9 +365,11 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     bar = progress.bar(rounds * len(launches), desc)
     for _ in range(rounds):
         for key, launch in launches.items():
-            if between is not None:
-                between(key)
+            if around is not None:
+                around(key)
             last[key] = launch()
+            if around is not None:
+                around(key)
             steps[key].extend(last[key].step_times)
             phases[key].extend(last[key].phase_times)
             bar.update()
@@ -368,7 +383,7 @@ DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2) 
 
 def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
     """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP; with
-    `timer`, the whole model timed at each job's micro-batch size before its launches."""
+    `timer`, the whole model timed at each job's micro-batch size around its launches."""
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
@@ -377,20 +392,21 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
                                 optimizer="adam")
     results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in ("ddp", "zero1", "fsdp2")},
                             config.rounds, "data parallel", progress,
-                            between=(lambda _: timer.sample(config.batch // 2)) if timer else None)
+                            around=(lambda s: timer.sample(config.batch // 2, s)) if timer else None)
     for strategy, got in results.items():
         rows.append(BenchRow(strategy, "torch", "processes", None, got.step_s, got.last.events,
                              [m.activations for m in got.last.memory], optimizer="adam", reference="single_adam",
-                             spread=got.spread, measured_phase_s=got.phase_s))
+                             spread=got.spread, measured_phase_s=got.phase_s, calibration_key=strategy))
     if rig.is_cpu or torch.cuda.device_count() >= 4:
         m = DP_X_PP_MICROBATCHES(config)
         results = run_in_rounds({"dp_x_pp": lambda: run_training(
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
             rig, oversubscribe=rig.is_cpu)}, config.rounds, "DP x PP", progress,
-            between=(lambda _: timer.sample(config.batch // 2 // m)) if timer else None)
+            around=(lambda k: timer.sample(config.batch // 2 // m, k)) if timer else None)
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
-                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s))
+                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
+                             calibration_key="dp_x_pp"))
     return rows
 
 
@@ -451,7 +467,8 @@ def calibrate(model: nn.Module, x, y, sizes: Sequence[int], progress: Progress, 
 def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, progress: Progress,
                  timer=None) -> dict:
     """Give every row its predicted step time, from this run's per-layer profiles (one per micro-batch size the rows
-    use), link fits and core sharing; returns the calibrations by micro-batch size."""
+    use), each rescaled to the whole model's time sampled with the row (`timer`, under its `calibration_key`), link
+    fits and core sharing; returns the calibrations by micro-batch size (rescaled to all of `timer`'s samples)."""
     from helpers.models import SyntheticTokens, build_stack
 
     model = build_stack(config.cfg).to(rig.devices[0])
@@ -462,7 +479,12 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
     calibrated = calibrate(model, x, y, sizes, progress, timer=timer)
     adam_s = next((r.optimizer_s for r in rows if r.strategy == "single_adam"), 0.0)
     for row in rows:
-        workload = calibrated[microbatch_size(row, config.batch)].workload
+        size = microbatch_size(row, config.batch)
+        workload, row.whole_model_s = calibrated[size].workload, (calibrated[size].forward_s,
+                                                                  calibrated[size].backward_s)
+        if timer is not None and row.calibration_key is not None:
+            row.whole_model_s = timer.seconds(size, row.calibration_key)
+            workload = workload.rescaled(*(t / size for t in row.whole_model_s))
         predict_row(row, workload, rig_model, config.batch, [len(model) // 2], adam_s)
         if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
             from helpers.simulate import simulate

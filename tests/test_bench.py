@@ -149,6 +149,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     for r in data["rows"]:
         assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "peak_activation_bytes"} <= set(r)
         assert r["samples_per_s"] > 0
+        assert len(r["whole_model_s"]) == 2 and min(r["whole_model_s"]) > 0  # the calibration timed with the row
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
@@ -182,3 +183,22 @@ def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones()
     assert compute_drift("ddp", "backward", measured, r.predicted_phase_s) is None
     assert compute_drift("fsdp2", "forward", measured, r.predicted_phase_s) is None
     assert compute_drift("gpipe", "forward", {}, r.predicted_phase_s) is None
+
+
+def test_a_rows_calibration_is_the_whole_model_timed_with_that_row():
+    """Samples taken under a key calibrate that key's row alone; a key without samples falls back to all of them."""
+    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    cfg = StackConfig(hidden=32, n_blocks=1, seq_len=8, vocab=32)
+    x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)
+    timer = WholeModelTimer(build_stack(cfg), x, y, lm_loss)
+    assert timer.seconds(2) is None
+    timer.sample(2, key="ddp")
+    timer.sample(2)
+    timer.samples[2][:] = [(1.0, 2.0), (3.0, 6.0)]  # the clock's readings, made exact
+    timer.keyed[("ddp", 2)][:] = [(1.0, 2.0)]
+    assert timer.seconds(2, "ddp") == (1.0, 2.0)
+    assert timer.seconds(2) == timer.seconds(2, "zero1") == (2.0, 4.0)
+    with pytest.raises(ValueError, match="between 1 and the 4 samples"):
+        timer.sample(8)

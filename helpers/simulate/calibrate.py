@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -89,14 +89,19 @@ def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
 class WholeModelTimer:
     """The whole model's forward and backward at micro-batch sizes, timed one micro-batch at a time whenever asked:
     between the measurements a calibration is for, so that both see the same machine (a shared or virtual machine's
-    speed drifts by several percent over minutes; measured on the course's CPU rig)."""
+    speed drifts by several percent over minutes; measured on the course's CPU rig). A sample taken with a `key`
+    also counts for that key alone: e.g. the samples around one bench row's launches, which calibrate that row for
+    the minutes it ran (on the course's CPU rig the same forward and backward took a median 1.30 s over one
+    half-minute and 1.13 s a minute later)."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
         self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
         self.samples: dict[int, list[tuple[float, float]]] = {}
+        self.keyed: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
 
-    def sample(self, microbatch: int) -> None:
-        """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches)."""
+    def sample(self, microbatch: int, key: Hashable | None = None) -> None:
+        """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
+        with `key`, also kept as one of that key's samples."""
         if not 1 <= microbatch <= self.x.shape[0]:
             raise ValueError(f"micro-batch {microbatch} must be between 1 and the {self.x.shape[0]} samples given")
         xb, yb, device = self.x[:microbatch], self.y[:microbatch], self.x.device
@@ -110,14 +115,19 @@ class WholeModelTimer:
         t1 = time.perf_counter()
         loss.backward()
         _sync(device)
-        self.samples[microbatch].append((t1 - t0, time.perf_counter() - t1))
+        timed = (t1 - t0, time.perf_counter() - t1)
+        self.samples[microbatch].append(timed)
+        if key is not None:
+            self.keyed.setdefault((key, microbatch), []).append(timed)
 
-    def sampler(self, microbatch: int) -> Callable[[], None]:
-        return lambda: self.sample(microbatch)
+    def sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
+        return lambda: self.sample(microbatch, key)
 
-    def seconds(self, microbatch: int) -> tuple[float, float] | None:
-        """Median forward and backward seconds at `microbatch`, or None before any sample."""
-        got = self.samples.get(microbatch)
+    def seconds(self, microbatch: int, key: Hashable | None = None) -> tuple[float, float] | None:
+        """Median forward and backward seconds at `microbatch` (of `key`'s samples, where it has any; otherwise
+        of all), or None before any sample."""
+        got = self.keyed.get((key, microbatch)) if key is not None else None
+        got = got or self.samples.get(microbatch)
         if not got:
             return None
         return statistics.median(f for f, _ in got), statistics.median(b for _, b in got)
