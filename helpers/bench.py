@@ -187,9 +187,10 @@ predicted    the simulator's samples/s for the same row (helpers.simulate), cali
 error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
 forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
              simulator's, summed over devices, in the median timed step (every launch's, for processes): how fast
-             the machine computed during that row against the calibration. An error close to them is that speed; an error well
-             beyond them is in what else the step does (waiting for messages and collectives). '-' where the spans
-             include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and backward
+             the machine computed during that row against the calibration. An error close to them is that speed; an
+             error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
+             the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
+             backward
 speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
 peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
@@ -354,7 +355,7 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
                   around: Callable | None = None) -> dict:
     """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
     {key: `Pooled`} (each launch returns a `TrainResult`). `around(key)` runs just before and just after each
-    launch (the bench times its calibration there, so each row's sees the minutes the row ran)."""
+    launch (the bench times its calibration there, so each row's calibration sees the minutes it ran)."""
     import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
