@@ -16,6 +16,7 @@ from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline
+from helpers.runtime.rig import claim_cpu_device
 from helpers.timeline import PHASES, Event, busy_fraction, median_phases, phase_seconds
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -303,7 +304,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     if rig.is_cpu:
-        torch.set_num_threads(rig.threads_per_device)
+        claim_cpu_device(rig)
     model = build_stack(config.cfg).to(rig.devices[0])
     x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.runtime.rig import Rig, detect_rig
+from helpers.runtime.rig import Rig, claim_cpu_device, detect_rig
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -18,7 +18,7 @@ def setup(seed: int = 0, force_cpu: bool | None = None, quiet: bool = False) -> 
     torch.manual_seed(seed)
     rig = detect_rig(force_cpu=force_cpu)
     if rig.is_cpu:
-        torch.set_num_threads(rig.threads_per_device)  # one device's threads: the baseline every ratio uses
+        claim_cpu_device(rig)
     if not quiet:
         print(rig.describe())
         for line in rig.advice:

@@ -30,7 +30,7 @@ import torch
 from helpers.check import max_grad_diff
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.precision import Precision, max_relative_diff
-from helpers.runtime.rig import Rig, detect_rig
+from helpers.runtime.rig import Rig, claim_cpu_device, detect_rig
 from helpers.training.support import Support, support
 
 CFG = StackConfig(hidden=64, n_blocks=4, heads=2, seq_len=16, vocab=128)  # small: each check takes seconds
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     rig = detect_rig(force_cpu=ns.cpu or None)
     if rig.is_cpu:
-        torch.set_num_threads(rig.threads_per_device)
+        claim_cpu_device(rig)
     sizes = [2**k for k in range(12, 25, 2)] if rig.is_cpu else [2**k for k in range(12, 29, 2)]
     result = report(rig, sizes, ns.repeats)
     print_report(result)

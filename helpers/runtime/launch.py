@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, detect_rig
+from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig
 
 DEFAULT_TIMEOUT_S = 120.0
 GRACE_S = 5.0  # how long a rank may take to exit after SIGTERM before it is killed
@@ -123,7 +123,7 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     rig = rig or detect_rig()
     device = rank_device(rig)
     if rig.is_cpu:
-        torch.set_num_threads(rig.threads_per_device)
+        claim_cpu_device(rig)
     else:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
