@@ -148,6 +148,7 @@ class BenchRow:
     # the whole-model samples this row's prediction is calibrated from (a WholeModelTimer key; None: the run's)
     calibration_key: Hashable | None = None
     whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
+    core_slowdown: float | None = None  # threaded rows: the busy-core slowdown their prediction used
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -158,7 +159,8 @@ class BenchRow:
                 "excluded_from_target": self.excluded, "spread": self.spread,
                 **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
                                                           self.predicted_phase_s) for phase in PHASES},
-                "whole_model_s": self.whole_model_s, "speedup": reference_s / self.step_s,
+                "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown,
+                "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
 
@@ -184,7 +186,8 @@ predicted    the simulator's samples/s for the same row (helpers.simulate), cali
              (same interleaved rounds; multi-process rows: just before and after each launch), the measured
              optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
              reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
-             compute when both are busy (threads and processes share the cores fairly: processor sharing)
+             compute when both are busy (threads and processes share the cores fairly: processor sharing; for
+             threads, two copies of the model timed at once in the rows' own rounds)
 error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
 forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
              simulator's, summed over devices, in the median timed step (every launch's, for processes): how fast
@@ -315,6 +318,9 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
     samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
                 if timer else {})
+    if timer and rig.is_cpu:
+        samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
+                                                                                                       THREADS_KEY)
     times, rows = _single_row(model, x, y, lm_loss, config.steps, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
@@ -484,10 +490,14 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
         size = microbatch_size(row, config.batch)
         workload, row.whole_model_s = calibrated[size].workload, (calibrated[size].forward_s,
                                                                   calibrated[size].backward_s)
+        row_rig = rig_model
         if timer is not None and row.calibration_key is not None:
             row.whole_model_s = timer.seconds(size, row.calibration_key)
             workload = workload.rescaled(*(t / size for t in row.whole_model_s))
-        predict_row(row, workload, rig_model, config.batch, [len(model) // 2], adam_s)
+            if row.runner == "threads":
+                row_rig = rig_model.with_thread_slowdown(timer.slowdown(row.calibration_key))
+                row.core_slowdown = getattr(row_rig.thread_cores, "slowdown", None)
+        predict_row(row, workload, row_rig, config.batch, [len(model) // 2], adam_s)
         if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
             from helpers.simulate import simulate
 
@@ -641,6 +651,10 @@ def main(argv: list[str] | None = None) -> None:
                   "checkpointing": checkpoint_sweep_rows(rig, ns.quick, rig_model, progress)}
     load.stop()
     calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
+    timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
+                  **{name: extra_rows[0].get("core_slowdown") for name, extra_rows in extras.items() if extra_rows}}
+    calibration["summary"] += [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
+                               for name, s in timed_with.items() if s is not None]
     dicts = write_results(rows, config, rig, ns.out, extras, calibration)
     print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
@@ -770,6 +784,16 @@ def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict
         row.update({f"{phase}_vs_predicted": compute_drift("gpipe", phase, median_phases(run.phases),
                                                            phase_seconds(sim.events)) for phase in PHASES})
         row["excluded_from_target"] = None
+        row["core_slowdown"] = getattr(rig_model.thread_cores, "slowdown", None)
+
+
+def calibration_samplers(timer, microbatch: int, rig) -> dict[str, Callable[[], None]]:
+    """The calibration timed in the same interleaved rounds as a section's threaded runs: the whole model at
+    `microbatch`, and on the CPU rig two copies of it at once (the busy-core slowdown of those minutes)."""
+    if timer is None:
+        return {}
+    together = {"calibration: two copies at once": timer.together_sampler(microbatch)} if rig.is_cpu else {}
+    return {"calibration: whole model": timer.sampler(microbatch), **together}
 
 
 def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False) -> list[dict]:
@@ -794,7 +818,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
             for name, s in splits.items()]
 
     timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
-    calibration = {"calibration: whole model": timer.sampler(batch // m)} if timer else {}
+    calibration = calibration_samplers(timer, batch // m, rig)
     times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss),
                                                            **calibration}, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="one device")
@@ -805,7 +829,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
 
         fwd, bwd = timer.seconds(batch // m)
         workload = Workload.from_profile(prof).rescaled(fwd / (batch // m), bwd / (batch // m))
-        _predict_threaded(rows, runs, times, workload, batch, m, rig_model)
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()))
     return rows
 
 
@@ -830,14 +854,15 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
     from helpers.simulate.calibrate import WholeModelTimer, measure_workload
 
     timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
-    calibration = {"calibration: whole model": timer.sampler(batch // m)} if timer else {}
+    calibration = calibration_samplers(timer, batch // m, rig)
     times = time_pipeline_runs(runs, x, y, repeats, extra=calibration, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="none")
     for row in rows:
         row["step vs none"] = times[row["split"]] / times["none"]
     if rig_model is not None:
         workload = measure_workload(model, x, y, lm_loss, batch // m, repeats, whole=timer.seconds(batch // m)).workload
-        _predict_threaded(rows, runs, times, workload, batch, m, rig_model, list(variants.values()))
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()),
+                          list(variants.values()))
     return rows
 
 

@@ -150,6 +150,9 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "peak_activation_bytes"} <= set(r)
         assert r["samples_per_s"] > 0
         assert len(r["whole_model_s"]) == 2 and min(r["whole_model_s"]) > 0  # the calibration timed with the row
+        # threads: the busy-core slowdown timed in the rows' own rounds; processes: the run's, in the calibration
+        assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] == "threads")
+    assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
@@ -202,3 +205,28 @@ def test_a_rows_calibration_is_the_whole_model_timed_with_that_row():
     assert timer.seconds(2) == timer.seconds(2, "zero1") == (2.0, 4.0)
     with pytest.raises(ValueError, match="between 1 and the 4 samples"):
         timer.sample(8)
+
+
+def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
+    """Two copies timed at once under a key, over the same key's samples alone at that size, give that key's
+    slowdown (never below 1); without them the rig's own figure stays."""
+    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    cfg = StackConfig(hidden=32, n_blocks=1, seq_len=8, vocab=32)
+    x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)
+    timer = WholeModelTimer(build_stack(cfg), x, y, lm_loss)
+    timer.sample(2, key="threads")
+    timer.sample_together(2, key="threads")
+    assert len(timer.together[("threads", 2)]) == 2  # one time per copy, after an untimed warm-up
+    assert timer.slowdown("processes") is None
+    timer.keyed[("threads", 2)][:] = [(1.0, 3.0)]  # the clock's readings, made exact
+    timer.together[("threads", 2)][:] = [4.4, 5.2, 4.8]
+    assert timer.slowdown("threads") == pytest.approx(1.2)
+    timer.together[("threads", 2)][:] = [3.0]
+    assert timer.slowdown("threads") == 1.0
+
+    rig = rig_model(1.05)
+    assert rig.with_thread_slowdown(None) is rig
+    changed = rig.with_thread_slowdown(1.25)
+    assert changed.thread_cores.slowdown == 1.25 and changed.process_cores.slowdown == 1.05

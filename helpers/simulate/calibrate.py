@@ -92,12 +92,17 @@ class WholeModelTimer:
     speed drifts by several percent over minutes; measured on the course's CPU rig). A sample taken with a `key`
     also counts for that key alone: e.g. the samples around one bench row's launches, which calibrate that row for
     the minutes it ran (on the course's CPU rig the same forward and backward took a median 1.30 s over one
-    half-minute and 1.13 s a minute later)."""
+    half-minute and 1.13 s a minute later). On the CPU rig it can also time two copies of the model at once, in two
+    threads (`sample_together`): how much slower the virtual devices compute while both are busy in those same
+    minutes (`slowdown`), as the compute speed is: measured once per run, minutes away from the rows, it read 1.06x
+    in a run whose threaded pipelines computed 10-24% slower than simulated."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
         self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
         self.samples: dict[int, list[tuple[float, float]]] = {}
         self.keyed: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
+        self.together: dict[tuple[Hashable, int], list[float]] = {}  # seconds per copy, both copies at once
+        self.twin: nn.Module | None = None  # the second copy, made on the first `sample_together`
 
     def sample(self, microbatch: int, key: Hashable | None = None) -> None:
         """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
@@ -131,6 +136,33 @@ class WholeModelTimer:
         if not got:
             return None
         return statistics.median(f for f, _ in got), statistics.median(b for _, b in got)
+
+    def sample_together(self, microbatch: int, key: Hashable | None = None) -> None:
+        """Time forward and backward of one micro-batch on this model and on a copy of it at once, in two threads
+        released together (as two virtual devices of the CPU rig compute side by side); kept under `key`."""
+        import copy
+
+        xb, yb = self.x[:microbatch], self.y[:microbatch]
+        if self.twin is None:
+            self.twin = copy.deepcopy(self.model)
+        work = [lambda m=m: self.loss_fn(m(xb), yb).backward() for m in (self.model, self.twin)]
+        if (key, microbatch) not in self.together:  # the first call warms both copies up, untimed
+            self.together[(key, microbatch)] = []
+            run_together(work)
+        self.together[(key, microbatch)].extend(run_together(work))
+
+    def together_sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
+        return lambda: self.sample_together(microbatch, key)
+
+    def slowdown(self, key: Hashable | None = None) -> float | None:
+        """How much slower one copy computed while both ran at once than alone, from the samples under `key`
+        (the median of each together-time over the median alone-time at its micro-batch size; at least 1), or None
+        without both kinds of samples."""
+        ratios = []
+        for (k, microbatch), together in self.together.items():
+            alone = self.seconds(microbatch, key) if k == key else None
+            ratios += [t / sum(alone) for t in together] if alone else []
+        return max(1.0, typical_slowdown(ratios)) if ratios else None
 
 
 def measure_workload(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, microbatch: int,
@@ -195,11 +227,30 @@ def typical_slowdown(ratios: Sequence[float]) -> float:
     return statistics.median(ratios)
 
 
+def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
+    """Each of `work` in a thread of its own, all released at once; the seconds each took."""
+    import threading
+
+    took = [0.0] * len(work)
+    start = threading.Barrier(len(work))
+
+    def timed(i: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        work[i]()
+        took[i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=timed, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return took
+
+
 def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
     """Threads: each of `work` timed alone, then all at once in threads; the typical ratio (together / alone) of
     the rounds (see `typical_slowdown`)."""
-    import threading
-
     ratios = []
     for _ in range(rounds):
         alone = []
@@ -207,21 +258,7 @@ def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
             t0 = time.perf_counter()
             fn()
             alone.append(time.perf_counter() - t0)
-        together = [0.0] * len(work)
-        start = threading.Barrier(len(work))
-
-        def timed(i: int) -> None:
-            start.wait()
-            t0 = time.perf_counter()
-            work[i]()
-            together[i] = time.perf_counter() - t0
-
-        threads = [threading.Thread(target=timed, args=(i,)) for i in range(len(work))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        ratios.append(sum(together) / sum(alone))
+        ratios.append(sum(run_together(work)) / sum(alone))
     return typical_slowdown(ratios)
 
 
@@ -420,6 +457,13 @@ class RigModel:
         """CPU rig: the host thread does the compute itself, so it cannot issue work ahead of it (FSDP2's implicit
         forward prefetch needs a GPU)."""
         return self.process_cores is not None
+
+    def with_thread_slowdown(self, slowdown: float | None) -> RigModel:
+        """This rig with the threads' busy-core slowdown measured elsewhere (e.g. `WholeModelTimer.slowdown`, in
+        the minutes of the runs predicted); unchanged for None, or where the devices do not share cores."""
+        if slowdown is None or self.thread_cores is None:
+            return self
+        return replace(self, thread_cores=replace(self.thread_cores, slowdown=slowdown))
 
     def calibrated(self, workload: Workload) -> Workload:
         """`workload` with this rig's measured copy bandwidth."""
