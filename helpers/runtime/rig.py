@@ -128,10 +128,10 @@ def keep_freed_memory() -> bool:
     more afresh (its threshold then adapts) and returns the top of its heap once enough is free, so the next step's
     activations page-fault their memory in again: on the course's CPU rig the bench model's one-device forward pass
     faulted 13-26 thousand pages (50-100 MiB) in every step, and the whole model's forward took 0.50-0.52 s in the
-    steps that faulted against 0.38-0.42 s in those that did not; the simulator's calibration, timed in between,
-    faulted less, so the rows it predicted ran 14-40% slower than it. Blocks up to 32 MiB (glibc's
-    limit) now come from a heap that is never trimmed; PyTorch's CPU tuning guide recommends an allocator that
-    reuses memory (jemalloc, TCMalloc) for the same reason. Returns False, changing nothing, without glibc."""
+    steps that faulted against 0.38-0.47 s in those that did not; the simulator's calibration, timed in between,
+    faulted less, and the bench's misses had forward passes 14-40% slower than predicted. Blocks up to 32 MiB
+    (glibc's limit) now come from a heap that is never trimmed; PyTorch's CPU tuning guide recommends an allocator
+    that reuses memory (jemalloc, TCMalloc) for the same reason. Returns False, changing nothing, without glibc."""
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
