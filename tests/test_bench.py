@@ -225,6 +225,8 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
     assert timer.slowdown("threads") == pytest.approx(1.2)
     timer.together[("threads", 2)][:] = [3.0]
     assert timer.slowdown("threads") == 1.0
+    with pytest.raises(ValueError, match="between 1 and the 4 samples"):
+        timer.sample_together(8)
 
     rig = rig_model(1.05)
     assert rig.with_thread_slowdown(None) is rig

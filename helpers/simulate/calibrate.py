@@ -104,12 +104,15 @@ class WholeModelTimer:
         self.together: dict[tuple[Hashable, int], list[float]] = {}  # seconds per copy, both copies at once
         self.twin: nn.Module | None = None  # the second copy, made on the first `sample_together`
 
+    def _microbatch(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 1 <= microbatch <= self.x.shape[0]:
+            raise ValueError(f"micro-batch {microbatch} must be between 1 and the {self.x.shape[0]} samples given")
+        return self.x[:microbatch], self.y[:microbatch]
+
     def sample(self, microbatch: int, key: Hashable | None = None) -> None:
         """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
         with `key`, also kept as one of that key's samples."""
-        if not 1 <= microbatch <= self.x.shape[0]:
-            raise ValueError(f"micro-batch {microbatch} must be between 1 and the {self.x.shape[0]} samples given")
-        xb, yb, device = self.x[:microbatch], self.y[:microbatch], self.x.device
+        xb, yb, device = *self._microbatch(microbatch), self.x.device
         if microbatch not in self.samples:  # the first call at a size warms up, untimed
             self.samples[microbatch] = []
             self.loss_fn(self.model(xb), yb).backward()
@@ -142,7 +145,7 @@ class WholeModelTimer:
         released together (as two virtual devices of the CPU rig compute side by side); kept under `key`."""
         import copy
 
-        xb, yb = self.x[:microbatch], self.y[:microbatch]
+        xb, yb = self._microbatch(microbatch)
         if self.twin is None:
             self.twin = copy.deepcopy(self.model)
         work = [lambda m=m: self.loss_fn(m(xb), yb).backward() for m in (self.model, self.twin)]
