@@ -5,6 +5,7 @@ The building blocks here serve the notebooks; `python -m helpers.bench` (see `ma
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -17,20 +18,32 @@ from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline
 from helpers.runtime.rig import claim_cpu_device
-from helpers.timeline import PHASES, Event, busy_fraction, median_phases, phase_seconds
+from helpers.timeline import PHASES, Event, Recorder, busy_fraction, median_phases, phase_seconds
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def one_device_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = lm_loss,
-                    optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
-    """A closure running one training step of `model` on its own device: the baseline every ratio is taken to."""
+                    optimizer: torch.optim.Optimizer | None = None, rec: Recorder | None = None,
+                    ledger: MemoryLedger | None = None) -> Callable[[], None]:
+    """A closure running one training step of `model` on its own device: the baseline every ratio is taken to. Its
+    forward counts what autograd saves in a memory ledger (`ledger`, or one of its own), as every pipeline's does:
+    the same bookkeeping on both sides of a speed-up. With `rec`, each step's forward and backward are its spans."""
     device = next(model.parameters()).device
     x, y = x.to(device), y.to(device)
+    counted = ledger or ledger_for([model], ["device"], optimizer)
+
+    def span(kind: str):
+        return rec.span(kind, 0) if rec is not None else nullcontext()
 
     def step() -> None:
+        if rec is not None:
+            rec.clear()
         model.zero_grad(set_to_none=False)
-        loss_fn(model(x), y).backward()
+        with span("forward"), counted.track_activations("device"):
+            loss = loss_fn(model(x), y)
+        with span("backward"):
+            loss.backward()
         if optimizer is not None:
             optimizer.step()
 
@@ -247,35 +260,25 @@ class Progress:
 
 def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = (),
                 progress: Progress | None = None, extra: dict | None = None):
-    """One device, timed in the same interleaved rounds as the threaded pipelines."""
-    from helpers.memory import measure_step_memory
+    """One device, without an optimizer and with Adam, timed in the same interleaved rounds as the threaded
+    pipelines; its activation peak as its ledger counts it."""
     from helpers.simulate.calibrate import optimizer_seconds
-    from helpers.timeline import Recorder
 
     rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
     adam_model = copy.deepcopy(model)
     adam = torch.optim.Adam(adam_model.parameters(), lr=1e-3)
-
-    def one_device_step(m: nn.Module = model):
-        rec.clear()
-        m.zero_grad(set_to_none=False)
-        with rec.span("forward", 0):
-            loss = loss_fn(m(x), y)
-        with rec.span("backward", 0):
-            loss.backward()
-
-    def one_device_adam_step():
-        one_device_step(adam_model)
-        adam.step()
+    ledger = ledger_for([model], ["device"])
+    one_device = one_device_step(model, x, y, loss_fn, rec=rec, ledger=ledger)
+    one_device_adam = one_device_step(adam_model, x, y, loss_fn, adam, rec)
 
     phases: dict[str, list[dict[str, float]]] = {"single": [], "single_adam": []}
-    times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device_step,
-                                                               "single_adam": one_device_adam_step, **(extra or {})},
+    times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device, "single_adam": one_device_adam,
+                                                               **(extra or {})},
                                progress=bool(progress and progress.bars),
                                after={k: (lambda k=k: phases[k].append(phase_seconds(rec.events()))) for k in phases})
-    peak = measure_step_memory(model, x, y, loss_fn, torch.optim.SGD(model.parameters(), lr=0.0)).activations
-    one_device_step()
-    events = rec.events()
+    ledger.reset_peaks()
+    one_device()
+    events, peak = rec.events(), ledger.device("device").activations
     zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
     return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s,
                             spread=times.spread("single"), measured_phase_s=median_phases(phases["single"])),

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from helpers.bench import (BenchRow, Progress, default_config, display_rows, main as bench_main, microbatch_size,
                            misses, predict_row, simulation_job, timeline_name)
@@ -205,6 +206,27 @@ def test_a_rows_calibration_is_the_whole_model_timed_with_that_row():
     assert timer.seconds(2) == timer.seconds(2, "zero1") == (2.0, 4.0)
     with pytest.raises(ValueError, match="between 1 and the 4 samples"):
         timer.sample(8)
+
+
+def test_the_calibration_and_the_baseline_count_activations_as_the_engines_do():
+    """The whole-model timer (both copies) and the one-device step run their forward under a memory ledger, as every
+    pipeline and rank does: each counts the same activation peak as `measure_step_memory`."""
+    from helpers.bench import one_device_step
+    from helpers.memory import ledger_for, measure_step_memory
+    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8, vocab=32)
+    x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)
+    model = build_stack(cfg)
+    expected = measure_step_memory(build_stack(cfg), x, y, lm_loss, torch.optim.SGD(model.parameters())).activations
+    timer = WholeModelTimer(model, x, y, lm_loss)
+    timer.sample(4)
+    timer.sample_together(4)
+    assert [led.device("model").activations for led in timer.ledgers.values()] == [expected, expected]
+    ledger = ledger_for([model], ["device"])
+    one_device_step(model, x, y, lm_loss, ledger=ledger)()
+    assert ledger.device("device").activations == expected
 
 
 def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
