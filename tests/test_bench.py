@@ -218,8 +218,8 @@ def test_the_calibration_and_the_baseline_count_activations_as_the_engines_do():
 
     cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8, vocab=32)
     x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)
-    model = build_stack(cfg)
-    expected = measure_step_memory(build_stack(cfg), x, y, lm_loss, torch.optim.SGD(model.parameters())).activations
+    model, reference = build_stack(cfg), build_stack(cfg)
+    expected = measure_step_memory(reference, x, y, lm_loss, torch.optim.SGD(reference.parameters())).activations
     timer = WholeModelTimer(model, x, y, lm_loss)
     timer.sample(4)
     timer.sample_together(4)
