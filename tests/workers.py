@@ -65,3 +65,24 @@ def child_rig() -> dict:
 
     rig = detect_rig()
     return {"kind": rig.kind, "budget": rig.capacity_bytes[0], "threads": torch.get_num_threads()}
+
+
+def collective_without_device(kind: str) -> list:
+    """A tensor made without device= handed to a collective or a send: under NCCL it is a host tensor and fails."""
+    import torch
+
+    t = torch.ones(2)  # no device=: the mistake device-strict ranks must catch on CPU
+    if kind == "all_reduce":
+        dist.all_reduce(t)
+    elif dist.get_rank() == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    return t.tolist()
+
+
+def rank_defaults() -> dict:
+    """Where a rank's tensors land without device=, and its process group's backend."""
+    import torch
+
+    return {"default_device": str(torch.empty(1).device), "backend": str(dist.get_backend())}

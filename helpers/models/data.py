@@ -29,6 +29,7 @@ def kept_tokens(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
+HOST = torch.device("cpu")  # where data is made before a rank moves it to its device
 PADDING = ("none", "right", "left")
 PAD_ID = 0
 
@@ -40,7 +41,7 @@ def pad_sequences(x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, side:
     if side not in ("right", "left"):
         raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
     b, s = x.shape
-    positions = torch.arange(s).expand(b, s)
+    positions = torch.arange(s, device=x.device).expand(b, s)
     real = positions < lengths[:, None] if side == "right" else positions >= (s - lengths)[:, None]
     if side == "left":  # move each sequence's first `length` tokens to the end
         shift = (s - lengths)[:, None]
@@ -73,16 +74,21 @@ class SyntheticTokens:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both [n_samples, seq_len] int64; targets are inputs shifted by one."""
         if "data" not in self._cache:
-            g = torch.Generator().manual_seed(self.seed)
-            perm = torch.randperm(self.vocab, generator=g)
-            seq = torch.empty(self.n_samples, self.seq_len + 1, dtype=torch.long)
-            seq[:, 0] = torch.randint(self.vocab, (self.n_samples,), generator=g)
-            for t in range(1, self.seq_len + 1):
-                noisy = torch.rand(self.n_samples, generator=g) < self.noise
-                seq[:, t] = torch.where(noisy, torch.randint(self.vocab, (self.n_samples,), generator=g),
-                                        perm[seq[:, t - 1]])
-            self._cache["data"] = (seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+            with torch.device(HOST):  # generated on the host, as a data loader does; ranks move it to their device
+                self._cache["data"] = self._generate()
         return self._cache["data"]
+
+    def _generate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole data set, on the default device (`tensors` makes it the host)."""
+        g = torch.Generator().manual_seed(self.seed)
+        perm = torch.randperm(self.vocab, generator=g)
+        seq = torch.empty(self.n_samples, self.seq_len + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(self.vocab, (self.n_samples,), generator=g)
+        for t in range(1, self.seq_len + 1):
+            noisy = torch.rand(self.n_samples, generator=g) < self.noise
+            seq[:, t] = torch.where(noisy, torch.randint(self.vocab, (self.n_samples,), generator=g),
+                                    perm[seq[:, t - 1]])
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch `index` (wrapping around) of `batch_size` samples."""
@@ -98,6 +104,7 @@ class SyntheticTokens:
         if self.padding == "none":
             return x, y, None
         g = torch.Generator().manual_seed(self.seed + 1)
-        lengths = torch.randint(max(1, self.seq_len // 4), self.seq_len + 1, (self.n_samples,), generator=g)
+        lengths = torch.randint(max(1, self.seq_len // 4), self.seq_len + 1, (self.n_samples,), generator=g,
+                                device=HOST)
         start = (index * batch_size) % (self.n_samples - batch_size + 1)
         return pad_sequences(x, y, lengths[start:start + batch_size], self.padding)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig
+from helpers.runtime.strict import enter_device_strict_mode, strict_backend, strict_requested
 
 DEFAULT_TIMEOUT_S = 120.0
 GRACE_S = 5.0  # how long a rank may take to exit after SIGTERM before it is killed
@@ -122,13 +123,17 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     communicator is created now, on every rank together, not lazily on a first send that could wait forever."""
     rig = rig or detect_rig()
     device = rank_device(rig)
+    backend = rig.backend
     if rig.is_cpu:
         claim_cpu_device(rig)
+        if strict_requested():  # CI: fail here as NCCL would fail on GPUs (helpers.runtime.strict)
+            enter_device_strict_mode()
+            backend = strict_backend(device, backend)
     else:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         eager = {"device_id": device} if rig.backend == "nccl" else {}
-        dist.init_process_group(rig.backend, timeout=timedelta(seconds=timeout_s), **eager)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **eager)
     return rig
 
 

@@ -424,7 +424,7 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
             dist.barrier()
         dist.barrier()
         together = step()
-        pair = torch.tensor([alone, together], dtype=torch.float64)
+        pair = torch.tensor([alone, together], dtype=torch.float64, device=device)  # NCCL: cuda tensors only
         dist.all_reduce(pair)
         ratios.append(float(pair[1] / pair[0]))
     samples: dict[str, tuple[list[int], list[float]]] = {k: ([], []) for k in ("allgather", "reducescatter",

@@ -1,0 +1,79 @@
+"""Device-strict ranks: a CPU rank fails where the same code would fail on a GPU rank.
+
+Under NCCL a process group has a backend for the `cuda` device type only, and a tensor created without `device=`
+lives on the host: a collective or a send of it raises "No backend type associated with device type cpu", and an
+operation mixing it with the rank's tensors raises "Expected all tensors to be on the same device". On the CPU rig
+the rank's device *is* the host, so the same mistake passes silently and is first seen by a 3090 owner. In
+device-strict mode a CPU rank is set up the way a GPU rank is:
+
+1. its process group gets a backend for the rank's device type only (`"cpu:gloo"`, as NCCL's is for `cuda`);
+2. a tensor created without `device=` lands on the `meta` device (`torch.set_default_device`), which is not the
+   rank's device, as the host is not a GPU; deliberate host data says `device="cpu"`, as it must on GPUs;
+3. a collective or point-to-point operation on such a tensor raises NCCL's error with its device type: the meta
+   kernels of the `c10d` operators (which otherwise return without communicating, for tracing) refuse.
+
+CI and the test suite run every rank in this mode (`LAB_DEVICE_STRICT=1`, set by the tests' conftest and inherited by
+the ranks); `python -m helpers.doctor` on the CPU rig too. Notebooks and the bench run without it: the default-device
+mode costs a little Python work on every torch call, which the bench would time.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+STRICT_ENV = "LAB_DEVICE_STRICT"
+STAND_IN = torch.device("meta")  # where a tensor created without device= lands in a strict rank
+_refusing: list = []  # the torch.library registrations, kept alive (dropping them would restore the meta kernels)
+
+
+def strict_requested() -> bool:
+    """Whether this process was asked to run its ranks device-strict (LAB_DEVICE_STRICT=1)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def strict_backend(device: torch.device, backend: str) -> str:
+    """The process-group backend string for `backend` serving `device`'s type only, as NCCL serves `cuda` only:
+    'cpu:gloo' for a CPU rank (plain 'gloo' would register itself for cpu and cuda)."""
+    return f"{device.type}:{backend}"
+
+
+def _no_backend(*args, **kwargs):
+    raise RuntimeError(f"No backend type associated with device type {STAND_IN.type} (device-strict rank: this "
+                       "tensor was created without device=, so on a GPU it would be on the CPU, where NCCL has no "
+                       "backend; create it on the rank's device)")
+
+
+def _collective_ops() -> list[tuple[str, str]]:
+    """(namespace, operator) of every communication operator: c10d's, and the functional collectives DTensor uses."""
+    names = torch._C._dispatch_get_all_op_names()
+    ops = []
+    for qualified in sorted(names):
+        namespace, _, name = qualified.partition("::")
+        if namespace in ("c10d", "_c10d_functional") and name not in ("check_for_nan", "wait_tensor"):
+            ops.append((namespace, name.split(".")[0]))
+    return sorted(set(ops))
+
+
+def refuse_stand_in_collectives() -> None:
+    """Make every communication operator raise on a `meta` tensor, as NCCL raises on a host tensor. Idempotent."""
+    if _refusing:
+        return
+    import torch.distributed  # noqa: F401 - registers the c10d operators
+    import torch.distributed._functional_collectives  # noqa: F401 - and the functional ones
+
+    libraries: dict[str, torch.library.Library] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
+        for namespace, name in _collective_ops():
+            lib = libraries.setdefault(namespace, torch.library.Library(namespace, "IMPL"))
+            lib.impl(name, _no_backend, "Meta")
+    _refusing.extend(libraries.values())
+
+
+def enter_device_strict_mode() -> None:
+    """Steps 2 and 3 above, for the calling thread (torch's default device is per thread: a rank's other threads
+    create their tensors with device= anyway). Call before the rank builds anything."""
+    refuse_stand_in_collectives()
+    torch.set_default_device(STAND_IN)
