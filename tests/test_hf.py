@@ -308,3 +308,32 @@ def test_bad_input_is_refused_clearly(saved, tmp_path):
         hf_config("gpt2", kv_heads=2)
     with pytest.raises(ValueError, match="llama has no sliding window"):
         hf_config("llama", sliding_window=4)
+
+
+def test_stage_threads_sharing_a_generator_take_turns_in_dropout_layers():
+    """The CPU rig's virtual devices, and both stages of the one-GPU rig on cuda:0, draw dropout masks from one default
+    generator: a layer seeds it and draws under its lock, so the other stage's thread cannot reseed it in between
+    (before, both seeded and restored it at once, and masks depended on thread timing)."""
+    import threading
+    from types import SimpleNamespace
+
+    from helpers.models.hf import _dropout_generator
+
+    ctx, cpu = SimpleNamespace(seed=7), torch.device("cpu")
+    trying, inside = threading.Event(), threading.Event()
+
+    def other_stage():
+        trying.set()
+        with _dropout_generator(ctx, 1, True, cpu):
+            inside.set()
+
+    with _dropout_generator(ctx, 0, True, cpu):
+        first = torch.rand(4)
+        thread = threading.Thread(target=other_stage)
+        thread.start()
+        trying.wait()
+        assert not inside.wait(0.3), "the other stage entered a dropout layer while this one held the generator"
+    thread.join()
+    assert inside.is_set()
+    with _dropout_generator(ctx, 0, True, cpu):
+        assert torch.equal(torch.rand(4), first), "the layer's masks come from its own seed"

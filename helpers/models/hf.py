@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
@@ -172,15 +173,30 @@ def hf_context(config, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                           past)
 
 
+_GENERATOR_LOCKS: dict[str, threading.RLock] = {}  # one per random generator stage threads may share
+_LOCKS_LOCK = threading.Lock()
+
+
+def generator_lock(device: torch.device) -> threading.RLock:
+    """The lock of the default generator that dropout on `device` draws from: the CPU's, or one per GPU. Two stage
+    threads on one device (the CPU rig's virtual devices, both stages of the one-GPU rig on cuda:0) share that
+    generator; seeding it and drawing from it must not interleave, or a mask would depend on thread timing."""
+    key = "cpu" if device.type != "cuda" else f"cuda:{device.index if device.index is not None else 0}"
+    with _LOCKS_LOCK:
+        return _GENERATOR_LOCKS.setdefault(key, threading.RLock())
+
+
 @contextmanager
 def _dropout_generator(ctx: HFContext | None, index: int, training: bool, device: torch.device) -> Iterator[None]:
     """Run a layer under its own generator, forked and seeded from (context seed, layer index), when the context
-    carries a seed (see `HFContext.seed`); the caller's generators are left as they were."""
+    carries a seed (see `HFContext.seed`); the caller's generators are left as they were. The device's default
+    generator is held for the layer's forward (`generator_lock`): stage threads sharing it take turns in the
+    layers that draw random numbers, and their masks are those of one device whatever the timing."""
     if ctx is None or ctx.seed is None or not training or device.type == "meta":
         yield
         return
     gpus = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpus):
+    with generator_lock(device), torch.random.fork_rng(devices=gpus):
         generator = torch.cuda.default_generators[gpus[0]] if gpus else torch.random.default_generator
         generator.manual_seed(layer_seed(ctx.seed, index))
         yield
