@@ -88,6 +88,16 @@ class Autocast(nn.Module):
             return self.module(*args, **kwargs)
 
 
+class HalfWeightsGradScaler(torch.amp.GradScaler):
+    """A gradient scaler for fp16 *weights* in one process. PyTorch's refuses to unscale fp16 gradients ("Attempting
+    to unscale FP16 gradients"): with autocast the weights, and so their gradients, are fp32. With fp16 weights there is
+    no fp32 copy and the gradients are fp16 by construction; `ShardedGradScaler`, which the multi-process engines use,
+    unscales them in place, and so does this one."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
 def make_scaler(precision: Precision, device: torch.device, group=None):
     """A gradient scaler when the run needs one, else None. `ShardedGradScaler` all-reduces the overflow check over
     `group`, so every rank of a pipeline (whose loss lives on the last stage only) or of FSDP2 (whose gradients are
@@ -96,8 +106,11 @@ def make_scaler(precision: Precision, device: torch.device, group=None):
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    scaler = ShardedGradScaler(device.type, process_group=group) if group is not None else \
-        torch.amp.GradScaler(device.type)
+    if group is not None:
+        scaler = ShardedGradScaler(device.type, process_group=group)
+    else:
+        scaler = HalfWeightsGradScaler(device.type) if precision.weights == torch.float16 else \
+            torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))  # every rank holds the scale, even one without a loss
     return scaler
 

@@ -203,3 +203,17 @@ def test_split_layered_loads_each_stage_and_keeps_ties(saved):
     x, y, mask = _data("right")
     loss = ThreadedPipeline(split, "1f1b", 4, context=model.context).step(x, y, mask)
     _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
+
+
+def test_fp16_weights_train_on_threads_as_on_processes(saved):
+    """fp16 weights need loss scaling, and their gradients are fp16: the threads engine used a plain GradScaler, which
+    refuses to unscale fp16 gradients ("Attempting to unscale FP16 gradients"), so `train(..., engine="threads",
+    dtype="fp16")` failed at its first step. Both engines now run the same steps with the same losses. Adam on fp16
+    weights is refused before anything starts: its eps rounds to 0 in fp16, and it turned the weights to NaN."""
+    kw = dict(steps=3, batch=BATCH, seq_len=SEQ, microbatches=2, dtype="fp16", rig=cpu_rig(), optimizer="sgd")
+    threads = train(saved["llama-gqa"], "1f1b", "threads", **kw)
+    processes = train(saved["llama-gqa"], "1f1b", "processes", **kw)
+    assert all(torch.isfinite(torch.tensor(threads.losses))) and threads.losses[-1] < threads.losses[0]
+    assert max(abs(a - b) for a, b in zip(threads.losses, processes.losses)) <= 1e-2 * threads.losses[0]
+    with pytest.raises(ValueError, match="autocast='fp16'"):
+        train(saved["llama-gqa"], "1f1b", "threads", **{**kw, "optimizer": "adam"})

@@ -387,13 +387,15 @@ class HFModel:
 
     def _skeleton(self, real_buffers: bool) -> nn.Module:
         """The model with parameters on the meta device; buffers (rotary frequencies, Gemma's scale: not in the
-        checkpoint) on the meta device too, or really computed. Built untied: ties are the checkpoint's."""
+        checkpoint) on the meta device too, or really computed on the host, from where `materialize` moves them to
+        the layer's device. Built untied: ties are the checkpoint's."""
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         config = copy.deepcopy(self.config)
         config.tie_word_embeddings = False
-        with init_empty_weights(include_buffers=False) if real_buffers else torch.device("meta"):
+        with init_empty_weights(include_buffers=False) if real_buffers else nullcontext(), \
+                torch.device("cpu" if real_buffers else "meta"):
             return AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
                                                     dtype=self.weights_dtype)
 

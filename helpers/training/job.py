@@ -157,6 +157,11 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
         raise ValueError(f"unknown padding {job.padding!r}; choose one of {PADDING}")
     if job.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {job.optimizer!r}; choose one of {OPTIMIZERS}")
+    if job.optimizer == "adam" and job.dtype == "fp16":
+        raise ValueError("Adam on fp16 weights divides by sqrt(v) + eps with eps = 1e-8, which fp16 rounds to 0: a "
+                         "weight whose gradient is 0 becomes NaN at the first step. Keep fp32 weights and compute in "
+                         "fp16 with autocast='fp16' (fp32 master weights and Adam state, loss scaling), or use "
+                         "optimizer='sgd'")
     _check_batches(job)
     if job.pp > 1:
         _check_pipeline(job)
