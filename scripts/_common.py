@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -35,32 +36,77 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False) -> argpa
                    help="pipeline micro-batches / gradient accumulation steps")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--autocast", choices=("none", "bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=tuple(WEIGHT_DTYPES), default="fp32",
+                   help="master weights and optimizer state, whatever dtype the checkpoint was saved in (a bf16 "
+                        "checkpoint loads as bf16 by default): fp32, computing in --autocast; or bf16 throughout")
     p.add_argument("--save-to", help="save the trained model here with save_pretrained")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args()
     if ns.batch % ns.microbatches:
         p.error(f"--batch {ns.batch} is not divisible by --microbatches {ns.microbatches}")
+    if ns.dtype != "fp32" and ns.autocast == "fp16":
+        p.error("--autocast fp16 needs fp32 master weights (--dtype fp32): the gradient scaler unscales fp32 "
+                "gradients, and fp16 has too little range to hold them")
     return ns
+
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def weights_dtype(ns: argparse.Namespace) -> torch.dtype:
+    """The dtype the model is loaded in: --dtype, never silently the checkpoint's."""
+    return WEIGHT_DTYPES[ns.dtype]
+
+
+def gpu_shortage(processes: int, gpus: int, visible: str | None) -> str | None:
+    """Why `processes` ranks cannot run on this machine's `gpus` GPUs, or None. NCCL needs a GPU per rank: without
+    this check rank 1 of two on a one-GPU machine dies in torch.cuda.set_device with "invalid device ordinal"."""
+    if processes <= gpus:
+        return None
+    return (f"{processes} processes on this machine, but {gpus} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+            f"{visible or 'unset'}): NCCL needs one GPU per process. Start --nproc-per-node {gpus} if the strategy "
+            "allows it, or try the structure on the CPU: LAB_FORCE_CPU=1 OMP_NUM_THREADS=1 torchrun ...")
 
 
 def init() -> tuple[int, int, torch.device]:
     """Join the process group as PyTorch's own engines do: on GPUs bind the rank's GPU first and give NCCL
-    `device_id`, so its communicator is created now, on every rank together (LAB_FORCE_CPU=1: the CPU rig)."""
+    `device_id`, so its communicator is created now, on every rank together (LAB_FORCE_CPU=1: the CPU rig). Too few
+    GPUs for the ranks: every rank stops at once, the first with the reason, before NCCL starts."""
     if torch.cuda.is_available() and os.environ.get("LAB_FORCE_CPU") != "1":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        local = int(os.environ["LOCAL_RANK"])
+        shortage = gpu_shortage(int(os.environ["LOCAL_WORLD_SIZE"]), torch.cuda.device_count(),
+                                os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if shortage:
+            if local == 0:
+                print(f"error: {shortage}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        dist.init_process_group("gloo")
+        backend = "gloo"
+        if os.environ.get("LAB_DEVICE_STRICT") == "1":  # the course's CI: fail here where NCCL would fail on GPUs
+            from helpers.runtime.strict import enter_device_strict_mode, strict_backend
+
+            enter_device_strict_mode()
+            backend = strict_backend(device, backend)
+        dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def batches(ns: argparse.Namespace, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of the global batch for `step`, identical on every rank."""
+    """(inputs, targets) of the global batch for `step`, identical on every rank, made on the host (as a DataLoader
+    makes it): the caller moves it to its device."""
+    with torch.device("cpu"):
+        return _host_batch(ns, vocab, step)
+
+
+def _host_batch(ns: argparse.Namespace, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batches` on the default device."""
     if ns.data:
-        tokens = torch.load(ns.data)
+        tokens = torch.load(ns.data, map_location="cpu")
         start = (step * ns.batch) % max(1, len(tokens) - ns.batch + 1)
         rows = tokens[start:start + ns.batch, :ns.seq_len + 1]
     else:  # learnable: each token follows the previous one by a fixed permutation, from a random first token

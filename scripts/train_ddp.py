@@ -9,13 +9,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum
+from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
 
 
 def main() -> None:
     ns = parse(__doc__.splitlines()[0])
+    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=weights_dtype(ns))  # read on the host first
     rank, world, device = init()
-    model = AutoModelForCausalLM.from_pretrained(ns.model).to(device)
+    model.to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=ns.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=ns.autocast == "fp16")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum
+from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
 
@@ -25,7 +25,7 @@ def main() -> None:
     dp = world // pp
     mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     replica, stage_index = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-    model = HFModel(ns.model)
+    model = HFModel(ns.model, dtype=weights_dtype(ns))
     module, first = build_stage(model, stage_index, pp, device)
     tied = tied_copy(model, module, first, stage_index, pp)
     ends = [dist.new_group([r * pp, r * pp + pp - 1]) for r in range(dp)] if model.tied else []

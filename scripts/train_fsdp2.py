@@ -11,14 +11,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, batches, init, parse, report, token_loss_sum
+from _common import IGNORE_INDEX, batches, init, parse, report, token_loss_sum, weights_dtype
 
 
 def main() -> None:
     ns = parse(__doc__.splitlines()[0])
+    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=weights_dtype(ns))  # read on the host first
     rank, world, device = init()
     mesh = init_device_mesh(device.type, (world,))
-    model = AutoModelForCausalLM.from_pretrained(ns.model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast)
     mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()

@@ -10,7 +10,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, autocast, batches, parse, token_loss_sum
+from _common import IGNORE_INDEX, autocast, batches, parse, token_loss_sum, weights_dtype
 
 
 def half_and_half(model_dir: str, devices: list) -> dict:
@@ -26,12 +26,26 @@ def half_and_half(model_dir: str, devices: list) -> dict:
             "lm_head": devices[0] if config.tie_word_embeddings else devices[1]}
 
 
+def split_devices(gpus: int, force_cpu: bool) -> tuple[list, str]:
+    """The two halves' devices on this machine, and the line that says so: two GPUs, one GPU holding both halves
+    (the same code, no memory saved), or the CPU."""
+    if force_cpu or gpus == 0:
+        why = "LAB_FORCE_CPU=1" if force_cpu else "no CUDA GPU visible"
+        return ["cpu", "cpu"], f"naive split: both halves on the CPU ({why})"
+    if gpus == 1:
+        return [0, 0], ("naive split: one GPU visible, so both halves on cuda:0 (the code of the split runs; the "
+                        "memory it saves needs a second GPU)")
+    return [0, 1], "naive split: first half on cuda:0, second half on cuda:1"
+
+
 def main() -> None:
     ns = parse(__doc__.splitlines()[0])
-    gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and os.environ.get("LAB_FORCE_CPU") != "1"
-    devices = [0, 1] if gpus else ["cpu", "cpu"]
-    model = AutoModelForCausalLM.from_pretrained(ns.model, device_map=half_and_half(ns.model, devices))
-    first = torch.device("cuda:0" if gpus else "cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices, said = split_devices(gpus, os.environ.get("LAB_FORCE_CPU") == "1")
+    print(said, flush=True)
+    model = AutoModelForCausalLM.from_pretrained(ns.model, device_map=half_and_half(ns.model, devices),
+                                                 dtype=weights_dtype(ns))
+    first = torch.device("cpu" if devices[0] == "cpu" else "cuda:0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr)
     scaler = torch.amp.GradScaler(first.type, enabled=ns.autocast == "fp16")
     for step in range(ns.steps):

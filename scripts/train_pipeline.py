@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum
+from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
 
@@ -18,7 +18,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 def main() -> None:
     ns = parse(__doc__.splitlines()[0], pipeline=True)
     rank, world, device = init()
-    model = HFModel(ns.model)
+    model = HFModel(ns.model, dtype=weights_dtype(ns))
     module, first = build_stage(model, rank, world, device)
     tied = tied_copy(model, module, first, rank, world)
     ends = dist.new_group([0, world - 1]) if model.tied and world > 2 else None  # every rank creates the group

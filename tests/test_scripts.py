@@ -68,3 +68,47 @@ def test_script_trains_like_one_device_and_saves(model_dir, tmp_path, script, np
     assert losses[-1] < losses[0]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert reloaded.lm_head.weight is reloaded.transformer.wte.weight  # still tied after the round trip
+
+
+def _scripts_module(name: str):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_more_ranks_than_gpus_stop_before_nccl_with_the_reason():
+    """Two ranks on a one-GPU machine: rank 1 died in torch.cuda.set_device with "invalid device ordinal". Now every
+    rank stops before the process group starts, the first with the reason in the user's terms."""
+    common = _scripts_module("_common")
+    said = common.gpu_shortage(processes=2, gpus=1, visible=None)
+    assert "2 processes on this machine, but 1 GPU(s) visible" in said and "--nproc-per-node 1" in said
+    assert common.gpu_shortage(processes=2, gpus=2, visible="0,1") is None
+
+
+def test_the_naive_split_says_where_its_halves_run():
+    """One GPU: both halves on cuda:0, said (it trained on the CPU without a word); none: the CPU, and why."""
+    naive = _scripts_module("train_naive_split")
+    assert naive.split_devices(2, False) == ([0, 1], "naive split: first half on cuda:0, second half on cuda:1")
+    devices, said = naive.split_devices(1, False)
+    assert devices == [0, 0] and "both halves on cuda:0" in said
+    devices, said = naive.split_devices(2, True)
+    assert devices == ["cpu", "cpu"] and "LAB_FORCE_CPU=1" in said
+
+
+@pytest.mark.parametrize("script, nproc", [("train_naive_split.py", 0), ("train_ddp.py", 2)])
+def test_master_weights_are_fp32_whatever_the_checkpoint_dtype(tmp_path, script, nproc):
+    """transformers 5 loads a half-precision checkpoint in its own dtype: the scripts trained bf16 master weights and
+    Adam state without a word, and an fp16 checkpoint with --autocast fp16 failed ("Attempting to unscale FP16
+    gradients"). They now load fp32 master weights (--dtype) and compute in the autocast dtype."""
+    from transformers import AutoModelForCausalLM
+
+    half = tmp_path / "fp16-checkpoint"
+    model = AutoModelForCausalLM.from_config(hf_config("llama", n_layers=2, hidden=32, heads=4, vocab=64, seq_len=16,
+                                                       kv_heads=2))
+    model.to(torch.float16).save_pretrained(half)
+    losses = _run(script, nproc, half, tmp_path / "out", "--autocast", "fp16")
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert {p.dtype for p in saved.parameters()} == {torch.float32}

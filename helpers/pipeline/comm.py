@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from helpers.runtime.strict import plain_backend
+
 SENDABLE = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 DTYPES = {v: k for k, v in SENDABLE.items()}
 AUTO = "auto"  # send in the dtype the stage computed: exact, whatever the model's precision
@@ -99,7 +101,7 @@ def _sync(device: torch.device) -> None:
 def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) -> None:
     """One message as the process engine sends it: one `batch_isend_irecv` on the rank's device (NCCL), or staged
     through host memory when the backend is gloo (the CPU rig; two ranks sharing one GPU)."""
-    wire = buf if dist.get_backend() == "nccl" else buf.to("cpu")
+    wire = buf if plain_backend() == "nccl" else buf.to("cpu")
     op = dist.P2POp(dist.isend if sending else dist.irecv, wire, peer)
     for work in dist.batch_isend_irecv([op]):
         work.wait()
@@ -129,7 +131,7 @@ def process_links(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
     DDP averages a gradient bucket)."""
     from helpers.runtime.launch import rank_device
 
-    rank, device, backend = dist.get_rank(), rank_device(), dist.get_backend()
+    rank, device, backend = dist.get_rank(), rank_device(), plain_backend()
     staged = "" if backend == "nccl" else ", through host memory" if device.type == "cuda" else ""
     peer = 1 - rank
     warm = torch.zeros(1, device=device)

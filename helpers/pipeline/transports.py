@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from helpers.pipeline.comm import CopyStreams, Transfer, Wire, send_to
 from helpers.pipeline.interpreter import Message
+from helpers.runtime.strict import plain_backend
 from helpers.timeline import Recorder
 
 
@@ -103,7 +104,7 @@ class P2PTransport:
                  recorder: Recorder, overlap: bool = True):
         self.group, self.stage, self.shapes, self.wire = group, stage, shapes, wire
         self.device, self.rec, self.overlap = device, recorder, overlap
-        self.wire_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+        self.wire_device = torch.device("cpu") if plain_backend(group) == "gloo" else device
         self.in_flight: list[tuple[torch.Tensor, object]] = []  # (tensor, work): kept alive until sent
 
     def _ops(self, sends, recvs) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:

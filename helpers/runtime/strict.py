@@ -77,3 +77,11 @@ def enter_device_strict_mode() -> None:
     create their tensors with device= anyway). Call before the rank builds anything."""
     refuse_stand_in_collectives()
     torch.set_default_device(STAND_IN)
+
+
+def plain_backend(group=None) -> str:
+    """The library carrying `group`'s tensors ('gloo', 'nccl'), whether the group was created for every device type
+    ('gloo') or for one ('cpu:gloo', as device-strict ranks create it)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)).split(",")[0].split(":")[-1]

@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 
 from helpers.runtime.launch import rank_device
+from helpers.runtime.strict import plain_backend
 
 
 def whoami() -> dict:
     """Each rank reports what it was given: rank, world size, backend, device, intra-op threads."""
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": plain_backend(),
             "device": str(rank_device()), "threads": torch.get_num_threads(), "pid": os.getpid()}
 
 
