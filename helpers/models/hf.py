@@ -151,8 +151,8 @@ def _build_context(config, batch: int, q_length: int, device: torch.device, dtyp
     for kind in sorted({attention_kind(config, i) for i in range(config.num_hidden_layers)}):
         # Default positions are a plain arange, in which Hugging Face's packed-sequence detection finds nothing:
         # passing only given ones keeps the result and lets the mask be built on the meta device.
-        masks[kind] = makers[kind](config=config, inputs_embeds=shape_only, attention_mask=attention_mask,
-                                   cache=cache, position_ids=position_ids,
+        # The cache goes fourth by position: transformers 5.17 names it past_key_values, 5.25 cache.
+        masks[kind] = makers[kind](config, shape_only, attention_mask, cache, position_ids=position_ids,
                                    layer_idx=_cache_layer(cache, kind) if cache is not None else None)
     return HFContext(position_ids if position_ids is not None else _positions(q_length, device, past), masks, cache)
 
