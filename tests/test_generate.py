@@ -7,10 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.inference.generate import (Generation, LayerSplit, OneDevice, Pipelined, Request, StageSpec, Stopping,
-                                        Throughput, left_pad, make_requests, measure, merge, plan_for_rig,
+                                        Throughput, left_pad, load_hf, make_requests, measure, merge, plan_for_rig,
                                         plot_generation_timelines, same_tokens, stages_from_cuts,
                                         stages_from_device_map, stopping_for, throughput_rows, throughput_table)
 from helpers.inference.tensor_parallel import check_shardable, run_tensor_parallel, tensor_parallel_support
+from helpers.runtime.launch import run
 from helpers.models import hf_config, save_hf_model
 from helpers.runtime.rig import cpu_rig
 from helpers.timeline import Event
@@ -113,6 +114,21 @@ def test_tensor_parallel_equals_generate(llama, requests, reference):
     assert 0 <= tp.allreduce_share("decode") <= 1 and "all-reduces (2 per layer)" in tp.describe()
     parts = tp.decode_step_parts()
     assert parts["linears"] == 7 * 4 + 1 and parts["step_ms"] > 0 and tp.decode_forwards == forwards - len(requests)
+
+
+def test_tensor_parallel_ranks_never_hold_the_whole_model(llama):
+    """Each rank builds the model on the meta device, shards it there and reads only its own half of each sharded
+    matrix: before, every rank loaded the whole model onto its GPU first, so a model too big for one card (the case
+    tensor parallelism exists for) ran out of memory while loading."""
+    from helpers.models.hf import read_tensors
+    from tests.workers import tensor_parallel_shards
+
+    ranks = run(tensor_parallel_shards, llama.path, rig=RIG)
+    whole = read_tensors(llama.path, ["model.layers.0.self_attn.q_proj.weight"])
+    full_bytes = sum(p.numel() * p.element_size() for p in load_hf(llama).parameters())
+    assert all(r["bytes"] < 0.8 * full_bytes for r in ranks)
+    assert torch.equal(torch.cat([r["q"] for r in ranks]), whole["model.layers.0.self_attn.q_proj.weight"])
+    assert ranks[0]["shapes"]["model.layers.0.mlp.down_proj.weight"][1] * 2 == llama.config.intermediate_size
 
 
 def test_refusals_in_the_users_terms(llama, tmp_path):

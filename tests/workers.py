@@ -86,3 +86,20 @@ def rank_defaults() -> dict:
     import torch
 
     return {"default_device": str(torch.empty(1).device), "backend": str(dist.get_backend())}
+
+
+def tensor_parallel_shards(path: str) -> dict:
+    """What a tensor-parallel rank holds after `load_sharded`: each parameter's local shape, its bytes in all, and
+    its half of the first query projection."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers.inference.tensor_parallel import load_sharded
+    from helpers.models.hf import HFModel
+    from helpers.runtime.launch import rank_device
+
+    device = rank_device()
+    hf = load_sharded(HFModel(path), init_device_mesh(device.type, (dist.get_world_size(),)), device)
+    local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in hf.named_parameters()}
+    return {"shapes": {n: tuple(t.shape) for n, t in local.items()},
+            "bytes": sum(t.numel() * t.element_size() for t in local.values()),
+            "q": local["model.layers.0.self_attn.q_proj.weight"].detach().cpu().clone()}

@@ -9,8 +9,10 @@ they carry a few KiB, so their latency, not their size, is what they cost. The h
 replicated output (each device computes half the vocabulary's logits, then one all-gather); the embedding and the
 norms are replicated. Each device's KV cache holds its own heads: half the cache.
 
-Each rank loads the checkpoint with `from_pretrained`, moves it to its device and shards it; Hugging Face's own
-`generate` then runs unchanged on every rank, in lock step (both ranks see the same logits, so they stop together).
+Each rank builds the model on the meta device, shards it there, and reads from the checkpoint only its own half of
+each sharded matrix (and the replicated rest) onto its device (`load_sharded`): no rank ever holds the whole model, so
+a model that does not fit one card loads, the case tensor parallelism exists for. Hugging Face's own `generate` then
+runs unchanged on every rank, in lock step (both ranks see the same logits, so they stop together).
 Runs through `helpers.runtime.launch.run`: gloo on the CPU rig, NCCL on two GPUs; refused (before any process starts)
 where it cannot run.
 """
@@ -24,8 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from helpers.inference.generate import (Generation, Request, Stopping, Throughput, hf_generate, load_hf,
-                                        stopping_for)
+from helpers.inference.generate import Generation, Request, Stopping, Throughput, hf_generate, stopping_for
 from helpers.models.hf import HFModel
 from helpers.timeline import Event, Recorder
 from helpers.training.support import Support
@@ -53,6 +54,34 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     if model.lm_head.weight is not model.get_input_embeddings().weight:  # a tied head stays whole with its embedding
         parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return model
+
+
+def load_sharded(model: HFModel, mesh, device: torch.device) -> nn.Module:
+    """`model` tensor-parallel over `mesh` (see the module's docstring), this rank's parameters on `device`: built and
+    sharded on the meta device, then each parameter read from the checkpoint, a sharded one only its own chunk."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from helpers.models.hf import _as_dtype, read_tensors
+
+    hf = model.skeleton()
+    apply_tensor_parallel(hf, mesh)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    params = dict(hf.named_parameters())  # a tied head is the embedding's parameter, listed once
+    slices = {name: (p.placements[0].dim, rank, world) for name, p in params.items()
+              if isinstance(p, DTensor) and isinstance(p.placements[0], Shard)}
+    tensors = read_tensors(model.path, params, slices)
+    for name, p in params.items():
+        local = _as_dtype(tensors[name], model.weights_dtype).to(device)
+        if isinstance(p, DTensor):
+            local = DTensor.from_local(local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        owner, _, attr = name.rpartition(".")
+        setattr(hf.get_submodule(owner), attr, nn.Parameter(local, requires_grad=False))
+    for owner, module in hf.named_modules():
+        for attr, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, attr, buf.to(device))
+    if model.tied:
+        hf.lm_head.weight = hf.get_input_embeddings().weight
+    return hf.eval()
 
 
 def check_shardable(config, world: int = 2) -> None:
@@ -172,9 +201,8 @@ def tensor_parallel_rank(path: str, attn: str, dtype: torch.dtype | None, reques
     device = rank_device()
     model = HFModel(path, attn, dtype)
     check_shardable(model.config, world)
-    hf = load_hf(model, device)
     mesh = init_device_mesh(device.type, (world,))
-    apply_tensor_parallel(hf, mesh)
+    hf = load_sharded(model, mesh, device)
     recorder = Recorder(rank, device)
     per_forward = _record_allreduces(hf, recorder)
     runs = []

@@ -312,8 +312,27 @@ def _checkpoint_index(path: Path) -> dict[str, str]:
         return {name: single.name for name in f.keys()}
 
 
-def read_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Exactly the tensors `names` of a safetensors checkpoint, each file opened once; nothing else is read."""
+Slice = tuple[int, int, int]  # (dimension, part, parts): part `part` of `parts` equal chunks along `dimension`
+
+
+def _read(handle, name: str, piece: Slice | None) -> torch.Tensor:
+    """Tensor `name` of an open safetensors file, or only one chunk of it (safetensors reads just those bytes)."""
+    if piece is None:
+        return handle.get_tensor(name)
+    dim, part, parts = piece
+    view = handle.get_slice(name)
+    size = view.get_shape()[dim]
+    if size % parts:
+        raise ValueError(f"{name}: {size} rows along dimension {dim} do not split into {parts} equal parts")
+    step = size // parts
+    index = (slice(None),) * dim + (slice(part * step, (part + 1) * step),)
+    return view[index]
+
+
+def read_tensors(path: str | Path, names: Iterable[str],
+                 slices: Mapping[str, Slice] | None = None) -> dict[str, torch.Tensor]:
+    """Exactly the tensors `names` of a safetensors checkpoint, each file opened once; nothing else is read. With
+    `slices`, only the given chunk of those tensors (a tensor-parallel rank's shard)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -324,9 +343,9 @@ def read_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tens
             raise ValueError(f"the checkpoint in {path} has no tensor {name!r}")
         by_file.setdefault(where[name], []).append(name)
     out = {}
-    for file, wanted in by_file.items():
-        with safe_open(path / file, framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in wanted})
+    for file, wanted in by_file.items():  # read on the host, whatever the caller's default device
+        with torch.device("cpu"), safe_open(path / file, framework="pt", device="cpu") as f:
+            out.update({name: _read(f, name, (slices or {}).get(name)) for name in wanted})
     return out
 
 
@@ -398,6 +417,15 @@ class HFModel:
                 torch.device("cpu" if real_buffers else "meta"):
             return AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
                                                     dtype=self.weights_dtype)
+
+    def skeleton(self) -> nn.Module:
+        """The whole Hugging Face model with its parameters on the meta device and its buffers computed on the host,
+        tied as the checkpoint is: for engines that shard the original module (tensor parallelism) and then load
+        each parameter's own part with `read_tensors`."""
+        model = self._skeleton(real_buffers=True)
+        if self.tied:
+            model.lm_head.weight = model.get_input_embeddings().weight
+        return model
 
     def meta_layers(self) -> list[nn.Module]:
         return list(hf_layers(self._skeleton(real_buffers=False)))
