@@ -19,6 +19,7 @@ from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline
 from helpers.runtime.rig import claim_cpu_device
 from helpers.timeline import PHASES, Event, Recorder, busy_fraction, median_phases, phase_seconds
+from helpers.training.support import support
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -296,6 +297,21 @@ def _caller_seconds(run: PipelineRun) -> float:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
+PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
+                ("1f1b", "torch"), ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
+                ("dp_x_pp", "processes"))  # the bench's multi-process rows, as (strategy, engine) of the support matrix
+
+
+def bench_refusals(rig) -> dict[tuple[str, str], str]:
+    """The bench's multi-process rows this rig cannot run, with the support matrix's reason: left out of the run
+    (one GPU: torch's pipelining and FSDP2; fewer than 4 GPUs: DP x PP), instead of stopping it with nothing
+    written."""
+    out = {}
+    for strategy, engine in PROCESS_ROWS:
+        verdict = support(rig, strategy, engine, 4 if strategy == "dp_x_pp" else 2)
+        if not verdict.ok:
+            out[(strategy, engine)] = verdict.reason
+    return out
 
 
 def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
@@ -335,6 +351,8 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
     jobs += [(s, "torch", s, m, True) for m in config.torch_microbatches for s in ("gpipe", "1f1b")]
+    refused = bench_refusals(rig)
+    jobs = [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
     results = run_in_rounds(
         {j: (lambda j=j: run_training(TrainJob(config.cfg, pp=2, boundaries=tuple(cut), schedule=j[2],
                                                microbatches=j[3], batch=config.batch, engine=j[1], overlap=j[4],
@@ -401,14 +419,16 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
     rows = []
     dp_job = lambda s: TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch, steps=config.steps,  # noqa: E731
                                 optimizer="adam")
-    results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in ("ddp", "zero1", "fsdp2")},
+    refused = bench_refusals(rig)
+    strategies = [s for s in ("ddp", "zero1", "fsdp2") if (s, "processes") not in refused]
+    results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in strategies},
                             config.rounds, "data parallel", progress,
                             around=(lambda s: timer.sample(config.batch // 2, s)) if timer else None)
     for strategy, got in results.items():
         rows.append(BenchRow(strategy, "torch", "processes", None, got.step_s, got.last.events,
                              [m.activations for m in got.last.memory], optimizer="adam", reference="single_adam",
                              spread=got.spread, measured_phase_s=got.phase_s, calibration_key=strategy))
-    if rig.is_cpu or torch.cuda.device_count() >= 4:
+    if ("dp_x_pp", "processes") not in refused:
         m = DP_X_PP_MICROBATCHES(config)
         results = run_in_rounds({"dp_x_pp": lambda: run_training(
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
@@ -531,9 +551,10 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
     out.mkdir(parents=True, exist_ok=True)
     reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
     dicts = [r.as_dict(config.batch, reference[r.reference]) for r in rows]
+    refused = {f"{s} ({e})": why for (s, e), why in bench_refusals(rig).items()}
     (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
                                                 "model": repr(config.cfg), "rows": dicts, **(extras or {}),
-                                                "calibration": calibration or {}}, indent=2))
+                                                "calibration": calibration or {}, "not_run_here": refused}, indent=2))
     for r in rows:
         m = f", m={r.microbatches}" if r.microbatches else ""
         ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}{m})")
@@ -668,6 +689,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
     missed = misses(dicts) + [line for name, extra_rows in extras.items() for line in misses(extra_rows, "split")]
     print(f"\npredictions outside {TARGET:.0%} or excluded: " + ("none" if not missed else "\n" + "\n".join(missed)))
+    refused = bench_refusals(rig)
+    if refused:
+        print("\nnot run on this rig:\n" + "\n".join(f"  {s} ({e}): {why}" for (s, e), why in refused.items()))
     print("\n" + load.describe())
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")

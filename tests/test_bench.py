@@ -254,3 +254,28 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
     assert rig.with_thread_slowdown(None) is rig
     changed = rig.with_thread_slowdown(1.25)
     assert changed.thread_cores.slowdown == 1.25 and changed.process_cores.slowdown == 1.05
+
+
+def test_the_bench_leaves_out_what_the_rig_refuses():
+    """On one GPU the bench queued torch's pipelining and FSDP2 unconditionally; the support check refused them
+    there and the whole run stopped with nothing written. It now leaves them out, with the reason."""
+    from helpers.bench import PROCESS_ROWS, bench_refusals
+    from helpers.training.support import reference_rigs
+
+    rigs = reference_rigs()
+    assert bench_refusals(rigs["CPU (2 cores)"]) == {}
+    one = bench_refusals(rigs["one GPU"])
+    assert set(one) == {("gpipe", "torch"), ("1f1b", "torch"), ("fsdp2", "processes"), ("dp_x_pp", "processes")}
+    assert all("NCCL refuses two ranks on one GPU" in why for key, why in one.items() if key[0] != "dp_x_pp")
+    assert set(bench_refusals(rigs["two GPUs"])) == {("dp_x_pp", "processes")}
+    assert set(one) <= set(PROCESS_ROWS)
+
+
+def test_one_gpu_calibration_measures_only_what_gloo_carries_for_cuda():
+    """Two ranks on one GPU talk over gloo, which runs only all-reduce and broadcast on CUDA tensors: the calibration
+    measured all-gather and reduce-scatter there too (and FSDP2's host work), and failed."""
+    from helpers.training.support import carries
+
+    assert [k for k in ("allgather", "reducescatter", "broadcast") if carries("gloo", "cuda", k)] == ["broadcast"]
+    assert all(carries(b, d, k) for b, d in (("gloo", "cpu"), ("nccl", "cuda"))
+               for k in ("allgather", "reducescatter", "broadcast", "allreduce"))

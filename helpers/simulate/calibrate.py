@@ -390,6 +390,9 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     return max(0.0, extra / (len(gathers) + len(units)))
 
 
+COLLECTIVE_KINDS = ("allgather", "reducescatter", "broadcast")  # measured besides the link benchmark's all-reduce
+
+
 def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int,
                                sizes: Sequence[int], repeats: int) -> dict:
     """Rank worker, two ranks: (1) forward + backward timed on each rank alone (the other waits), then on both at
@@ -401,6 +404,8 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
 
     from helpers.pipeline.comm import timed_across_ranks
     from helpers.runtime.launch import rank_device
+    from helpers.runtime.strict import plain_backend
+    from helpers.training.support import carries
 
     device = rank_device()
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -427,19 +432,22 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
         pair = torch.tensor([alone, together], dtype=torch.float64, device=device)  # NCCL: cuda tensors only
         dist.all_reduce(pair)
         ratios.append(float(pair[1] / pair[0]))
-    samples: dict[str, tuple[list[int], list[float]]] = {k: ([], []) for k in ("allgather", "reducescatter",
-                                                                               "broadcast")}
+    backend = plain_backend()
+    kinds = [k for k in COLLECTIVE_KINDS if carries(backend, device.type, k)]  # gloo on one GPU: broadcast only
+    samples: dict[str, tuple[list[int], list[float]]] = {k: ([], []) for k in kinds}
     for n in sizes:
         full = torch.zeros(n // 4 // world * world, device=device)
         shard = torch.zeros(full.numel() // world, device=device)
         for kind, fn in (("allgather", lambda: dist.all_gather_into_tensor(full, shard)),
                          ("reducescatter", lambda: dist.reduce_scatter_tensor(shard, full)),
                          ("broadcast", lambda: dist.broadcast(full, src=0))):
-            samples[kind][0].append(full.numel() * 4)
-            samples[kind][1].append(timed_across_ranks(fn, repeats, device))
+            if kind in samples:
+                samples[kind][0].append(full.numel() * 4)
+                samples[kind][1].append(timed_across_ranks(fn, repeats, device))
+    sharded = all(k in samples for k in ("allgather", "reducescatter"))  # else FSDP2 cannot run on this rig
     return {"ratios": ratios, "collectives": samples,
             "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5)),
-            "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, 5))}
+            "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, 5)) if sharded else 0.0}
 
 
 def process_calibration(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
@@ -543,8 +551,10 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
     samples = link_benchmark(rig, sizes, repeats)
     p2p, allreduce, threads_link = links_from_samples(samples)
     measured = process_calibration(rig, model, x, y, loss_fn, sizes, rounds, repeats)
-    fits = {kind: fit_link(*measured["collectives"][kind], name=kind) for kind in ("allgather", "reducescatter",
-                                                                                 "broadcast")}
+    # a collective the backend cannot run here (gloo on one GPU: all-gather, reduce-scatter) is never simulated on
+    # this rig (FSDP2 and ZeRO-2 are refused there): it keeps the all-reduce's fit, by name only
+    fits = {kind: fit_link(*measured["collectives"][kind], name=kind) if kind in measured["collectives"] else
+            replace(allreduce, name=f"{kind} (not measured: not run on this rig)") for kind in COLLECTIVE_KINDS}
     fits["broadcast"] = replace(fits["broadcast"], latency_s=measured["broadcast_message_s"])
     backend = allreduce.name.split("(")[-1].rstrip(")") if "(" in allreduce.name else "measured"
     collectives = Collectives(replace(allreduce, name="allreduce"), fits["allgather"], fits["reducescatter"],

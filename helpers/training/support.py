@@ -17,6 +17,15 @@ STRATEGIES = (*PIPELINE_STRATEGIES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp")
 ENGINES = ("threads", "processes", "torch")
 
 GLOO_CUDA = ("gloo cannot carry CUDA tensors for {what} ({source}), and NCCL refuses two ranks on one GPU")
+# The collectives gloo runs on CUDA tensors (the backend table of PyTorch's distributed docs: broadcast and
+# all_reduce only): what two ranks sharing one GPU can use.
+GLOO_CUDA_COLLECTIVES = ("allreduce", "broadcast")
+
+
+def carries(backend: str, device_type: str, collective: str) -> bool:
+    """Whether `backend` runs `collective` ('allreduce', 'allgather', 'reducescatter', 'broadcast') on tensors of
+    `device_type`: NCCL and gloo on CPU tensors run them all; gloo on CUDA tensors only GLOO_CUDA_COLLECTIVES."""
+    return not (backend == "gloo" and device_type == "cuda" and collective not in GLOO_CUDA_COLLECTIVES)
 
 
 @dataclass(frozen=True)
