@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None,
                         help=f"weight format: {', '.join(known_formats())} (or 4bit, 8bit); default fp16 (inference); "
                              "with --train the frozen base's format, default bf16 (full, lora) or nf4 (qlora)")
-    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence: prompt + generated")
+    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence: prompt + generated (with --train: the training sequence length)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--gpus", default="2 x RTX 3090",
                         help="e.g. '2 x RTX 3090', 'RTX 3090, RTX 4090', 'RTX 5090=32GiB', '2x24GiB'")
@@ -68,7 +68,8 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--precision", help="mixed (fp32 optimizer, the default) or pure (all in bf16)")
     train.add_argument("--grad-accum", type=int,
                        help="micro-batches per optimizer step (default 1; pipeline: one per stage)")
-    train.add_argument("--host-ram", help="host memory to check CPU offload against, e.g. 128GiB (default: report only)")
+    train.add_argument("--host-ram",
+                       help="host memory to check CPU offload against, e.g. 128GiB (default: report only)")
 
 
 def _train(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

@@ -33,7 +33,8 @@ master copy and moments, ZeRO's 16 bytes per parameter; LoRA outside FSDP2: peft
 everything in the compute dtype (answer.ai's --precision bf16).
 
 Attention is assumed to run a fused SDPA kernel (flash or memory-efficient: no context x context scores saved) on
-unpadded sequences; the activation model knows Llama-style decoders (q/k/v/o_proj, gate/up/down_proj), which every
+unpadded sequences (no attention mask: packed or equal-length batches, so transformers lets SDPA handle GQA without
+repeating K and V); the activation model knows Llama-style decoders (q/k/v/o_proj, gate/up/down_proj), which every
 bundled model is.
 """
 from __future__ import annotations
@@ -513,7 +514,8 @@ class TrainingPlan:
                  table(self.rows())]
         for d in self.devices:
             estimates = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.workspace.items())
-            constants = f"quantization constants {fmt_bytes(d.constants_bytes)} (in frozen); " if d.constants_bytes else ""
+            constants = f"quantization constants {fmt_bytes(d.constants_bytes)} (in frozen); " \
+                if d.constants_bytes else ""
             lines.append(f"{d.label}: activations {fmt_bytes(d.activations_checkpointed_bytes)} with checkpointing, "
                          f"{fmt_bytes(d.activations_full_bytes)} without; {constants}optimizer step temporaries "
                          f"{fmt_bytes(d.step_bytes)}; workspace (estimates): {estimates or '-'}")
@@ -618,44 +620,62 @@ def _sharded(tensors: Sequence[int], shards: int) -> list[int]:
     return [math.ceil(n / shards) for n in tensors]
 
 
+@dataclass(frozen=True)
+class _Bytes:
+    """Bytes per value the plan uses for one request (see the module docstring's precision paragraph)."""
+
+    compute: int  # activations, and the weights FSDP2 all-gathers
+    state: int  # the optimizer's parameters and moments: fp32 ("mixed") or the compute dtype ("pure")
+    held: int  # the trainable weights as the model keeps them (and so their gradients outside FSDP2)
+    grad: int  # a gradient value: FSDP2 reduce-scatters into reduce_dtype shards (the state dtype)
+
+    @classmethod
+    def of(cls, request: TrainingRequest, shape: TrainShape) -> "_Bytes":
+        a = shape.compute_bytes
+        state = training_data()["precision"][request.precision]["state_bytes"] or a
+        fsdp = request.strategy == "fsdp2"
+        held = a if shape.method == "full" and not fsdp else state  # full, replicated: 16-bit weights + fp32 master
+        return cls(a, state, held, state if fsdp else held)
+
+    def adapters_in_forward(self, request: TrainingRequest) -> int:
+        """FSDP2 all-gathers the adapters in param_dtype; elsewhere the forward sees them as they are held."""
+        return self.compute if request.strategy == "fsdp2" else self.held
+
+
 def _gpu(request: TrainingRequest, shape: TrainShape, device: int, units: list[int], in_flight: int,
          first_stage: bool, last_stage: bool) -> GpuTraining:
-    """One GPU's parts for the units it holds (all of them, sharded or not, for DDP and FSDP2; a stage's)."""
-    a = shape.compute_bytes
-    fsdp = request.strategy == "fsdp2"
-    shards = len(request.gpus) if fsdp else 1
-    state = training_data()["precision"][request.precision]["state_bytes"] or a
-    holds = a if (shape.method == "full" and not fsdp) else state  # the trainable weights as the model keeps them
+    """One GPU's parts for the units it holds (all of them for DDP and FSDP2, sharded 1/N by FSDP2; a stage's)."""
+    size = _Bytes.of(request, shape)
+    shards = len(request.gpus) if request.strategy == "fsdp2" else 1
     mine = [shape.units[k] for k in units]
     tensors = _sharded([n for u in mine for n in u.trainable], shards)
     trainable = sum(tensors)
-    packed = math.ceil(sum(u.packed_bytes for u in mine) / shards)
-    constants = sum(u.constants_bytes for u in mine)
-    buffers = sum(u.buffer_bytes for u in mine)
-    weights = trainable * holds
-    grads = trainable * (state if fsdp else holds) * (2 if request.strategy == "ddp" else 1)
-    optimizer = _moment_bytes(tensors, state, request.optimizer) + (trainable * state if holds != state else 0)
-    step = training_data()["optimizers"][request.optimizer]["step_temporaries"] * trainable * state
-
-    decoder_idx = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
-    layers = [decoder_idx.index(k) for k in units if k in decoder_idx]
-    adapter = a if fsdp else holds
-    kw = dict(compute_bytes=a, adapter_bytes=adapter, layers=layers, embedding=first_stage, loss=last_stage)
-    with_ckpt = saved_activation_bytes(shape, request.context, request.batch, checkpointing=True, **kw)
-    without = saved_activation_bytes(shape, request.context, request.batch, checkpointing=False, **kw)
-    ckpt_bytes = with_ckpt.saved * in_flight + with_ckpt.recompute
-    full_bytes = without.saved * in_flight
-    workspace = _workspace(request, shape, mine, first_stage, last_stage)
-
+    parts = {"frozen_weights": math.ceil(sum(u.packed_bytes for u in mine) / shards),
+             "trainable_weights": trainable * size.held,
+             "gradients": trainable * size.grad * (2 if request.strategy == "ddp" else 1),  # DDP: + its buckets
+             "optimizer_state": _moment_bytes(tensors, size.state, request.optimizer)
+             + (trainable * size.state if size.held != size.state else 0),  # the fp32 master copy
+             "optimizer_step_temporaries":
+                 training_data()["optimizers"][request.optimizer]["step_temporaries"] * trainable * size.state}
     host = {}
-    if request.offload == "cpu":  # the shards, their gradients and the optimizer (and its step) move to the host
-        host = {"frozen_weights": packed, "trainable_weights": weights, "gradients": grads,
-                "optimizer_state": optimizer, "optimizer_step_temporaries": step}
-        packed = weights = grads = optimizer = step = 0
+    if request.offload == "cpu":  # the shards, their gradients and the optimizer (and its step) live on the host
+        host, parts = parts, dict.fromkeys(parts, 0)
+    whole = sum(u.constants_bytes + u.buffer_bytes for u in mine)  # never sharded, never offloaded
+
+    decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
+    options = dict(compute_bytes=size.compute, adapter_bytes=size.adapters_in_forward(request),
+                   layers=[decoders.index(k) for k in units if k in decoders], embedding=first_stage, loss=last_stage)
+    with_ckpt = saved_activation_bytes(shape, request.context, request.batch, checkpointing=True, **options)
+    without = saved_activation_bytes(shape, request.context, request.batch, checkpointing=False, **options)
+    checkpointed, full = with_ckpt.saved * in_flight + with_ckpt.recompute, without.saved * in_flight
+
     held = {"ddp": "all (a replica)", "fsdp2": f"all (1/{shards} of each)"}.get(request.strategy)
-    return GpuTraining(device, request.gpus[device], held or _span([u.name for u in mine]), packed + constants + buffers,
-                       constants, weights, grads, optimizer, ckpt_bytes if request.checkpointing else full_bytes,
-                       ckpt_bytes, full_bytes, workspace, step, host)
+    return GpuTraining(device, request.gpus[device], held or _span([u.name for u in mine]),
+                       parts["frozen_weights"] + whole, sum(u.constants_bytes for u in mine),
+                       parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
+                       checkpointed if request.checkpointing else full, checkpointed, full,
+                       _workspace(request, shape, size, mine, first_stage, last_stage),
+                       parts["optimizer_step_temporaries"], host)
 
 
 def _gathered_bytes(unit: Unit, a: int) -> int:
@@ -663,12 +683,11 @@ def _gathered_bytes(unit: Unit, a: int) -> int:
     return unit.packed_bytes + unit.trainable_params * a
 
 
-def _workspace(request: TrainingRequest, shape: TrainShape, mine: list[Unit], first_stage: bool,
+def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], first_stage: bool,
                last_stage: bool) -> dict:
     """Transient memory beside the saved activations, each an estimate named for what it is."""
-    a, b = shape.compute_bytes, shape.base
+    a, b = size.compute, shape.base
     tokens = request.context * request.batch
-    state = training_data()["precision"][request.precision]["state_bytes"] or a
     space = {"layer transient": activation_workspace_bytes(b, request.context, request.batch)}
     if last_stage:  # the logits the output holds, the gradient of the fp32 log-softmax and of its input
         space["logits"] = tokens * b.vocab * (a + 2 * FP32)
@@ -680,7 +699,7 @@ def _workspace(request: TrainingRequest, shape: TrainShape, mine: list[Unit], fi
         per_layer = training_data()["fsdp2"]["decoder_layers_in_flight"]
         space["gathered layers"] = per_layer * max(_gathered_bytes(u, a) for u in decoders)
         space["gathered root"] = sum(_gathered_bytes(u, a) for u in mine if u.kind != "decoder")
-        space["gradient reduce-scatter"] = max(u.trainable_params for u in decoders) * (a + state)
+        space["gradient reduce-scatter"] = max(u.trainable_params for u in decoders) * (a + size.grad)
     if request.strategy == "pipeline":
         boundaries = (not first_stage) + (not last_stage)
         space["stage boundary"] = boundaries * 2 * tokens * b.hidden * a  # the activation and its gradient
@@ -767,7 +786,7 @@ def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
     lighter = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(plan.shape.method, [])
     for method in lighter:
         out.append((f"{method} instead of {plan.shape.method}", f"--method {method}",
-                    dataclasses.replace(r, method=method, dtype=None)))
+                    dataclasses.replace(r, method=method, dtype=None if method == "qlora" else r.dtype)))
     best = _largest(lambda c: _fits(dataclasses.replace(r, context=c)), r.context - 1)
     if best:  # 0: not even one token fits
         out.append((f"context {best} tokens instead of {r.context}", f"--context {best}",
