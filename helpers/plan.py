@@ -1,10 +1,12 @@
-"""`python -m helpers.plan`: will a model fit on your GPUs for inference, and with which device_map?
+"""`python -m helpers.plan`: will a model fit on your GPUs for inference, and with which device_map? With --train:
+will a fine-tune fit, and if not, what would?
 
     python -m helpers.plan --model llama-2-13b --dtype fp16 --context 4096 --batch 1
     python -m helpers.plan --model llama-2-70b --dtype nf4 --gpus "RTX 3090, RTX 4090" --json
     python -m helpers.plan --compare          # the six bundled shapes: our plan vs accelerate's maps
+    python -m helpers.plan --train --model llama-2-70b --method qlora --context 2048 --batch 2 --offload cpu --json
 
-Only parses arguments and prints; the planning lives in helpers.inference.plan.
+Only parses arguments and prints; the planning lives in helpers.inference.plan and helpers.finetune.memory_plan.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import argparse
 import json
 import sys
 
+from helpers.finetune.memory_plan import (METHODS, STRATEGIES, default_lora_rank, known_optimizers,
+                                         plan_training)
 from helpers.inference.plan import (LOGITS_MODES, DoesNotFit, describe_gpus, known_formats, known_models,
-                                    parse_gpus, plan)
+                                    parse_gpus, parse_size, plan)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,8 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="llama-2-13b",
                         help=f"a bundled model ({', '.join(known_models())}), its Hugging Face id, or a local "
                              "directory with a config.json")
-    parser.add_argument("--dtype", default="fp16", help=f"weight format: {', '.join(known_formats())} (or 4bit, 8bit)")
-    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence: prompt + generated")
+    parser.add_argument("--dtype", default=None,
+                        help=f"weight format: {', '.join(known_formats())} (or 4bit, 8bit); default fp16 (inference); "
+                             "with --train the frozen base's format, default bf16 (full, lora) or nf4 (qlora)")
+    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence: prompt + generated (with --train: the training sequence length)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--gpus", default="2 x RTX 3090",
                         help="e.g. '2 x RTX 3090', 'RTX 3090, RTX 4090', 'RTX 5090=32GiB', '2x24GiB'")
@@ -36,13 +42,61 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true",
                         help="our plan vs accelerate's balanced / balanced_low_0 / sequential maps on the bundled "
                              "shapes (ignores --model, --dtype and --context)")
+    _training_arguments(parser)
     return parser
+
+
+TRAINING_FLAGS = ("method", "strategy", "offload", "checkpointing", "lora_rank", "lora_targets", "optimizer",
+                  "precision", "grad_accum", "host_ram")
+
+
+def _training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --train flags; all default to None so that giving one without --train is refused."""
+    train = parser.add_argument_group(
+        "fine-tuning (--train)", "per-GPU memory of a training step: frozen and trainable weights, gradients, "
+        "optimizer state, activations, workspace and reserve (helpers.finetune.memory_plan)")
+    train.add_argument("--train", action="store_true", help="plan a fine-tune instead of inference")
+    train.add_argument("--method", help=f"{', '.join(METHODS)} (default qlora)")
+    train.add_argument("--strategy", help=f"{', '.join(STRATEGIES)} (default fsdp2; pipeline: one stage per GPU)")
+    train.add_argument("--offload", help="none or cpu (FSDP2's CPUOffloadPolicy; default none)")
+    train.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                       help="activation checkpointing on every decoder layer (default on)")
+    train.add_argument("--lora-rank", type=int, help=f"LoRA rank (default {default_lora_rank()}, QLoRA's)")
+    train.add_argument("--lora-targets", help="all (every decoder linear, the default), attention (q, k, v, o), or "
+                                              "module names: q_proj,v_proj")
+    train.add_argument("--optimizer", help=f"{', '.join(known_optimizers())} (default adamw: fp32 moments)")
+    train.add_argument("--precision", help="mixed (fp32 optimizer, the default) or pure (all in bf16)")
+    train.add_argument("--grad-accum", type=int,
+                       help="micro-batches per optimizer step (default 1; pipeline: one per stage)")
+    train.add_argument("--host-ram",
+                       help="host memory to check CPU offload against, e.g. 128GiB (default: report only)")
+
+
+def _train(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Plan a fine-tune and print it; exit 1 when it does not fit (the plan lists what would)."""
+    if ns.compare:
+        parser.error("--compare compares inference maps; leave it out with --train")
+    options = {key: getattr(ns, key) for key in TRAINING_FLAGS if getattr(ns, key) is not None}
+    if "host_ram" in options:
+        options["host_ram_bytes"] = parse_size(options.pop("host_ram"))
+    result = plan_training(ns.model, context=ns.context, batch=ns.batch, gpus=ns.gpus, dtype=ns.dtype, **options)
+    print(json.dumps(result.as_dict()) if ns.json else result.describe())
+    if not result.fits:
+        print(f"error: {result.shape.name} ({result.shape.method}) does not fit on {describe_gpus(result.request.gpus)}"
+              "; the plan lists what would", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     ns = parser.parse_args(argv)
+    if not ns.train:
+        given = [f"--{key.replace('_', '-')}" for key in TRAINING_FLAGS if getattr(ns, key) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} plan a fine-tune: add --train")
     try:
+        if ns.train:
+            return _train(parser, ns)
         gpus = parse_gpus(ns.gpus)
         if ns.compare:
             from helpers.inference.compare import compare_with_accelerate, comparison_table
@@ -55,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{'whole prompt' if ns.logits == 'prompt' else 'last position'}:")
                 print(comparison_table(rows))
             return
-        placement = plan(ns.model, ns.dtype, ns.context, ns.batch, gpus, ns.logits)
+        placement = plan(ns.model, ns.dtype or "fp16", ns.context, ns.batch, gpus, ns.logits)
     except DoesNotFit as err:
         if ns.json:
             print(json.dumps(err.as_dict()))
