@@ -1,29 +1,54 @@
-"""The doctor on this rig: every check PASS or REFUSED with a reason, and README's support matrix is the real one."""
+"""The doctor on this rig: every check PASS or REFUSED with a reason, every section guarded, and README's support
+matrix is the real one."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers.training.support import support_markdown
+import pytest
+
+from helpers.doctor import guarded, shm_verdict
+from helpers.training.support import reference_rigs, support_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.full
 def test_doctor_passes_or_refuses_with_a_reason(tmp_path):
     out = tmp_path / "doctor.json"
     proc = subprocess.run([sys.executable, "-m", "helpers.doctor", "--json", str(out), "--repeats", "2"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     statuses = {c["name"]: c["status"] for c in report["checks"]}
     assert set(statuses.values()) <= {"PASS", "REFUSED"}
     assert all(c["detail"] for c in report["checks"] if c["status"] == "REFUSED"), "a refusal says why"
     for name in ("threads: 1F1B m=4", "processes: 1F1B m=4", "torch: 1F1B m=4", "processes: fsdp2",
-                 "processes: DP x PP 2 x 2, 1F1B"):
+                 "processes: DP x PP 2 x 2, 1F1B", "system: /dev/shm for NCCL", "script: train_naive_split.py",
+                 "script: train_fsdp2.py on 2 ranks", "script: train_dp_x_pp.py on 4 ranks",
+                 "bench: calibration in its ranks"):
         assert statuses[name] == "PASS", name
     paths = {link["path"] for link in report["links"]}
     assert any("point-to-point" in p for p in paths) and any("all-reduce" in p for p in paths)
     assert all(link["GB/s"] > 0 and link["latency_us"] >= 0 for link in report["links"])
+
+
+def test_a_failing_section_is_a_fail_row_not_a_crash():
+    """One NCCL failure in the link benchmark killed the doctor before its table; every section is now guarded."""
+    def broken():
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    (row,) = guarded("links: point-to-point and all-reduce", broken)
+    assert row.status == "FAIL" and "unhandled system error" in row.detail
+    assert guarded("fine", lambda: "measured")[0].status == "PASS"
+
+
+def test_docker_default_shm_fails_with_the_fix_on_two_gpus():
+    rigs = reference_rigs()
+    small = shm_verdict(rigs["two GPUs"], 64 * 2**20)
+    assert small.status == "FAIL" and "--shm-size" in small.detail
+    assert shm_verdict(rigs["two GPUs"], 8 * 2**30).status == "PASS"
+    assert shm_verdict(rigs["CPU (2 cores)"], 64 * 2**20).status == "PASS"  # gloo does not use it
 
 
 def test_readme_shows_the_support_matrix_the_code_enforces():
