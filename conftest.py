@@ -1,7 +1,47 @@
 """Test-wide settings, inherited by the notebook kernels and every rank the tests start: widgets print static
 snapshots; ranks run device-strict (helpers.runtime.strict: a tensor made without device= fails a collective, as
-under NCCL)."""
+under NCCL).
+
+Two tiers. `pytest` runs the fast tier, which proves an install in minutes: the unit tests of every module, each
+engine and strategy once against one device on a tiny model, and notebook 00. `pytest --full` runs everything: every
+notebook, the slow parity matrices, the launcher's fault tests, the scripts, the doctor and the bench. A test joins
+the full tier with `@pytest.mark.full`; a notebook joins the fast tier by being listed in FAST_NOTEBOOKS.
+"""
 import os
+
+import pytest
 
 os.environ.setdefault("LAB_STATIC_WIDGETS", "1")
 os.environ.setdefault("LAB_DEVICE_STRICT", "1")
+
+FAST_NOTEBOOKS = {"00_start_here.ipynb"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the full tier too: every notebook, the slow parity matrices, the launcher's fault tests, "
+                          "the scripts, the doctor and the bench (README: Tests)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: runs only with --full (the full tier)")
+
+
+def _is_full(item) -> bool:
+    path = getattr(item, "path", None)
+    notebook = path is not None and path.suffix == ".ipynb"
+    return item.get_closest_marker("full") is not None or (notebook and path.name not in FAST_NOTEBOOKS)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m filters: `pytest --full -m full` selects the full tier alone
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_full(item) and item.get_closest_marker("full") is None:
+            item.add_marker(pytest.mark.full)
+    if config.getoption("--full"):
+        return
+    fast = [item for item in items if not _is_full(item)]
+    deselected = [item for item in items if _is_full(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = fast

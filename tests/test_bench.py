@@ -133,6 +133,7 @@ def test_progress_writes_lines_not_bars_when_not_a_terminal(capsys):
     assert default_config(True, type("R", (), {"is_cpu": True})()).batch == 16
 
 
+@pytest.mark.full
 def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     bench_main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out

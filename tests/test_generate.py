@@ -116,6 +116,7 @@ def test_tensor_parallel_equals_generate(llama, requests, reference):
     assert parts["linears"] == 7 * 4 + 1 and parts["step_ms"] > 0 and tp.decode_forwards == forwards - len(requests)
 
 
+@pytest.mark.full
 def test_tensor_parallel_ranks_never_hold_the_whole_model(llama):
     """Each rank builds the model on the meta device, shards it there and reads only its own half of each sharded
     matrix: before, every rank loaded the whole model onto its GPU first, so a model too big for one card (the case

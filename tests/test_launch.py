@@ -54,6 +54,7 @@ def test_results_come_back_in_rank_order():
     assert run(workers.all_reduce_sum, 2.0, rig=cpu_rig()) == [6.0, 6.0]
 
 
+@pytest.mark.full  # a launcher fault test
 def test_rank_exception_reaches_caller_with_traceback():
     with pytest.raises(WorkerError) as info:
         run(bad.fail_on_rank_one, "the message from rank one", timeout=60, rig=cpu_rig())
@@ -63,18 +64,21 @@ def test_rank_exception_reaches_caller_with_traceback():
     assert _spawned_children() == []
 
 
+@pytest.mark.full  # a launcher fault test
 def test_hanging_rank_is_named_and_killed():
-    with pytest.raises(WorkerTimeout, match=r"rank\(s\) \[1\] did not finish within 5 s"):
-        run(bad.hang_on_rank_one, timeout=5, rig=cpu_rig())
+    with pytest.raises(WorkerTimeout, match=r"rank\(s\) \[1\] did not finish within 20 s"):
+        run(bad.hang_on_rank_one, timeout=20, rig=cpu_rig())  # room for a slow start on a busy machine
     assert _spawned_children() == []
 
 
+@pytest.mark.full  # a launcher fault test
 def test_rank_that_dies_is_reported():
     with pytest.raises(WorkerError, match="rank 1 exited with code 3"):
         run(bad.exit_hard_on_rank_one, timeout=60, rig=cpu_rig())
     assert _spawned_children() == []
 
 
+@pytest.mark.full  # a launcher fault test
 def test_no_children_after_success():
     pids = run(bad.pid_then_sleep, 0.1, rig=cpu_rig())
     assert _children_alive(pids) == []
@@ -110,6 +114,7 @@ def ctrl_c_raises():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.full  # a launcher fault test
 def test_keyboard_interrupt_leaves_no_children(ctrl_c_raises):
     import threading
 
@@ -158,6 +163,7 @@ def _wait_gone(marker: str, seconds: float = 10.0) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.full  # a launcher fault test
 @pytest.mark.parametrize("death_signal", [True, False], ids=["death-signal", "lifeline-only"])
 @pytest.mark.parametrize("delay", [0.0, 0.3, 1.0, 3.0])
 def test_no_rank_outlives_a_killed_caller(delay, death_signal):
@@ -173,6 +179,7 @@ def test_no_rank_outlives_a_killed_caller(delay, death_signal):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.full  # a launcher fault test
 def test_second_interrupt_during_cleanup_still_ends_everything():
     """Ranks that ignore SIGTERM; Ctrl-C, then Ctrl-C again during the grace period: the caller ends promptly and
     takes every rank with it."""
@@ -194,6 +201,7 @@ def test_second_interrupt_during_cleanup_still_ends_everything():
     assert _wait_gone(marker) == []
 
 
+@pytest.mark.full  # a launcher fault test
 def test_result_the_caller_cannot_read_names_the_rank():
     with pytest.raises(WorkerError, match="rank 0 returned a result the caller cannot read"):
         run(bad.return_unreadable, rig=cpu_rig(), timeout=60)
@@ -202,6 +210,7 @@ def test_result_the_caller_cannot_read_names_the_rank():
     assert _spawned_children() == []
 
 
+@pytest.mark.full  # a launcher fault test
 def test_import_error_inside_a_rank_comes_back_with_its_traceback():
     from tests import fragile_module
 
@@ -217,6 +226,7 @@ def test_every_rank_gets_the_callers_rig():
     assert out == [{"kind": "cpu", "budget": rig.capacity_bytes[0], "threads": 1}] * 2
 
 
+@pytest.mark.full  # a launcher fault test
 def test_torchrun_entry_takes_json_arguments():
     """The docstring's example, as written."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "helpers.runtime.launch",

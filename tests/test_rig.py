@@ -81,6 +81,7 @@ print(faults)
 """
 
 
+@pytest.mark.full
 def test_a_cpu_device_keeps_freed_memory_as_a_gpu_allocator_does():
     """After warm-up, a CPU virtual device's steps take no new pages from the operating system: each fresh page
     costs a page fault, which made the bench's forward passes up to a quarter slower in the steps that took them."""

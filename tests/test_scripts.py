@@ -52,6 +52,7 @@ def _run(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> li
     return [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("script, nproc, extra", [
     ("train_naive_split.py", 0, []),
     ("train_pipeline.py", 2, ["--schedule", "1f1b", "--microbatches", "4"]),
@@ -97,6 +98,7 @@ def test_the_naive_split_says_where_its_halves_run():
     assert devices == ["cpu", "cpu"] and "LAB_FORCE_CPU=1" in said
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("script, nproc", [("train_naive_split.py", 0), ("train_ddp.py", 2)])
 def test_master_weights_are_fp32_whatever_the_checkpoint_dtype(tmp_path, script, nproc):
     """transformers 5 loads a half-precision checkpoint in its own dtype: the scripts trained bf16 master weights and

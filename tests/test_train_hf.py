@@ -24,6 +24,7 @@ from helpers.training.job import TrainJob
 from helpers.training.loop import run_training
 
 SEQ, BATCH, VOCAB = 16, 8, 64
+FULL = pytest.mark.full  # the full tier (pytest --full)
 CONFIGS = {
     "gpt2-tied": dict(family="gpt2", tie_embeddings=True),
     "llama-gqa": dict(family="llama", kv_heads=2),
@@ -74,7 +75,7 @@ def _check(ref, loss, grads, precision=Precision()):
         assert max_relative_diff(ref_grads, grads) <= precision.tolerance
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", [pytest.param("eager", marks=FULL), "sdpa"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_threads_engine_equals_one_device(saved, name, padding, attention):
@@ -90,27 +91,29 @@ def test_threads_engine_equals_one_device(saved, name, padding, attention):
     _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
 
 
-PROCESS_RUNS = [
-    ("gpt2-tied", dict(pp=2, schedule="1f1b", microbatches=4, padding="right")),
-    ("gpt2-tied", dict(pp=2, microbatches=4, engine="torch", padding="left")),
-    ("gpt2-tied", dict(dp=2, padding="right")),
-    ("gpt2-tied", dict(dp=2, data_parallel="fsdp2", padding="left")),
-    ("gpt2-tied", dict(dp=2, pp=2, schedule="1f1b", microbatches=2, padding="right")),
-    ("llama-gqa", dict(pp=2, schedule="1f1b", microbatches=4, padding="left")),
-    ("llama-gqa", dict(dp=2, data_parallel="zero2", padding="right")),
-    ("mistral-window", dict(pp=2, microbatches=2, padding="right")),
-    ("gemma-tied", dict(pp=2, schedule="1f1b", microbatches=4, engine="torch")),
+PROCESS_RUNS = [  # (model, job fields, in the fast tier)
+    ("gpt2-tied", dict(pp=2, schedule="1f1b", microbatches=4, padding="right"), True),
+    ("gpt2-tied", dict(pp=2, microbatches=4, engine="torch", padding="left"), False),
+    ("gpt2-tied", dict(dp=2, padding="right"), False),
+    ("gpt2-tied", dict(dp=2, data_parallel="fsdp2", padding="left"), True),
+    ("gpt2-tied", dict(dp=2, pp=2, schedule="1f1b", microbatches=2, padding="right"), False),
+    ("llama-gqa", dict(pp=2, schedule="1f1b", microbatches=4, padding="left"), False),
+    ("llama-gqa", dict(dp=2, data_parallel="zero2", padding="right"), False),
+    ("mistral-window", dict(pp=2, microbatches=2, padding="right"), False),
+    ("gemma-tied", dict(pp=2, schedule="1f1b", microbatches=4, engine="torch"), True),
 ]
 
 
-@pytest.mark.parametrize("name, kw", PROCESS_RUNS, ids=[f"{n}-{'-'.join(map(str, kw.values()))}"
-                                                        for n, kw in PROCESS_RUNS])
+@pytest.mark.parametrize("name, kw", [pytest.param(n, kw, marks=() if fast else FULL,
+                                                   id=f"{n}-{'-'.join(map(str, kw.values()))}")
+                                      for n, kw, fast in PROCESS_RUNS])
 def test_processes_equal_one_device(saved, name, kw):
     job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, steps=1, return_grads=True, **kw)
     res = run_training(job, cpu_rig(), oversubscribe=True)
     _check(reference(saved[name], job.padding), res.loss, res.grads)
 
 
+@FULL
 @pytest.mark.parametrize("name, kw", [("gpt2-tied", dict(pp=2, schedule="1f1b", microbatches=4, autocast="bf16")),
                                       ("llama-gqa", dict(dp=2, autocast="fp16", optimizer="adam"))],
                          ids=["gpt2-1f1b-bf16-autocast", "llama-ddp-fp16-autocast-scaler"])
@@ -120,7 +123,8 @@ def test_mixed_precision_on_hf_models(saved, name, kw):
     _check(reference(saved[name], precision=job.precision), res.loss, res.grads, job.precision)
 
 
-@pytest.mark.parametrize("strategy, engine", [("1f1b", "threads"), ("1f1b", "processes"), ("fsdp2", "processes")])
+@pytest.mark.parametrize("strategy, engine", [("1f1b", "threads"), pytest.param("1f1b", "processes", marks=FULL),
+                                              pytest.param("fsdp2", "processes", marks=FULL)])
 def test_tied_model_trains_like_one_device_and_saves(saved, tmp_path, strategy, engine):
     """Four Adam steps: the embedding and head copies stay identical, the weights equal one device's, and the saved
     checkpoint reloads with exactly the trained weights (the head equal to the embedding, never random)."""
@@ -148,6 +152,7 @@ def test_tied_model_trains_like_one_device_and_saves(saved, tmp_path, strategy, 
     assert out.losses[-1] < out.losses[0]
 
 
+@FULL
 def test_dropout_is_seeded_and_one_microbatch_equals_one_device(tmp_path):
     """Each micro-batch's dropout draws from its own seed: the same run twice gives the same result, and with one
     micro-batch the pipeline draws exactly one device's masks. With m > 1 the masks are drawn per micro-batch, so
@@ -173,6 +178,7 @@ class _DriftingHead(HFModel):
                 layers[-1].weight.add_(1e-3)
 
 
+@FULL
 def test_tied_copies_out_of_sync_are_refused(saved):
     drifting = _DriftingHead(saved["gpt2-tied"].path)
     with pytest.raises(Exception, match="tied weights out of sync"):
@@ -205,6 +211,7 @@ def test_split_layered_loads_each_stage_and_keeps_ties(saved):
     _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
 
 
+@FULL
 def test_fp16_weights_train_on_threads_as_on_processes(saved):
     """fp16 weights need loss scaling, and their gradients are fp16: the threads engine used a plain GradScaler, which
     refuses to unscale fp16 gradients ("Attempting to unscale FP16 gradients"), so `train(..., engine="threads",

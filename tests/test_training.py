@@ -25,12 +25,13 @@ def reference():
     return loss.item(), grads_of(model.parameters()), count_params(model)
 
 
-PIPELINES = [dict(schedule="gpipe", microbatches=1),  # the naive split, one process per device
-             dict(schedule="gpipe", microbatches=4, overlap=False),
+FULL = pytest.mark.full  # the full tier (pytest --full): the fast tier keeps one run of each engine and strategy
+PIPELINES = [pytest.param(dict(schedule="gpipe", microbatches=1), marks=FULL),  # the naive split, one process each
+             pytest.param(dict(schedule="gpipe", microbatches=4, overlap=False), marks=FULL),
              dict(schedule="gpipe", microbatches=4),
              dict(schedule="1f1b", microbatches=4),
-             dict(schedule="1f1b", microbatches=4, overlap=False),  # blocking 1F1B no longer deadlocks
-             dict(schedule="gpipe", microbatches=4, engine="torch"),
+             pytest.param(dict(schedule="1f1b", microbatches=4, overlap=False), marks=FULL),  # no longer deadlocks
+             pytest.param(dict(schedule="gpipe", microbatches=4, engine="torch"), marks=FULL),
              dict(schedule="1f1b", microbatches=4, engine="torch")]
 
 
@@ -51,6 +52,7 @@ def test_pipelines_equal_one_device(kw, reference):
         assert not any(e.kind == "send" for e in res.events), "overlapped sends never block"
 
 
+@FULL
 def test_three_stages_on_two_cores_with_oversubscribe(reference):
     loss, grads, _ = reference
     job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, steps=1,
@@ -68,6 +70,7 @@ def _two_core_rig() -> Rig:
     return replace(cpu_rig(threads=1), max_ranks=2)
 
 
+@FULL
 def test_bf16_wire_trains_close_to_fp32(reference):
     loss, grads, _ = reference
     res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), microbatches=2, batch=BATCH, wire="bf16", steps=1,
@@ -96,6 +99,7 @@ def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, ref
         assert any(e.kind == "allreduce" for e in res.events), "DDP buckets appear on the timeline"
 
 
+@FULL
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_gradient_accumulation_equals_one_device(strategy, reference):
     loss, grads, _ = reference
@@ -206,6 +210,7 @@ PADDED = [dict(padding="right", pp=2, boundaries=(3,), microbatches=4),
           dict(padding="right", dp=2, pp=2, schedule="1f1b", microbatches=2)]
 
 
+@FULL
 @pytest.mark.parametrize("kw", PADDED, ids=["pipeline", "ddp-accumulation", "dp-x-pp"])
 def test_padded_batches_give_one_devices_loss(kw):
     """Micro-batches and replicas hold different numbers of real tokens: the loss is weighted by tokens, not by
@@ -228,6 +233,7 @@ PRECISIONS = [dict(autocast="bf16", pp=2, boundaries=(3,), microbatches=4),
               dict(dtype="bf16", dp=2, data_parallel="zero2")]
 
 
+@FULL
 @pytest.mark.parametrize("kw", PRECISIONS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_mixed_precision_in_every_strategy_stays_close_to_one_device(kw):
     job = TrainJob(CFG, batch=BATCH, steps=2, return_grads=True, **kw)

@@ -16,6 +16,7 @@ DEFAULT_CPU_BUDGET_GIB = 2.0
 FORCE_CPU_ENV = "LAB_FORCE_CPU"
 CPU_BUDGET_ENV = "LAB_CPU_BUDGET_GIB"
 CPU_THREADS_ENV = "LAB_CPU_THREADS"
+KEEP_FREED_ENV = "LAB_KEEP_FREED_MEMORY"  # 0: leave glibc's allocator at its defaults (notebook 06 compares both)
 
 RigKind = Literal["two_gpus", "one_gpu", "cpu"]
 
@@ -142,9 +143,11 @@ def keep_freed_memory() -> bool:
 
 def claim_cpu_device(rig: Rig) -> None:
     """Make the calling process one of the CPU rig's virtual devices: that device's intra-op threads (the baseline
-    every ratio uses), and an allocator that keeps freed memory, as a GPU's does (`keep_freed_memory`)."""
+    every ratio uses), and an allocator that keeps freed memory, as a GPU's does (`keep_freed_memory`), unless
+    LAB_KEEP_FREED_MEMORY=0 asks for glibc's defaults."""
     torch.set_num_threads(rig.threads_per_device)
-    keep_freed_memory()
+    if os.environ.get(KEEP_FREED_ENV, "1").strip() != "0":
+        keep_freed_memory()
 
 
 def is_geforce(name: str) -> bool:
