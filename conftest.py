@@ -38,6 +38,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_full(item) and item.get_closest_marker("full") is None:
             item.add_marker(pytest.mark.full)
+    repeated = {item.callspec.params["name"] for item in items
+                if item.originalname == "test_notebook_passes_five_times_in_a_row"}
+    if repeated:  # the five-run test executes these notebooks itself: nbval's single run would only repeat it
+        covered = [item for item in items if getattr(item, "path", None) is not None and
+                   item.path.suffix == ".ipynb" and item.path.stem in repeated]
+        if covered:
+            config.hook.pytest_deselected(items=covered)
+            items[:] = [item for item in items if item not in covered]
     if config.getoption("--full"):
         return
     fast = [item for item in items if not _is_full(item)]
