@@ -312,3 +312,78 @@ def merged_model(model: LoraModel, adapters: str | Path) -> nn.Module:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(base_for_merge(model), str(adapters)).merge_and_unload()
+
+
+# --- one call for notebook 12 -----------------------------------------------------------------------------------------
+
+@dataclass
+class Finetuned:
+    """What `finetune` returns: every step's training loss, the held-out loss and a greedy sample before and after,
+    each rank's memory by part (DeviceMemory: params = frozen base + adapters, grads and optimizer state = the
+    adapters', activations = their peak, from the ledger), the step times (slowest rank), the trained adapters by
+    layer, and where they were saved."""
+
+    losses: list[float]
+    held_out: tuple[float, float]
+    samples: tuple[str, str]
+    memory: list
+    step_times: list[float]
+    adapters: dict[int, dict[str, torch.Tensor]]
+    model: LoraModel
+    prompt: str
+    saved: Path | None = None
+
+
+def small_llama(directory: str | Path, vocab: int = 512, seq_len: int = 64, n_layers: int = 4, hidden: int = 128,
+                seed: int = 0) -> HFModel:
+    """A small Llama-style model (grouped-query attention) with random weights, saved with `save_pretrained`."""
+    from helpers.models.hf import hf_config, save_hf_model
+
+    cfg = hf_config("llama", n_layers=n_layers, hidden=hidden, heads=4, kv_heads=2, vocab=vocab, seq_len=seq_len)
+    return save_hf_model(cfg, directory, seed=seed)
+
+
+def finetune(model: str | Path | None = None, method: str = "qlora", steps: int = 20, batch: int = 8,
+             seq_len: int = 32, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] | str = ALL_LINEAR,
+             base_dtype: str = "fp32", checkpointing: bool = True, offload: str | None = None,
+             text: str | Path | None = None, lr: float = 3e-3, save_to: str | Path | None = None,
+             prompt: str = "def ", workdir: str | Path | None = None, rig=None, timeout: float = 600.0,
+             held_out_windows: int = 32, max_chars: int = 200_000) -> Finetuned:
+    """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
+    default the standard library), FSDP2 over 2 ranks, for `steps` optimizer steps (>= 3) of Adam on the adapters.
+    Bad input is refused before any process starts."""
+    import tempfile
+
+    from helpers.models.layered import Stage
+    from helpers.models.text import greedy_sample, load_rows, model_text, text_loss
+    from helpers.runtime.rig import detect_rig
+    from helpers.training.job import TrainJob, check_job
+    from helpers.training.loop import run_training
+
+    if not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
+    spec = LoraSpec(method=method, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype)
+    check_spec(spec)
+    rig = rig or detect_rig()
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="lab-lora-"))
+    base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
+    lora = LoraModel(base, spec)
+    train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",
+                                                  max_chars=max_chars)
+    job = TrainJob(lora, dp=2, data_parallel="fsdp2", batch=batch, seq_len=seq_len, steps=steps - 2,
+                   optimizer="adam", lr=lr, data=str(train_rows), checkpointing=checkpointing, offload=offload,
+                   return_state=True)
+    check_job(job, rig, oversubscribe=rig.is_cpu)
+    held = load_rows(held_rows)[:held_out_windows]
+    context = getattr(base.config, "max_position_embeddings", None)
+
+    def measure(state):
+        stage = Stage(full_layers(lora, state)).eval()
+        return text_loss(stage, held), greedy_sample(stage, tokenizer, prompt, 40, context)
+
+    loss_before, sample_before = measure(None)
+    res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu)
+    loss_after, sample_after = measure(res.state)
+    saved = save_adapters(lora, res.state, save_to) if save_to is not None else None
+    return Finetuned(res.losses, (loss_before, loss_after), (sample_before, sample_after), res.memory,
+                     res.step_times, res.state, lora, prompt, saved)

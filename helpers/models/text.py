@@ -8,6 +8,7 @@ and `TrainJob(data=...)` read: step k trains on windows k*batch.. (wrapping arou
 """
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,11 @@ def text_files(path: str | Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise ValueError(f"no text at {path}: give a text file or a folder of them")
-    files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
-                   and not any(part in SKIPPED_FOLDERS or part.startswith(".") for part in p.relative_to(path).parts))
+    files = []
+    for folder, subfolders, names in os.walk(path):
+        subfolders[:] = [d for d in subfolders if d not in SKIPPED_FOLDERS and not d.startswith(".")]  # not entered
+        files += [Path(folder) / n for n in names if Path(n).suffix in TEXT_SUFFIXES and not n.startswith(".")]
+    files.sort()
     if not files:
         raise ValueError(f"{path} holds no text files ({', '.join(TEXT_SUFFIXES)})")
     return files
@@ -181,3 +185,29 @@ def greedy_sample(model, tokenizer, prompt: str, new_tokens: int = 40, context: 
         nxt = model(window)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
     return tokenizer.decode(ids[0, start:].tolist())
+
+
+def tokenizer_for(model_dir: str | Path, text: str, vocab_size: int):
+    """The tokenizer saved beside the model in `model_dir` (a real model has one), else a byte-level BPE trained on
+    `text` with the model's vocabulary size and saved there, so that the model and its tokenizer travel together."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if len(tokenizer) > vocab_size:
+            raise ValueError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens, more than the model's "
+                             f"vocabulary of {vocab_size}")
+        return tokenizer
+    return train_tokenizer(text, vocab_size, model_dir)
+
+
+def model_text(model_dir: str | Path, vocab_size: int, text: str | Path | None, seq_len: int, directory: str | Path,
+               max_chars: int = 400_000, held_out: float = 0.1) -> tuple[Path, Path, object]:
+    """Token windows of `text` (a file or folder; None: the standard library) for the model in `model_dir`, with its
+    tokenizer (`tokenizer_for`), saved in `directory`: (train.pt, held_out.pt, tokenizer)."""
+    source = Path(text) if text is not None else stdlib_path()
+    raw = read_text(source, max_chars)
+    tokenizer = tokenizer_for(model_dir, raw[:int(len(raw) * (1 - held_out))], vocab_size)
+    data = prepare_text(source, seq_len, max_chars=max_chars, held_out=held_out, tokenizer=tokenizer)
+    return (*data.save(directory), tokenizer)

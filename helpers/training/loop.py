@@ -83,7 +83,7 @@ class _Batch:
     first_index: int  # the global index of this replica's first micro-batch (dropout seeds)
 
 
-def _global_batch(job: TrainJob, step: int, rows: torch.Tensor | None):
+def global_batch(job: TrainJob, step: int, rows: torch.Tensor | None):
     """(inputs, targets, mask) of the global batch at `step`: the job's token windows in order, or the same
     synthetic batch every step."""
     seq = job.sequence_length()
@@ -96,7 +96,7 @@ def _global_batch(job: TrainJob, step: int, rows: torch.Tensor | None):
 
 def _replica_batch(job: TrainJob, replica: int, device: torch.device, step: int = 0,
                    rows: torch.Tensor | None = None) -> _Batch:
-    x, y, mask = _global_batch(job, step, rows)
+    x, y, mask = global_batch(job, step, rows)
     per = job.batch // job.dp
     rows = slice(replica * per, (replica + 1) * per)
     xs, ys = x[rows].to(device).chunk(job.microbatches), y[rows].to(device).chunk(job.microbatches)
