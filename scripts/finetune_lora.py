@@ -1,4 +1,4 @@
-"""LoRA / QLoRA with FSDP2: a frozen base sharded over the GPUs, small adapters trained, activation checkpointing and CPU offload if asked.
+"""LoRA / QLoRA with FSDP2: a frozen base sharded over the GPUs, small adapters trained, checkpointing, CPU offload.
 
     torchrun --nproc-per-node 2 scripts/finetune_lora.py --model DIR --method qlora --lora-rank 16 --text corpus/ \
         --checkpointing --steps 200 --save-to adapters/

@@ -1,4 +1,4 @@
-"""The 4-bit NF4 frozen base of QLoRA (Dettmers et al. 2023), from torchao, and the bytes it really holds.
+"""The 4-bit NF4 frozen base of QLoRA (Dettmers et al. 2023), from torchao; `tensor_bytes` counts its real bytes.
 
 Why torchao's `NF4Tensor` and not bitsandbytes' `Linear4bit`: both quantize and run on this CPU rig with torch 2.13
 (torchao 0.18, bitsandbytes 0.50.2; tried side by side), but only torchao's composes with FSDP2 as it ships.
