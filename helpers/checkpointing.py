@@ -27,6 +27,21 @@ class Checkpointed(nn.Module):
         return checkpoint(self.module, x, use_reentrant=False)
 
 
+def checkpoint_in_place(module: nn.Module) -> nn.Module:
+    """`module` itself, its forward now run under activation checkpointing; names, parameters and class unchanged,
+    so FSDP2 can still shard it and its all-gather hooks stay outside the recomputed region (torchtitan's order:
+    checkpoint each block, then shard it). Any arguments (a layer's context too) are passed through."""
+    forward = module.forward
+
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+    return module
+
+
 def checkpoint_layers(model: nn.Module | Sequence[nn.Module], which: Iterable[int]) -> nn.Sequential:
     """The same layers (parameters shared, not copied) with the layers at indices `which` checkpointed."""
     layers = as_layers(model)

@@ -21,9 +21,14 @@ MiB = 1024**2
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes held on this device: for a sharded DTensor (FSDP2), the local shard only."""
+    """Bytes held on this device: for a sharded DTensor (FSDP2), the local shard only; for a tensor subclass that
+    holds other tensors (a 4-bit NF4 weight: its codes, block scales and lookup table), what those hold, not
+    numel x the dtype it computes in."""
     if hasattr(t, "to_local"):
         t = t.to_local()
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
     return t.numel() * t.element_size()
 
 

@@ -18,17 +18,29 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def parse(description: str, pipeline: bool = False, mesh: bool = False) -> argparse.Namespace:
+def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bool = False) -> argparse.Namespace:
     """The flags every script takes (the same everywhere, so switching strategy is switching the script); pipeline
-    scripts add --schedule, DP x PP adds --pp (stages per pipeline)."""
+    scripts add --schedule, DP x PP adds --pp (stages per pipeline), LoRA adds the adapters' flags. Bad flags stop
+    here, before the process group."""
     p = argparse.ArgumentParser(description=description)
     if pipeline:
         p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     if mesh:
         p.add_argument("--pp", type=int, default=2, help="pipeline stages; the other ranks are replicas")
     p.add_argument("--model", required=True, help="a directory written by save_pretrained")
+    if lora:
+        p.add_argument("--method", choices=("lora", "qlora"), default="lora",
+                       help="qlora: the frozen base's block linears in 4-bit NF4 (torchao)")
+        p.add_argument("--lora-rank", type=int, default=8)
+        p.add_argument("--lora-alpha", type=float, default=16.0)
+        p.add_argument("--lora-targets", default="all-linear",
+                       help="comma-separated names of the blocks' linears (q_proj,v_proj), or all-linear")
+        p.add_argument("--checkpointing", action="store_true", help="recompute each block's activations in backward")
+        p.add_argument("--offload", choices=("cpu",), help="FSDP2's CPUOffloadPolicy: shards and Adam in host memory")
     p.add_argument("--data", help="a torch.save'd LongTensor [N, L+1] of token ids (default: synthetic tokens that "
                                   "follow a fixed rule, so the loss can fall)")
+    p.add_argument("--text", help="a text file or a folder of them (.py .txt .md .rst), tokenized with the tokenizer "
+                                  "saved beside the model, or a byte-level BPE trained on it (saved with --save-to)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per optimizer step)")
     p.add_argument("--seq-len", type=int, default=128)
@@ -47,6 +59,13 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False) -> argpa
     if ns.dtype != "fp32" and ns.autocast == "fp16":
         p.error("--autocast fp16 needs fp32 master weights (--dtype fp32): the gradient scaler unscales fp32 "
                 "gradients, and fp16 has too little range to hold them")
+    if ns.data and ns.text:
+        p.error("give --data or --text, not both")
+    context = _context(ns.model)
+    if context is not None and ns.seq_len > context:
+        p.error(f"--seq-len {ns.seq_len} is beyond the model's context of {context} positions")
+    if lora and ns.lora_rank <= 0:
+        p.error(f"--lora-rank must be >= 1, got {ns.lora_rank}")
     return ns
 
 
@@ -66,6 +85,16 @@ def gpu_shortage(processes: int, gpus: int, visible: str | None) -> str | None:
     return (f"{processes} processes on this machine, but {gpus} GPU(s) visible (CUDA_VISIBLE_DEVICES="
             f"{visible or 'unset'}): NCCL needs one GPU per process. Start --nproc-per-node {gpus} if the strategy "
             "allows it, or try the structure on the CPU: LAB_FORCE_CPU=1 OMP_NUM_THREADS=1 torchrun ...")
+
+
+def _context(model_dir: str) -> int | None:
+    """The model's longest sequence (max_position_embeddings, GPT-2's n_positions), from its config.json."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = json.load(f)
+    return config.get("max_position_embeddings") or config.get("n_positions")
 
 
 def init() -> tuple[int, int, torch.device]:
@@ -96,6 +125,35 @@ def init() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+_WINDOWS: dict[str, torch.Tensor] = {}
+
+
+def windows(ns: argparse.Namespace, vocab: int) -> torch.Tensor:
+    """The token windows [N, L+1] of --data, or of --text (tokenized once; a tokenizer trained here is saved with
+    --save-to by rank 0, so the trained model keeps it). Too little text for one batch stops every rank."""
+    if "rows" not in _WINDOWS:
+        if ns.data:
+            rows = torch.load(ns.data, map_location="cpu")
+        else:
+            from helpers.models.text import encode, read_text, tokenizer_for, windows as cut
+
+            text = read_text(ns.text, 400_000)
+            first = not dist.is_initialized() or dist.get_rank() == 0
+            if first:
+                tokenizer_for(ns.model, text, vocab)  # trains one and saves it beside the model if it has none
+            if dist.is_initialized():
+                dist.barrier()
+            tokenizer = tokenizer_for(ns.model, text, vocab)
+            if ns.save_to and first:
+                tokenizer.save_pretrained(ns.save_to)
+            rows = cut(encode(tokenizer, text), ns.seq_len)
+        if len(rows) < ns.batch:
+            raise SystemExit(f"the corpus is smaller than one batch: {len(rows)} windows of {rows.shape[1]} tokens, "
+                             f"--batch {ns.batch}")
+        _WINDOWS["rows"] = rows
+    return _WINDOWS["rows"]
+
+
 def batches(ns: argparse.Namespace, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of the global batch for `step`, identical on every rank, made on the host (as a DataLoader
     makes it): the caller moves it to its device."""
@@ -105,8 +163,8 @@ def batches(ns: argparse.Namespace, vocab: int, step: int) -> tuple[torch.Tensor
 
 def _host_batch(ns: argparse.Namespace, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`batches` on the default device."""
-    if ns.data:
-        tokens = torch.load(ns.data, map_location="cpu")
+    if ns.data or ns.text:
+        tokens = windows(ns, vocab)
         start = (step * ns.batch) % max(1, len(tokens) - ns.batch + 1)
         rows = tokens[start:start + ns.batch, :ns.seq_len + 1]
     else:  # learnable: each token follows the previous one by a fixed permutation, from a random first token

@@ -23,8 +23,15 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _one_device_first_loss(model_dir: Path) -> float:
-    """The first batch the scripts draw, on one device with the original weights."""
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scripts") / "llama"
+    save_hf_model(hf_config("llama", n_layers=2, hidden=64, heads=4, kv_heads=2, vocab=64, seq_len=16), path)
+    return path
+
+
+def _one_device_first_loss(model_dir: Path, model=None) -> float:
+    """The first batch the scripts draw, on one device with the original weights (or `model`)."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         from transformers import AutoModelForCausalLM
@@ -34,9 +41,9 @@ def _one_device_first_loss(model_dir: Path) -> float:
         sys.path.remove(str(SCRIPTS))
 
     class Flags:
-        data, batch, seq_len, seed = None, 8, 16, 0
+        data, text, batch, seq_len, seed = None, None, 8, 16, 0
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir)
     x, y = batches(Flags, model.config.vocab_size, 0)
     with torch.no_grad():
         return (token_loss_sum(model(input_ids=x).logits, y) / y.numel()).item()
@@ -114,3 +121,25 @@ def test_master_weights_are_fp32_whatever_the_checkpoint_dtype(tmp_path, script,
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert {p.dtype for p in saved.parameters()} == {torch.float32}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("extra", [["--method", "lora"],
+                                   ["--method", "qlora", "--checkpointing", "--offload", "cpu"]])
+def test_finetune_lora_script_trains_adapters_like_one_device(llama_dir, tmp_path, extra):
+    """LoRA / QLoRA over 2 FSDP2 ranks: the first loss is the frozen base's (peft starts the adapters at zero; for
+    QLoRA the base's NF4 values), the loss falls, and the saved adapters reload with peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers.finetune.lora import LoraModel, LoraSpec, base_for_merge
+    from helpers.models.hf import HFModel
+
+    losses = _run("finetune_lora.py", 2, llama_dir, tmp_path / "adapters", "--lora-rank", "4", *extra)
+    base = base_for_merge(LoraModel(HFModel(str(llama_dir)), LoraSpec(method=extra[1])))
+    assert len(losses) == 4
+    assert abs(losses[0] - _one_device_first_loss(llama_dir, base)) < 1e-4
+    assert losses[-1] < losses[0]
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_dir), tmp_path / "adapters")
+    trained_b = [p for n, p in reloaded.named_parameters() if "lora_B" in n]
+    assert trained_b and all(p.abs().sum() > 0 for p in trained_b)

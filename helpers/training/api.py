@@ -5,6 +5,10 @@ strategy and engine for N steps, and save the result with `save_pretrained`.
     out = train("models/tiny-llama", strategy="1f1b", engine="processes", steps=20, autocast="bf16",
                 save_to="models/tiny-llama-trained")
 
+Data: synthetic tokens by default; `text=` a file or folder of real text (the tokenizer saved beside the model is
+used, or a byte-level BPE is trained on the text and saved beside it and beside the trained model); `data=` token
+windows saved with torch.save ([N, L+1], helpers.models.text).
+
 Strategies: naive, gpipe, 1f1b (pipelines: engine threads, processes or torch), ddp, zero1, zero2, fsdp2 (data
 parallel: engine processes), dp_x_pp (engine processes or torch). Every strategy computes what one device computes
 (helpers.training.support says where each runs); the saved model reloads with `from_pretrained` and equals the
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.models.data import SyntheticTokens
+from helpers.models.text import load_rows
 from helpers.models.hf import HFModel, save_hf_model
 from helpers.models.layered import microbatch_seed
 from helpers.pipeline.schedules import SCHEDULES
@@ -26,7 +30,7 @@ from helpers.pipeline.stages import split_model
 from helpers.precision import make_scaler
 from helpers.runtime.rig import Rig, detect_rig
 from helpers.training.job import TrainJob, check_job
-from helpers.training.loop import run_training
+from helpers.training.loop import global_batch, run_training
 from helpers.training.support import DATA_PARALLEL_STRATEGIES, engines_for
 
 PIPELINES = ("naive", *SCHEDULES)
@@ -40,6 +44,8 @@ class Trained:
     state: dict[int, dict[str, torch.Tensor]]
     saved: Path | None = None
     events: list = field(default_factory=list)
+    held_out: Path | None = None  # with text=: the held-out windows (helpers.models.text.text_loss measures them)
+    tokenizer: object | None = None  # with text=: the tokenizer of the text
 
 
 def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
@@ -82,11 +88,10 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
     optimizer = torch.optim.Adam(split.parameters(), lr=job.lr) if job.optimizer == "adam" else \
         torch.optim.SGD(split.parameters(), lr=job.lr)
     scaler = make_scaler(job.precision, rig.devices[-1])
-    data = SyntheticTokens(job.batch, job.sequence_length(), model.vocab_size, seed=job.data_seed,
-                           padding=job.padding)
-    x, y, mask = data.masked_batch(0, job.batch)
+    rows = load_rows(job.data) if job.data is not None else None
     losses = []
     for step in range(job.steps + 2):
+        x, y, mask = global_batch(job, step, rows)
         optimizer.zero_grad(set_to_none=False)
         seeds = [microbatch_seed(job.data_seed, step, k) for k in range(job.microbatches)]
         loss = pipe.step(x, y, mask, loss_scale=scaler.get_scale() if scaler else 1.0, seeds=seeds)
@@ -129,9 +134,11 @@ def save_trained(model: HFModel, state: dict[int, dict[str, torch.Tensor]], dire
 def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int = 10, batch: int = 8,
           seq_len: int = 32, microbatches: int = 4, rig: Rig | None = None, save_to: str | Path | None = None,
           optimizer: str = "adam", lr: float = 1e-3, dtype: str = "fp32", autocast: str | None = None,
-          padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0) -> Trained:
-    """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic data
-    and, with `save_to`, save it with `save_pretrained`. Bad input is refused before anything starts."""
+          padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0,
+          text: str | Path | None = None, data: str | Path | None = None, workdir: str | Path | None = None) -> Trained:
+    """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic tokens,
+    real `text` or token windows `data`, and, with `save_to`, save it with `save_pretrained` (and the text's
+    tokenizer beside it). Bad input is refused before anything starts."""
     if strategy not in (*PIPELINES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp"):
         raise ValueError(f"unknown strategy {strategy!r}; choose one of "
                          f"{(*PIPELINES, *DATA_PARALLEL_STRATEGIES, 'dp_x_pp')}")
@@ -139,10 +146,19 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
         raise ValueError(f"{strategy} runs with engine {' or '.join(engines_for(strategy))}, not {engine!r}")
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
+    if text is not None and data is not None:
+        raise ValueError("give text= or data= (token windows), not both")
     rig = rig or detect_rig()
     hf = as_hf_model(model, seed=model_seed)
+    held_out = tokenizer = None
+    if text is not None:
+        from helpers.models.text import model_text
+
+        folder = Path(workdir or tempfile.mkdtemp(prefix="lab-text-"))
+        data, held_out, tokenizer = model_text(hf.path, hf.vocab_size, text, seq_len, folder)
     job = _job(hf, strategy, engine, steps, batch=batch, seq_len=seq_len, microbatches=microbatches,
-               optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding, data_seed=data_seed)
+               optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding, data_seed=data_seed,
+               data=str(data) if data is not None else None)
     if engine == "threads":
         check_job(job, rig)
         out = _train_threads(hf, job, rig)
@@ -151,4 +167,7 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
         out = Trained(res.losses, res.state, events=res.events)
     if save_to is not None:
         out.saved = save_trained(hf, out.state, save_to)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(save_to))
+    out.held_out, out.tokenizer = held_out, tokenizer
     return out

@@ -54,6 +54,10 @@ class TrainJob:
     data_seed: int = 0
     return_grads: bool = False
     return_state: bool = False  # every rank sends back its trained weights (to save the model)
+    data: str | None = None  # token windows saved with torch.save, [N, L+1] (helpers.models.text): step k trains on
+    # windows k*batch..; None: synthetic tokens, the same batch every step
+    checkpointing: bool = False  # recompute each block's activations in backward (dp strategies, one stage)
+    offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
 
     @property
     def layered(self) -> LayeredModel:
@@ -149,6 +153,39 @@ def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
                 "'zero2' or 'fsdp2') or split it into pipeline stages (notebooks 05-06).")
 
 
+def _check_context(job: TrainJob) -> None:
+    """A sequence longer than the model's positions is refused (rotary models would run, and compute nonsense)."""
+    cfg = getattr(job.layered, "config", None)
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if limit is not None and job.sequence_length() > limit:
+        raise ValueError(f"seq_len {job.sequence_length()} is beyond the model's context of {limit} positions "
+                         "(max_position_embeddings)")
+
+
+def _check_extras(job: TrainJob) -> None:
+    """Data from a file, activation checkpointing, CPU offload, and the dtypes of a model that keeps its own."""
+    if job.data is not None:
+        from pathlib import Path
+
+        from helpers.models.text import check_rows, load_rows
+
+        if not Path(job.data).is_file():
+            raise ValueError(f"no token windows at {job.data}: save them with helpers.models.text (TextData.save)")
+        check_rows(load_rows(job.data), job.batch, job.sequence_length(), job.layered.vocab_size, str(job.data))
+        if job.padding != "none":
+            raise ValueError("padding is simulated on synthetic tokens only; windows of real text are whole")
+    if job.checkpointing and job.pp > 1:
+        raise ValueError("activation checkpointing here runs with the data-parallel strategies (one stage per "
+                         "rank); notebook 07 checkpoints pipeline stages")
+    if job.offload not in (None, "cpu"):
+        raise ValueError(f"offload must be None or 'cpu', got {job.offload!r}")
+    if job.offload and not (job.dp > 1 and job.pp == 1 and job.data_parallel in ("zero2", "fsdp2")):
+        raise ValueError("CPU offload is FSDP2's CPUOffloadPolicy: use data_parallel='fsdp2' (or 'zero2') with dp >= 2")
+    if getattr(job.layered, "own_dtypes", False) and (job.dtype != "fp32" or job.autocast is not None):
+        raise ValueError("this model keeps its own dtypes (a LoRA model: the frozen base in LoraSpec.base_dtype or "
+                         "NF4, adapters in fp32): leave the job's dtype at 'fp32' and autocast at None")
+
+
 def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
     """Everything that cannot run, refused with the reason before any process starts."""
     _positive(job)
@@ -173,3 +210,5 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
     check_ranks(rig, job.world, oversubscribe)
     if job.sequence_length() < 1:
         raise ValueError(f"seq_len must be >= 1, got {job.sequence_length()}")
+    _check_context(job)
+    _check_extras(job)

@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.memory import DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes, param_bytes
+from helpers.checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
+from helpers.models.text import batch_rows, load_rows
 from helpers.models.layered import Stage, boundary_shapes, microbatch_seed, owned_layers, with_seed
 from helpers.pipeline.comm import Wire
 from helpers.pipeline.interpreter import MicroBatch
@@ -30,7 +32,7 @@ from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.job import TrainJob, check_job
 from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
-                                         sum_replica_grads, tied_copies)
+                                         sum_replica_grads, tied_copies, weights_in)
 
 
 @dataclass
@@ -81,10 +83,20 @@ class _Batch:
     first_index: int  # the global index of this replica's first micro-batch (dropout seeds)
 
 
-def _replica_batch(job: TrainJob, replica: int, device: torch.device) -> _Batch:
+def global_batch(job: TrainJob, step: int, rows: torch.Tensor | None):
+    """(inputs, targets, mask) of the global batch at `step`: the job's token windows in order, or the same
+    synthetic batch every step."""
     seq = job.sequence_length()
+    if rows is not None:
+        chunk = batch_rows(rows, step, job.batch)
+        return chunk[:, :seq], chunk[:, 1:seq + 1], None
     data = SyntheticTokens(job.batch, seq, job.layered.vocab_size, seed=job.data_seed, padding=job.padding)
-    x, y, mask = data.masked_batch(0, job.batch)
+    return data.masked_batch(0, job.batch)
+
+
+def _replica_batch(job: TrainJob, replica: int, device: torch.device, step: int = 0,
+                   rows: torch.Tensor | None = None) -> _Batch:
+    x, y, mask = global_batch(job, step, rows)
     per = job.batch // job.dp
     rows = slice(replica * per, (replica + 1) * per)
     xs, ys = x[rows].to(device).chunk(job.microbatches), y[rows].to(device).chunk(job.microbatches)
@@ -108,11 +120,17 @@ def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
 
 
 def _trained_state(module: Stage, first_layer: int) -> dict[int, dict[str, torch.Tensor]]:
-    """This rank's weights by global layer index (sharded ones gathered whole: a collective every rank joins)."""
+    """This rank's trained weights by global layer index (sharded ones gathered whole: a collective every rank
+    joins). Frozen parameters (a LoRA model's base) are left out: they are the checkpoint's."""
     out = {}
     for offset, layer in enumerate(module.layers):
         tensors = {}
+        frozen = {name for name, p in layer.named_parameters() if not p.requires_grad}
+        if frozen and len(frozen) == len(list(layer.parameters())):
+            continue
         for name, t in layer.state_dict().items():
+            if name in frozen:
+                continue
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             tensors[name] = full.detach().cpu().clone()
         out[first_layer + offset] = tensors
@@ -121,9 +139,9 @@ def _trained_state(module: Stage, first_layer: int) -> dict[int, dict[str, torch
 
 def _first_grads(module: Stage, scale: float) -> list[torch.Tensor]:
     """This rank's gradients layer by layer in parameters() order (a weight two layers share, like tied embeddings,
-    appears in both), unscaled; sharded ones (FSDP2) gathered whole (a collective)."""
+    appears in both; frozen ones have none), unscaled; sharded ones (FSDP2) gathered whole (a collective)."""
     out = []
-    for p in (p for layer in module.layers for p in layer.parameters()):
+    for p in (p for layer in module.layers for p in layer.parameters() if p.requires_grad):
         g = p.grad
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
@@ -146,7 +164,8 @@ class _Rank:
         self.layers_range = stage_ranges(job.n_layers, job.cut())[self.stage] if job.pp > 1 else (0, job.n_layers)
         self.module = self._materialise(model)
         self.ledger = ledger_for([self.module], ["device"])
-        self.batch = _replica_batch(job, self.replica, self.device)
+        self.rows = load_rows(job.data) if job.data is not None else None
+        self.batch, self._step = _replica_batch(job, self.replica, self.device, 0, self.rows), 0
         self.tied = tied_copies(model, self.module, self.layers_range, job, self.mesh)
         self.scaler = make_scaler(self.precision, self.device, dist.group.WORLD)
         if job.pp > 1:
@@ -157,13 +176,31 @@ class _Rank:
                                         zero1=job.dp > 1 and job.data_parallel == "zero1")
         self.ledger.optimizer = getattr(self.optimizer, "optim", self.optimizer)
 
+    def batch_at(self, step: int) -> _Batch:
+        """This replica's batch at `step` (a new one each step when the job trains on token windows)."""
+        if self.rows is not None and step != self._step:
+            self.batch, self._step = _replica_batch(self.job, self.replica, self.device, step, self.rows), step
+        return self.batch
+
     def _materialise(self, model) -> Stage:
         a, b = self.layers_range
         job = self.job
         if job.dp > 1 and job.data_parallel in ("zero2", "fsdp2"):
-            return apply_fsdp(Stage(model.meta_layers()[a:b]), model, a, self.mesh["dp"], self.device,
-                              reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision)
-        return Stage(owned_layers(model, range(a, b), self.device)[a:b]).to(self.precision.weights)
+            meta = Stage(model.meta_layers()[a:b])
+            self._checkpoint(meta)
+            return apply_fsdp(meta, model, a, self.mesh["dp"], self.device,
+                              reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision,
+                              offload=job.offload == "cpu")
+        return self._checkpoint(weights_in(Stage(owned_layers(model, range(a, b), self.device)[a:b]), model,
+                                           self.precision))
+
+    def _checkpoint(self, stage: Stage) -> Stage:
+        """With `job.checkpointing`, every layer between the embedding and the head (the blocks, the final norm)
+        recomputes its activations in backward; applied before FSDP2 shards them."""
+        if self.job.checkpointing:
+            for layer in list(stage.layers)[1:-1]:
+                checkpoint_in_place(layer)
+        return stage
 
     @property
     def loss_scale(self) -> float:
@@ -182,11 +219,12 @@ class _Rank:
                               self.ledger.trackers()[0], self.precision)
 
         def run_step(i: int) -> torch.Tensor:
-            share = step(_seeded(self.batch, job.data_seed, i), self.batch.normalizer, self.loss_scale)
+            batch = self.batch_at(i)
+            share = step(_seeded(batch, job.data_seed, i), batch.normalizer, self.loss_scale)
             self.tied.sync(self.rec)
             if job.dp > 1:
                 sum_replica_grads(list(self.module.parameters()), self.mesh.get_group("dp"), self.rec)
-            return share * self.batch.normalizer if share is not None else torch.zeros((), device=self.device)
+            return share * batch.normalizer if share is not None else torch.zeros((), device=self.device)
 
         return run_step
 
@@ -198,7 +236,6 @@ class _Rank:
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
             wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
-        share_of = self.batch.normalizer / job.dp  # DDP and FSDP2 average over replicas: undo it, to sum tokens
 
         def sync_context(last: bool):
             if hasattr(wrapped, "no_sync") and not last:
@@ -209,7 +246,9 @@ class _Rank:
 
         def run_step(i: int) -> torch.Tensor:
             total = torch.zeros((), device=self.device)
-            mbs = _seeded(self.batch, job.data_seed, i)
+            batch = self.batch_at(i)
+            share_of = batch.normalizer / job.dp  # DDP and FSDP2 average over replicas: undo it, to sum tokens
+            mbs = _seeded(batch, job.data_seed, i)
             for k, mb in enumerate(mbs):
                 with sync_context(k == len(mbs) - 1):
                     with self.rec.span("forward", k), self.ledger.track_activations("device"):
@@ -260,7 +299,7 @@ def train_worker(job: TrainJob) -> dict:
             phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
         dist.all_reduce(total)
-        losses.append(total.item() / r.batch.normalizer)
+        losses.append(total.item() / r.batch_at(i).normalizer)
         if i == 0:
             memory = _local_state(r.module, r.optimizer)
     memory.activations = r.ledger.device("device").activations

@@ -94,27 +94,38 @@ def tied_pairs(model: LayeredModel) -> list[TiedPair]:
     return list(getattr(model, "tied_parameters", lambda: [])())
 
 
+def weights_in(module: nn.Module, model: LayeredModel, precision: Precision) -> nn.Module:
+    """`module` in the job's weight dtype, unless the model keeps its own dtypes (a LoRA model: frozen base in its
+    dtype or NF4, adapters in fp32)."""
+    return module if getattr(model, "own_dtypes", False) else module.to(precision.weights)
+
+
 def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, device: torch.device,
-               reshard_after_forward: bool, precision: Precision = Precision()) -> nn.Module:
+               reshard_after_forward: bool, precision: Precision = Precision(), offload: bool = False) -> nn.Module:
     """Shard the meta-device `module` (layers first_layer.. of `model`) layer by layer, then allocate this rank's
     shards on `device` and fill them with exactly the values one device would hold (one layer at a time is
     materialised in host memory to cut its shards out). Mixed precision is FSDP2's own `MixedPrecisionPolicy`:
     parameters gathered in the autocast dtype, gradients reduced in fp32. Tied weights are one parameter again
-    (FSDP2 needs a shared parameter in one unit: the layers holding it are left to the root's unit)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    (FSDP2 needs a shared parameter in one unit: the layers holding it are left to the root's unit).
+    `offload`: FSDP2's `CPUOffloadPolicy`: shards, their gradients and the optimizer step stay in host memory, each
+    unit copied to `device` for its all-gather (pinned host memory on GPUs; on the CPU rig the copy is to the same
+    memory, so it runs the same code and moves nothing)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # our layers do no in-place ops on outputs
-    module = module.to(precision.weights)
+    module = weights_in(module, model, precision)
     pairs = [((i - first_layer, a), (j - first_layer, b)) for (i, a), (j, b) in tied_pairs(model)]
     tie_parameters_(module.layers, pairs)
     tied_layers = {i for pair in pairs for i, _ in pair}
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision.autocast], reduce_dtype=torch.float32) \
         if precision.autocast else MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for i, layer in enumerate(module.layers):
         if i not in tied_layers and any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    module.to_empty(device=device)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                        offload_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=policy)
+    module.to_empty(device=torch.device("cpu") if offload else device)
     rank, world = mesh.get_local_rank(), mesh.size()
     reference = model.meta_layers()
     with torch.no_grad():
@@ -124,18 +135,42 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
             full = dict(reference[i].named_parameters())
             for name, param in layer.named_parameters():
                 chunks = full[name].chunk(world, dim=0)
-                if rank < len(chunks):
+                if rank >= len(chunks):
+                    continue
+                if hasattr(param.to_local(), "__tensor_flatten__"):
+                    _assign_shard(layer, name, param, chunks[rank])
+                else:
                     param.to_local().copy_(chunks[rank])
             for name, buf in layer.named_buffers():
                 buf.copy_(dict(reference[i].named_buffers())[name])
             reference[i] = None
+    if offload:  # FSDP2 offloads parameters only: buffers (rotary frequencies) belong on the compute device
+        for sub in module.modules():
+            for name, buf in sub.named_buffers(recurse=False):
+                setattr(sub, name, buf.to(device))
     return module
 
 
+def _assign_shard(layer: nn.Module, name: str, param: nn.Parameter, shard: torch.Tensor) -> None:
+    """Give a sharded parameter that is a tensor subclass (an NF4 weight: 4-bit codes, scales, their mean, a lookup
+    table) its shard by replacing the parameter: copying into the meta-built one would fill only the parts FSDP2
+    shards. FSDP2 adopts the new parameter at its lazy init (`reset_sharded_param`, as after
+    `load_state_dict(assign=True)`)."""
+    from torch.distributed.tensor import DTensor
+
+    local = shard.to(param.to_local().device)
+    owner, _, leaf = name.rpartition(".")
+    sharded = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    setattr(layer.get_submodule(owner) if owner else layer, leaf,
+            nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
 def make_optimizer(name: str, params, lr: float, zero1: bool = False):
-    """None, SGD or Adam; with `zero1`, Adam/SGD state sharded over the ranks by ZeroRedundancyOptimizer."""
+    """None, SGD or Adam over the parameters that train (a frozen base has none of its own); with `zero1`, Adam/SGD
+    state sharded over the ranks by ZeroRedundancyOptimizer."""
     if name == "none":
         return None
+    params = [p for p in params if p.requires_grad]
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -1,0 +1,389 @@
+"""LoRA and QLoRA on a frozen base, as a `LayeredModel`: the one training loop shards it with FSDP2 like any model.
+
+LoRA (Hu et al. 2021) freezes the base and trains, beside each adapted nn.Linear W, two small matrices:
+y = W x + (alpha / r) * B A x, A: r x in, B: out x r. QLoRA (Dettmers et al. 2023) stores the frozen W in 4-bit NF4
+(helpers.finetune.quant). The adapters are peft's own LoRA layers (`inject_adapter_in_model`), trained in fp32 (peft
+casts the input to the adapter's dtype and the result back) over a base kept in fp32, bf16 or NF4.
+
+`LoraModel(HFModel(dir), LoraSpec(...))` builds every layer on the meta device with its adapters; a rank
+materialises only the layers it owns: the base's tensors read from the `save_pretrained` checkpoint, quantized on
+the host (the same bytes on every rig), adapters initialised from a per-layer seed. So one device and two FSDP2 ranks
+hold exactly the same numbers, and `TrainJob(LoraModel(...), dp=2, data_parallel="fsdp2", checkpointing=True,
+offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
+returns the adapters' trained values (`TrainResult.state`), which `save_adapters` writes with peft's
+`save_pretrained`, `merged_model` merges with peft's `merge_and_unload`, and `finetune` wraps for notebook 12.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear
+from helpers.models.hf import HFModel
+from helpers.models.layered import layer_seed, seeded
+from helpers.precision import DTYPES
+
+METHODS = ("lora", "qlora")
+BASE_DTYPES = ("fp32", "bf16")
+INITS = ("peft", "random")
+ALL_LINEAR = "all-linear"
+ADAPTER_DTYPE = torch.float32  # adapters, their gradients and Adam's moments: fp32 whatever the base
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What to train and how the frozen base is stored.
+
+    `method`: lora (base in `base_dtype`) or qlora (every nn.Linear of the decoder blocks in NF4, dequantized to
+    `base_dtype` to compute; embeddings, norms and the head stay in `base_dtype`, as bitsandbytes' QLoRA leaves them).
+    `targets`: names of the blocks' nn.Linear modules to adapt ("q_proj", ...), or "all-linear" (every one: the
+    QLoRA paper's choice). `init`: "peft" (A Kaiming-uniform, B zero: the adapted model starts equal to the base)
+    or "random" (B drawn too, so every adapter gradient is non-zero from the first step: what parity tests use).
+    """
+
+    method: str = "lora"
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] | str = ALL_LINEAR
+    dropout: float = 0.0
+    base_dtype: str = "fp32"
+    init: str = "peft"
+    seed: int = 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def check_spec(spec: LoraSpec) -> None:
+    """Refuse a spec that cannot run, in its own terms."""
+    if spec.method not in METHODS:
+        raise ValueError(f"unknown method {spec.method!r}; choose one of {METHODS}")
+    if not isinstance(spec.rank, int) or spec.rank <= 0:
+        raise ValueError(f"LoRA rank must be a whole number >= 1, got {spec.rank!r}")
+    if not spec.alpha > 0:
+        raise ValueError(f"LoRA alpha must be positive, got {spec.alpha!r}")
+    if not 0 <= spec.dropout < 1:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {spec.dropout!r}")
+    if spec.base_dtype not in BASE_DTYPES:
+        raise ValueError(f"the frozen base is kept in one of {BASE_DTYPES}, not {spec.base_dtype!r}")
+    if spec.init not in INITS:
+        raise ValueError(f"unknown adapter init {spec.init!r}; choose one of {INITS}")
+    if spec.method == "qlora" and nf4_missing():
+        raise ValueError(nf4_missing())
+
+
+def block_linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """The nn.Linear modules of a decoder block by qualified name (none in the embedding, norm or head layers:
+    the head is an nn.Linear itself, and QLoRA leaves it alone)."""
+    if not hasattr(layer, "block"):
+        return {}
+    return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class LoraModel:
+    """A Hugging Face causal LM saved with `save_pretrained` (`base`), frozen, with LoRA adapters (`spec`), as a
+    `LayeredModel` the engines cut and shard. Small and picklable: the launcher sends it to every rank."""
+
+    base: HFModel
+    spec: LoraSpec = LoraSpec()
+    own_dtypes = True  # the loop keeps the base's dtype and the fp32 adapters as they are (no job-wide cast)
+
+    def __post_init__(self):
+        check_spec(self.spec)
+        if self.base.dtype != DTYPES[self.spec.base_dtype]:
+            object.__setattr__(self, "base", replace(self.base, dtype=DTYPES[self.spec.base_dtype]))
+        self._check_adaptable()
+
+    # --- what every LayeredModel offers, from the base ---
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+    @property
+    def n_layers(self) -> int:
+        return self.base.n_layers
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        return self.base.weights_dtype
+
+    def tied_parameters(self):
+        return self.base.tied_parameters()
+
+    def context(self, input_ids, attention_mask=None, cache=None, position_ids=None):
+        return self.base.context(input_ids, attention_mask, cache, position_ids)
+
+    # --- the adapters ---
+    def targets(self) -> list[str]:
+        """The leaf names of the adapted nn.Linear modules (e.g. q_proj, v_proj)."""
+        available = self._linear_names()
+        if self.spec.targets == ALL_LINEAR:
+            return available
+        return sorted(set(self.spec.targets))
+
+    def _linear_names(self) -> list[str]:
+        layers = self.base.meta_layers()
+        return sorted({_leaf(name) for layer in layers for name in block_linears(layer)})
+
+    def _check_adaptable(self) -> None:
+        available = self._linear_names()
+        if not available:
+            raise ValueError(f"{self.config.model_type} has no nn.Linear layers in its blocks to adapt (GPT-2's "
+                             "blocks use Conv1D): LoRA/QLoRA here adapts nn.Linear layers; use a Llama-style model")
+        if self.spec.targets != ALL_LINEAR:
+            unknown = sorted(set(self.spec.targets) - set(available))
+            if unknown or not self.spec.targets:
+                raise ValueError(f"LoRA targets {unknown or '()'} are not nn.Linear layers of this model's blocks; "
+                                 f"choose among {available} or 'all-linear'")
+        if self.spec.method == "qlora":
+            layer = self.base.meta_layers()[1]
+            for name, linear in block_linears(layer).items():
+                layout = nf4_layout(linear.weight.shape)
+                if isinstance(layout, str):
+                    raise ValueError(f"QLoRA cannot store {_leaf(name)} in NF4: {layout}")
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.spec.rank, lora_alpha=self.spec.alpha, lora_dropout=self.spec.dropout,
+                          target_modules=self.targets(), init_lora_weights=self.spec.init == "peft")
+
+    def _adapt(self, layer: nn.Module, index: int, initialise: bool) -> nn.Module:
+        """Freeze `layer`, store its block's linears in NF4 (qlora), add adapters; with `initialise`, draw the
+        adapters from the layer's own seed (peft's init, or nn.Linear's for both matrices with init='random')."""
+        from peft import inject_adapter_in_model
+        from peft.tuners.lora import LoraLayer
+
+        layer.requires_grad_(False)
+        linears = block_linears(layer)
+        if not linears:
+            return layer
+        if self.spec.method == "qlora":
+            for name, linear in linears.items():
+                parent, _, leaf = name.rpartition(".")
+                setattr(layer.get_submodule(parent), leaf, quantize_linear(linear))
+        layer = inject_adapter_in_model(self.peft_config(), layer)
+        adapters = [m for m in layer.modules() if isinstance(m, LoraLayer)]
+        for m in adapters:
+            m.lora_A.to(ADAPTER_DTYPE)
+            m.lora_B.to(ADAPTER_DTYPE)
+        if initialise:
+            with seeded(layer_seed(self.spec.seed, index)):
+                for m in adapters:
+                    if self.spec.init == "peft":
+                        m.reset_lora_parameters("default", True)
+                    else:
+                        m.lora_A["default"].reset_parameters()
+                        m.lora_B["default"].reset_parameters()
+        return layer
+
+    def meta_layers(self) -> list[nn.Module]:
+        layers = self.base.meta_layers()
+        return [self._adapt(layer, i, initialise=False) for i, layer in enumerate(layers)]
+
+    def materialize(self, layers: list[nn.Module], indices: Iterable[int], device: torch.device) -> None:
+        """The base's layers at `indices` read from the checkpoint onto the host, quantized there (qlora), adapters
+        added and drawn from each layer's seed, then moved to `device`."""
+        owned = sorted(set(indices))
+        self.base.materialize(layers, owned, torch.device("cpu"))
+        for i in owned:
+            layers[i] = self._adapt(layers[i], i, initialise=True).to(device)
+
+
+# --- adapters in and out: peft's names, save_pretrained, merge_and_unload --------------------------------------------
+
+def _peft_names(model: LoraModel, layers: Iterable[int]) -> dict[int, dict[str, str]]:
+    """For each layer, its adapter tensors' local names -> their names in a peft model (`base_model.model.` + the
+    checkpoint's module path + `lora_A.default.weight`), as `get_peft_model_state_dict` expects them."""
+    indices = sorted(set(layers))
+    checkpoint = model.base.checkpoint_names(indices)
+    meta = model.meta_layers()
+    out = {}
+    for i in indices:
+        names = {}
+        for local, p in meta[i].named_parameters():
+            if not p.requires_grad:
+                continue
+            module, _, tail = local.partition(".lora_")
+            base_name = checkpoint[i][f"{module}.weight"]
+            names[local] = f"base_model.model.{base_name.rsplit('.', 1)[0]}.lora_{tail}"
+        out[i] = names
+    return out
+
+
+def adapter_state(layers: list[nn.Module]) -> dict[int, dict[str, torch.Tensor]]:
+    """The trainable (adapter) tensors of in-memory layers, by layer index: what the training loop returns."""
+    return {i: {n: p.detach().cpu().clone() for n, p in layer.named_parameters() if p.requires_grad}
+            for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())}
+
+
+def _meta_peft_model(model: LoraModel):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=model.weights_dtype)
+    return get_peft_model(hf, model.peft_config())
+
+
+def save_adapters(model: LoraModel, state: dict[int, dict[str, torch.Tensor]], directory: str | Path) -> Path:
+    """Write trained adapters (by layer, as the loop returns them) with peft's `save_pretrained`: adapter_config.json
+    and adapter_model.safetensors, reloadable with `PeftModel.from_pretrained(base, directory)`. The base model is
+    built on the meta device: nothing but the adapters is ever in memory."""
+    names = _peft_names(model, state)
+    missing = [n for i in names for n in names[i] if n not in state[i]]
+    if missing:
+        raise ValueError(f"the adapter state lacks {missing[:3]}: pass what the training loop returned")
+    tensors = {names[i][local]: t.to(ADAPTER_DTYPE).contiguous() for i in state for local, t in state[i].items()}
+    peft_model = _meta_peft_model(model)
+    peft_model.peft_config["default"].base_model_name_or_path = model.base.path
+    directory = Path(directory)
+    peft_model.save_pretrained(str(directory), state_dict=tensors)
+    return directory
+
+
+def load_adapters(model: LoraModel, directory: str | Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Adapters saved by `save_adapters` (or by peft for the same base and targets), by layer, as the loop returns
+    them."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(directory) / "adapter_model.safetensors"))
+    names = _peft_names(model, range(model.n_layers))
+    out = {}
+    for i, local_names in names.items():
+        for local, full in local_names.items():
+            key = full.replace(".default.", ".")
+            if key not in saved:
+                raise ValueError(f"{directory} has no adapter {key!r}: saved for another model or other targets?")
+            out.setdefault(i, {})[local] = saved[key]
+    return out
+
+
+def full_layers(model: LoraModel, state: dict[int, dict[str, torch.Tensor]] | None = None,
+                device: torch.device = torch.device("cpu")) -> list[nn.Module]:
+    """Every layer on `device` (one device: held-out loss and samples on a small model), adapters set to `state`
+    (the trained values) or left as initialised."""
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), device)
+    with torch.no_grad():
+        for i, tensors in (state or {}).items():
+            params = dict(layers[i].named_parameters())
+            for name, t in tensors.items():
+                params[name].copy_(t)
+    return layers
+
+
+def base_for_merge(model: LoraModel) -> nn.Module:
+    """The Hugging Face model the adapters were trained on, whole, on the CPU: the checkpoint in `base_dtype`, and
+    for qlora every block linear replaced by its NF4 values (the base the adapters saw). For small models."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model.base.path, dtype=model.weights_dtype)
+    if model.spec.method == "qlora":
+        from helpers.finetune.quant import to_nf4
+
+        with torch.no_grad():
+            for module in hf.modules():
+                for name, child in module.named_children():
+                    if isinstance(child, nn.Linear) and child is not hf.lm_head:
+                        child.weight.copy_(dequantize(to_nf4(child.weight)))
+    return hf.eval()
+
+
+def merged_model(model: LoraModel, adapters: str | Path) -> nn.Module:
+    """The base with the saved adapters merged into its weights by peft (`PeftModel.from_pretrained` then
+    `merge_and_unload`): a plain Hugging Face model computing what base + adapters compute (QLoRA: merged into the
+    dequantized base, in `base_dtype`)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_for_merge(model), str(adapters)).merge_and_unload()
+
+
+# --- one call for notebook 12 -----------------------------------------------------------------------------------------
+
+@dataclass
+class Finetuned:
+    """What `finetune` returns: every step's training loss, the held-out loss and a greedy sample before and after,
+    each rank's memory by part (DeviceMemory: params = frozen base + adapters, grads and optimizer state = the
+    adapters', activations = their peak, from the ledger), the step times (slowest rank), the trained adapters by
+    layer, and where they were saved."""
+
+    losses: list[float]
+    held_out: tuple[float, float]
+    samples: tuple[str, str]
+    memory: list
+    step_times: list[float]
+    adapters: dict[int, dict[str, torch.Tensor]]
+    model: LoraModel
+    prompt: str
+    saved: Path | None = None
+
+
+def small_llama(directory: str | Path, vocab: int = 512, seq_len: int = 64, n_layers: int = 4, hidden: int = 128,
+                seed: int = 0) -> HFModel:
+    """A small Llama-style model (grouped-query attention) with random weights, saved with `save_pretrained`."""
+    from helpers.models.hf import hf_config, save_hf_model
+
+    cfg = hf_config("llama", n_layers=n_layers, hidden=hidden, heads=4, kv_heads=2, vocab=vocab, seq_len=seq_len)
+    return save_hf_model(cfg, directory, seed=seed)
+
+
+def finetune(model: str | Path | None = None, method: str = "qlora", steps: int = 20, batch: int = 8,
+             seq_len: int = 32, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] | str = ALL_LINEAR,
+             base_dtype: str = "fp32", checkpointing: bool = True, offload: str | None = None,
+             text: str | Path | None = None, lr: float = 3e-3, save_to: str | Path | None = None,
+             prompt: str = "def ", workdir: str | Path | None = None, rig=None, timeout: float = 600.0,
+             held_out_windows: int = 32, max_chars: int = 200_000) -> Finetuned:
+    """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
+    default the standard library), FSDP2 over 2 ranks, for `steps` optimizer steps (>= 3) of Adam on the adapters.
+    Bad input is refused before any process starts."""
+    import tempfile
+
+    from helpers.models.layered import Stage
+    from helpers.models.text import greedy_sample, load_rows, model_text, text_loss
+    from helpers.runtime.rig import detect_rig
+    from helpers.training.job import TrainJob, check_job
+    from helpers.training.loop import run_training
+
+    if not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
+    spec = LoraSpec(method=method, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype)
+    check_spec(spec)
+    rig = rig or detect_rig()
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="lab-lora-"))
+    base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
+    lora = LoraModel(base, spec)
+    train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",
+                                                  max_chars=max_chars)
+    job = TrainJob(lora, dp=2, data_parallel="fsdp2", batch=batch, seq_len=seq_len, steps=steps - 2,
+                   optimizer="adam", lr=lr, data=str(train_rows), checkpointing=checkpointing, offload=offload,
+                   return_state=True)
+    check_job(job, rig, oversubscribe=rig.is_cpu)
+    held = load_rows(held_rows)[:held_out_windows]
+    context = getattr(base.config, "max_position_embeddings", None)
+
+    def measure(state):
+        stage = Stage(full_layers(lora, state)).eval()
+        return text_loss(stage, held), greedy_sample(stage, tokenizer, prompt, 40, context)
+
+    loss_before, sample_before = measure(None)
+    res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu)
+    loss_after, sample_after = measure(res.state)
+    saved = save_adapters(lora, res.state, save_to) if save_to is not None else None
+    return Finetuned(res.losses, (loss_before, loss_after), (sample_before, sample_after), res.memory,
+                     res.step_times, res.state, lora, prompt, saved)

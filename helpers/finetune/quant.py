@@ -1,0 +1,105 @@
+"""The 4-bit NF4 frozen base of QLoRA (Dettmers et al. 2023), from torchao; `tensor_bytes` counts its real bytes.
+
+Why torchao's `NF4Tensor` and not bitsandbytes' `Linear4bit`: both quantize and run on this CPU rig with torch 2.13
+(torchao 0.18, bitsandbytes 0.50.2; tried side by side), but only torchao's composes with FSDP2 as it ships.
+`NF4Tensor` implements `fsdp_pre_all_gather` / `fsdp_post_all_gather`, so `fully_shard` shards its packed 4-bit
+codes *and* its block scales over the ranks and all-gathers them as they are (uint8: 8x fewer bytes on the link
+than fp32). bitsandbytes keeps the block scales in a `QuantState` on the Python object beside a packed tensor in a
+float "quant storage" dtype; under `fully_shard` the parameter is replaced by a plain DTensor and the state is gone
+("quant_state is required" in forward) unless the `Params4bit` was made with `module=` so the layer can reattach it;
+the scales then stay whole on every rank, FSDP's `param_dtype` must equal the quant storage or the packed bytes are
+cast into garbage (bitsandbytes PR #970), its CPU 4-bit matmul first tries to fetch a kernel from a model hub, and
+in eval mode on CPUs with AVX512-BF16 its forward repacks `weight.data` in place. torchao's NF4 is the QLoRA
+format torchtune trained with FSDP2 (torchtune itself no longer installs with torchao >= 0.18, so nothing here uses
+it).
+
+The layout: blocks of `BLOCK` values share one scale; the scales are quantized again to 8 bits in blocks
+(`scaler_block_size`, double quantization). FSDP2 cuts every inner tensor into equal shards along dim 0, so the
+number of blocks, of scale blocks and the rows must all divide by the ranks: `nf4_layout` picks a scale block that
+works for up to `MAX_SHARDS` ranks, the same on every rig, so one device and two ranks hold the very same bytes.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from torch import nn
+
+BLOCK = 64  # values per NF4 block (QLoRA's and torchao's default)
+SCALER_BLOCK = 256  # scales per double-quantization block (torchao's default), or the largest that divides
+MAX_SHARDS = 8  # NF4 weights are laid out so that FSDP2 can shard them over up to this many ranks
+
+BACKEND = "torchao"
+
+
+def nf4_missing() -> str | None:
+    """Why NF4 cannot be used here, or None when it can (torchao is an optional dependency)."""
+    if importlib.util.find_spec("torchao") is None:
+        return ("QLoRA needs torchao for its 4-bit NF4 weights, and it is not installed: "
+                "pip install --no-deps torchao==0.18.0 (see requirements.txt), or use method='lora'")
+    return None
+
+
+def _nf4():
+    """torchao's NF4 module, imported quietly (it logs about optional GPU kernels it cannot load on a CPU)."""
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    finally:
+        logger.setLevel(level)
+    return nf4_tensor
+
+
+def nf4_layout(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | str:
+    """(block size, scale block size) for a weight of `shape`, or the reason it cannot be NF4 and sharded."""
+    rows = shape[0]
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel % BLOCK or rows % MAX_SHARDS:
+        return f"{tuple(shape)} does not split into {BLOCK}-value blocks and {MAX_SHARDS} equal row shards"
+    blocks = numel // BLOCK
+    for scaler in (SCALER_BLOCK, 128, 64, 32, 16, 8, 4, 2, 1):
+        if blocks % scaler == 0 and (blocks // scaler) % MAX_SHARDS == 0:
+            return BLOCK, scaler
+    return f"{tuple(shape)}: its {blocks} blocks do not split into {MAX_SHARDS} equal shards of scale blocks"
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "NF4Tensor"
+
+
+def to_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as an NF4Tensor (on the meta device too: shapes only), dequantizing to the weight's dtype."""
+    layout = nf4_layout(weight.shape)
+    if isinstance(layout, str):
+        raise ValueError(f"cannot store this weight in NF4: {layout}")
+    return _nf4().to_nf4(weight.detach().contiguous(), *layout)
+
+
+def dequantize(t: torch.Tensor) -> torch.Tensor:
+    """The values an NF4 weight computes with (any other tensor as it is)."""
+    return t.get_original_weight() if is_nf4(t) else t
+
+
+class NF4Linear(nn.Linear):
+    """A frozen nn.Linear whose weight is an NF4Tensor: forward dequantizes it block by block (torchao's
+    `linear_nf4`, which saves only the 4-bit weight for backward). An nn.Linear, so peft wraps it like any other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _nf4().linear_nf4(x, self.weight)
+        return out + self.bias if self.bias is not None else out
+
+
+def quantize_linear(linear: nn.Linear) -> NF4Linear:
+    """`linear` with its weight in NF4 (bias kept as it is), frozen; on whatever device it is (meta included)."""
+    q = NF4Linear.__new__(NF4Linear)
+    nn.Module.__init__(q)
+    q.in_features, q.out_features = linear.in_features, linear.out_features
+    q.weight = nn.Parameter(to_nf4(linear.weight), requires_grad=False)
+    q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
+    return q
+
