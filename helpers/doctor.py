@@ -397,14 +397,18 @@ def run_check(name: str, verdict: Support, fn: Callable[[], str]) -> Check:
     return check
 
 
-def parity_checks(rig: Rig, workdir: str, progress: bool = True) -> list[Check]:
+def parity_checks(rig: Rig, workdir: str, progress: bool = True,
+                  wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
     checks = []
     for name, verdict, fn in plan_checks(rig, workdir):
+        if not wanted(name):
+            continue
         checks.append(run_check(name, verdict, fn))
         if progress:
             print(f"  {checks[-1].status:<8} {name}", flush=True)
     if rig.is_cuda:
-        checks += guarded("CUDA paths: event timing, memory panel", lambda: _cuda_paths(rig))
+        if wanted("CUDA paths: event timing, memory panel"):
+            checks += guarded("CUDA paths: event timing, memory panel", lambda: _cuda_paths(rig))
     else:
         checks.append(Check("CUDA paths: event timing, copy streams, memory panel", "REFUSED",
                             "no CUDA on this rig: the CPU rig times with the wall clock and counts memory itself"))
@@ -444,11 +448,14 @@ def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], mode
     return Check(name, "FAIL", f"exit code {proc.returncode}, losses {losses}\n{proc.stderr[-2000:]}", seconds)
 
 
-def script_checks(rig: Rig, workdir: str) -> list[Check]:
+def script_checks(rig: Rig, workdir: str, wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
     from helpers.models.hf import hf_config, save_hf_model
 
+    runs = [run for run in SCRIPT_RUNS if wanted(f"script: {run[0]}")]
+    if not runs:
+        return []
     model = save_hf_model(hf_config("gpt2", 2, 32, 4, 64, 16, tie_embeddings=True), f"{workdir}/scripts-gpt2")
-    return [c for script, nproc, extra in SCRIPT_RUNS
+    return [c for script, nproc, extra in runs
             for c in guarded(f"script: {script}", lambda a=(script, nproc, extra): script_check(rig, *a, model.path))]
 
 
@@ -465,8 +472,9 @@ def calibration_check(rig: Rig) -> str:
 
 # --- the command --------------------------------------------------------------------------------------------------
 
-def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True) -> dict:
-    """Every section, each guarded: a failure is a FAIL row and the rest still runs."""
+def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only: tuple[str, ...] = ()) -> dict:
+    """Every section, each guarded: a failure is a FAIL row and the rest still runs. `only`: just the checks whose
+    name contains one of these words (to recheck one thing after a fix)."""
     import tempfile
 
     from helpers.training.support import support_rows
@@ -483,23 +491,28 @@ def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True) -> d
         result["topology"] = topology(rig)
         return "read"
 
+    def wanted(name: str) -> bool:
+        return not only or any(word.lower() in name.lower() for word in only)
+
     checks += [c for c in guarded("topology", into_topology) if c.status == "FAIL"]
     say("system ...")
     checks += system_checks(rig)
-    say("links ...")
+    if wanted("links: point-to-point and all-reduce"):
+        say("links ...")
 
-    def into_links() -> list[Check]:
-        result["links"] = links(rig, sizes, repeats)
-        return []
+        def into_links() -> list[Check]:
+            result["links"] = links(rig, sizes, repeats)
+            return []
 
-    checks += guarded("links: point-to-point and all-reduce", into_links)
+        checks += guarded("links: point-to-point and all-reduce", into_links)
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as workdir:
         say("parity checks (one training step against one device):")
-        checks += parity_checks(rig, workdir, progress)
+        checks += parity_checks(rig, workdir, progress, wanted)
         say("take-home scripts (two steps each) and the bench's calibration ...")
-        checks += script_checks(rig, workdir)
-    checks += guarded("bench: calibration in its ranks", lambda: calibration_check(rig))
-    result["checks"] = [asdict(c) for c in checks]
+        checks += script_checks(rig, workdir, wanted)
+    if wanted("bench: calibration in its ranks"):
+        checks += guarded("bench: calibration in its ranks", lambda: calibration_check(rig))
+    result["checks"] = [asdict(c) for c in checks if wanted(c.name) or c.status == "FAIL"]
     result["support"] = support_rows({"this rig": rig})
     return result
 
@@ -536,13 +549,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
     parser.add_argument("--cpu", action="store_true", help="check the CPU rig even on a GPU machine")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per message size in the link sweep")
+    parser.add_argument("--only", default="", help="comma-separated words: run only the checks whose names contain "
+                                                   "one of them, e.g. --only script,fsdp2 after fixing something")
     ns = parser.parse_args(argv)
     rig = detect_rig(force_cpu=ns.cpu or None)
     if rig.is_cpu:
         claim_cpu_device(rig)
         os.environ.setdefault(STRICT_ENV, "1")  # ranks and scripts fail here where they would under NCCL
     sizes = [2**k for k in range(12, 25, 2)] if rig.is_cpu else [2**k for k in range(12, 29, 2)]
-    result = report(rig, sizes, ns.repeats)
+    result = report(rig, sizes, ns.repeats, only=tuple(w.strip() for w in ns.only.split(",") if w.strip()))
     print_report(result)
     if ns.json:
         with open(ns.json, "w") as f:
