@@ -1,7 +1,23 @@
 """Helpers for the Two-GPU Model Parallelism Lab: every technique the notebooks teach, written once.
 
-Modules: rig, course, launch, workers, models, memory, monitor, timeline, report, measure, check, stages,
-profile, partition, checkpointing, comm, schedules, engine, mp_engine, parallel, bench.
-Import what you need: `from helpers.runtime.rig import detect_rig`.
+Subpackages (each `__init__` says in a line what it holds):
+- `runtime`: which rig this is, ranks started from a notebook or torchrun with no orphans, device-strict ranks;
+- `models`: the block stack, Hugging Face causal LMs built from configs, synthetic tokens and real text offline;
+- `pipeline`: schedules as data, the one interpreter, its transports, the threaded engine, boundary transfers;
+- `training`: a job, the strategies over one DeviceMesh, the one training loop, what runs where, `train()`;
+- `finetune`: LoRA / QLoRA adapters on a frozen (NF4) base, and the training-memory planner;
+- `inference`: the big-model planner and device maps, generation across devices, tensor parallelism;
+- `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions.
+Modules: `memory` (byte accounting), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
+`checkpointing`, `precision`, `measure`, `check`, `report`, `course` (a notebook's setup); the command lines
+`bench`, `doctor`, `plan`, `wheelhouse` (`python -m helpers.NAME`). Import what you need:
+`from helpers.runtime.rig import detect_rig`.
 """
+import logging
+
 __version__ = "0.1.0"
+
+# torchao (installed for QLoRA) is imported by transformers whenever a model module loads; on a machine without its
+# CUDA kernels it logs a warning per kernel, and torch's pytree one per type it registers: noise, not news.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)

@@ -444,7 +444,7 @@ def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], mode
                      seconds)
     refusal = next((line for line in proc.stderr.splitlines() if "NCCL needs one GPU per process" in line), None)
     if refusal:
-        return Check(name, "REFUSED", refusal.removeprefix("error: "), seconds)
+        return Check(name, "REFUSED", refusal.split("): ", 1)[-1], seconds)
     return Check(name, "FAIL", f"exit code {proc.returncode}, losses {losses}\n{proc.stderr[-2000:]}", seconds)
 
 

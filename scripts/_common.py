@@ -100,14 +100,13 @@ def _context(model_dir: str) -> int | None:
 def init() -> tuple[int, int, torch.device]:
     """Join the process group as PyTorch's own engines do: on GPUs bind the rank's GPU first and give NCCL
     `device_id`, so its communicator is created now, on every rank together (LAB_FORCE_CPU=1: the CPU rig). Too few
-    GPUs for the ranks: every rank stops at once, the first with the reason, before NCCL starts."""
+    GPUs for the ranks: every rank stops at once with the reason, before NCCL starts."""
     if torch.cuda.is_available() and os.environ.get("LAB_FORCE_CPU") != "1":
         local = int(os.environ["LOCAL_RANK"])
         shortage = gpu_shortage(int(os.environ["LOCAL_WORLD_SIZE"]), torch.cuda.device_count(),
                                 os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if shortage:
-            if local == 0:
-                print(f"error: {shortage}", file=sys.stderr, flush=True)
+        if shortage:  # every rank says it: torchrun stops the others as soon as the first one exits
+            print(f"error (local rank {local}): {shortage}", file=sys.stderr, flush=True)
             raise SystemExit(1)
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)

@@ -337,3 +337,20 @@ def test_stage_threads_sharing_a_generator_take_turns_in_dropout_layers():
     assert inside.is_set()
     with _dropout_generator(ctx, 0, True, cpu):
         assert torch.equal(torch.rand(4), first), "the layer's masks come from its own seed"
+
+
+def test_blocks_get_their_cache_under_the_name_they_take():
+    """transformers 5.17 names a block's KV cache `past_key_values`, 5.25 `cache`: passed under the other name it
+    lands in **kwargs unused, and decoding attends to nothing cached (generation differed from `generate` on the GPU
+    machine's 5.17)."""
+    from helpers.models.hf import cache_keyword
+
+    class Before(torch.nn.Module):
+        def forward(self, h, attention_mask=None, past_key_values=None, **kwargs):
+            return h
+
+    class After(torch.nn.Module):
+        def forward(self, h, attention_mask=None, cache=None, **kwargs):
+            return h
+
+    assert cache_keyword(Before()) == "past_key_values" and cache_keyword(After()) == "cache"

@@ -88,7 +88,7 @@ def _scripts_module(name: str):
 
 def test_more_ranks_than_gpus_stop_before_nccl_with_the_reason():
     """Two ranks on a one-GPU machine: rank 1 died in torch.cuda.set_device with "invalid device ordinal". Now every
-    rank stops before the process group starts, the first with the reason in the user's terms."""
+    rank stops before the process group starts, with the reason in the user's terms."""
     common = _scripts_module("_common")
     said = common.gpu_shortage(processes=2, gpus=1, visible=None)
     assert "2 processes on this machine, but 1 GPU(s) visible" in said and "--nproc-per-node 1" in said

@@ -16,6 +16,7 @@ window) and Gemma (v1); attention implementations "eager" and "sdpa".
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import threading
 from contextlib import contextmanager, nullcontext
@@ -227,6 +228,12 @@ class HFEmbedding(nn.Module):
             return self.drop(h) if self.drop is not None else h
 
 
+def cache_keyword(block: nn.Module) -> str:
+    """The name a decoder block takes its KV cache by: `cache` from transformers 5.25, `past_key_values` before (a
+    cache passed under the other name lands in **kwargs unused: decoding then attends to nothing cached)."""
+    return "cache" if "cache" in inspect.signature(block.forward).parameters else "past_key_values"
+
+
 class HFBlock(nn.Module):
     """One Hugging Face decoder block, called as the model's forward calls it: with its attention kind's mask, the
     position ids, the rotary embedding of its own copy of the rotary module, and the stage's KV cache."""
@@ -239,6 +246,7 @@ class HFBlock(nn.Module):
         self.block = block
         self.rotary = copy.deepcopy(rotary) if rotary is not None else None
         self.index, self.kind = index, kind
+        self.cache_keyword = cache_keyword(block)
 
     def forward(self, h: torch.Tensor, ctx: HFContext | None = None) -> torch.Tensor:
         if ctx is None:  # a whole causal sequence, nothing cached: what a layer called on its own needs
@@ -246,7 +254,7 @@ class HFBlock(nn.Module):
         with _dropout_generator(ctx, self.index, self.training, h.device):
             positions = ctx.position_ids.to(h.device)
             kwargs = {"attention_mask": ctx.mask(self.kind, h.device), "position_ids": positions,
-                      "cache": ctx.cache, "use_cache": ctx.cache is not None}
+                      self.cache_keyword: ctx.cache, "use_cache": ctx.cache is not None}
             if self.rotary is not None:
                 kwargs["position_embeddings"] = self.rotary(h, positions)
             out = self.block(h, **kwargs)
