@@ -11,7 +11,8 @@ It prints, and with `--json PATH` writes:
 4. a one-step parity check of every engine and strategy (threads, processes, torch.distributed.pipelining; naive,
    GPipe, 1F1B; DDP, ZeRO-1, ZeRO-2, FSDP2; DP x PP) against one device: PASS, FAIL, or REFUSED with the reason
    this rig cannot run it; the CUDA-only paths (CUDA-event timelines, copy and compute streams, the NVML panel);
-5. the take-home scripts, two steps each under torchrun, and the bench's calibration in its ranks;
+5. the take-home scripts (QLoRA's included), two steps each under torchrun, and the bench's calibration in its
+   ranks;
 6. each notebook's GPU sizes against this rig's memory.
 Every section is guarded: whatever fails is a FAIL row with its reason, and the table is printed anyway. WARN says
 what to change without failing. Exit status 1 if anything FAILed. On the CPU rig it runs the same checks there (CI
@@ -419,7 +420,9 @@ def parity_checks(rig: Rig, workdir: str, progress: bool = True,
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_RUNS = (("train_naive_split.py", 0, ()), ("train_pipeline.py", 2, ("--schedule", "1f1b")),
-               ("train_ddp.py", 2, ()), ("train_fsdp2.py", 2, ()), ("train_dp_x_pp.py", 4, ("--pp", "2")))
+               ("train_ddp.py", 2, ()), ("train_fsdp2.py", 2, ()), ("train_dp_x_pp.py", 4, ("--pp", "2")),
+               ("finetune_lora.py", 2, ("--method", "qlora", "--lora-rank", "4", "--checkpointing")))
+LINEAR_BLOCKS = {"finetune_lora.py"}  # scripts that need nn.Linear in the blocks (GPT-2's are Conv1D): a Llama
 SCRIPT_FLAGS = ("--steps", "2", "--batch", "4", "--seq-len", "16", "--microbatches", "2", "--lr", "1e-3")
 
 
@@ -454,9 +457,11 @@ def script_checks(rig: Rig, workdir: str, wanted: Callable[[str], bool] = lambda
     runs = [run for run in SCRIPT_RUNS if wanted(f"script: {run[0]}")]
     if not runs:
         return []
-    model = save_hf_model(hf_config("gpt2", 2, 32, 4, 64, 16, tie_embeddings=True), f"{workdir}/scripts-gpt2")
+    models = {"gpt2": save_hf_model(hf_config("gpt2", 2, 32, 4, 64, 16, tie_embeddings=True), f"{workdir}/gpt2"),
+              "llama": save_hf_model(hf_config("llama", 2, 32, 4, 64, 16, kv_heads=2), f"{workdir}/llama")}
     return [c for script, nproc, extra in runs
-            for c in guarded(f"script: {script}", lambda a=(script, nproc, extra): script_check(rig, *a, model.path))]
+            for c in guarded(f"script: {script}", lambda a=(script, nproc, extra): script_check(
+                rig, *a, models["llama" if a[0] in LINEAR_BLOCKS else "gpt2"].path))]
 
 
 def calibration_check(rig: Rig) -> str:

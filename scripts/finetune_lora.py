@@ -12,6 +12,8 @@ state and a reduce-scatter. --save-to writes the adapters with peft's save_pretr
 `.merge_and_unload()`. (Every rank reads the whole checkpoint here; for a 70B base, load it on the meta device and
 fill the shards layer by layer, as helpers.finetune.lora does, or as answer.ai's fsdp_qlora does from rank 0.)
 """
+import os
+
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
@@ -36,15 +38,17 @@ def quantize_blocks(model: nn.Module) -> None:
 
 def main() -> None:
     ns = parse(__doc__.splitlines()[0], lora=True)
+    shard = not (ns.method == "qlora" and int(os.environ.get("WORLD_SIZE", "1")) == 1)
     if ns.method == "qlora":
         from helpers.finetune.quant import nf4_missing
 
         if nf4_missing():
             raise SystemExit(nf4_missing())
-    rank, world, device = init()
-    mesh = init_device_mesh(device.type, (world,))
+        if not shard and ns.offload == "cpu":  # torchao 0.18's NF4 fails FSDP2's one-rank gather (ValueError)
+            raise SystemExit("QLoRA with --offload cpu needs FSDP2 over 2 or more processes here; on one GPU run "
+                             "QLoRA without --offload (the 4-bit base is not sharded then)")
     base_dtype = torch.bfloat16 if ns.autocast == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=base_dtype)
+    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=base_dtype)  # read on the host, before the group
     if not any(type(m) is nn.Linear for m in model.model.layers[0].modules()):
         raise SystemExit(f"{model.config.model_type} has no nn.Linear layers in its blocks to adapt")
     if ns.method == "qlora":
@@ -57,10 +61,13 @@ def main() -> None:
     model = get_peft_model(model, config, autocast_adapter_dtype=True)  # adapters in fp32 over a bf16 base
     if ns.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if ns.offload == "cpu" else OffloadPolicy()
-    for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh, offload_policy=offload)  # one all-gather per decoder layer
-    fully_shard(model, mesh=mesh, offload_policy=offload)  # embeddings, final norm, head in the root unit
+    rank, world, device = init()
+    if shard:
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if ns.offload == "cpu" else OffloadPolicy()
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=offload)  # one all-gather per decoder layer
+        fully_shard(model, mesh=mesh, offload_policy=offload)  # embeddings, final norm, head in the root unit
     if ns.offload == "cpu":  # FSDP2 keeps the parameter shards in host memory; buffers go to the GPU
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
@@ -77,14 +84,16 @@ def main() -> None:
         optimizer.zero_grad()
         total = torch.zeros((), device=device)
         for k, (xm, ym) in enumerate(zip(x.chunk(ns.microbatches), y.chunk(ns.microbatches))):
-            model.set_requires_gradient_sync(k == ns.microbatches - 1)  # reduce-scatter on the last only
+            if shard:
+                model.set_requires_gradient_sync(k == ns.microbatches - 1)  # reduce-scatter on the last only
             summed = token_loss_sum(model(input_ids=xm).logits, ym)
             (summed * world / real).backward()  # FSDP2 averages over ranks, like DDP
             total += summed.detach()
         optimizer.step()
         dist.all_reduce(total)
         report(step, total.item() / real)
-    adapters = {name: p.full_tensor().cpu() for name, p in model.named_parameters() if p.requires_grad}  # collective
+    adapters = {name: (p.full_tensor() if shard else p).cpu()  # full_tensor: a collective
+                for name, p in model.named_parameters() if p.requires_grad}
     if ns.save_to and rank == 0:
         model.save_pretrained(ns.save_to, state_dict=adapters)
     dist.destroy_process_group()

@@ -143,3 +143,13 @@ def test_finetune_lora_script_trains_adapters_like_one_device(llama_dir, tmp_pat
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_dir), tmp_path / "adapters")
     trained_b = [p for n, p in reloaded.named_parameters() if "lora_B" in n]
     assert trained_b and all(p.abs().sum() > 0 for p in trained_b)
+
+
+@pytest.mark.full
+def test_qlora_on_one_process_trains_without_fsdp2_and_refuses_offload(llama_dir, tmp_path):
+    """torchao's NF4 base fails FSDP2's one-rank gather ("not enough values to unpack", seen on the GPU machine and
+    reproduced on CPU): with one process the QLoRA script trains unsharded, and refuses CPU offload with the reason."""
+    losses = _run("finetune_lora.py", 1, llama_dir, tmp_path / "adapters", "--method", "qlora", "--lora-rank", "4")
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    with pytest.raises(AssertionError, match="needs FSDP2 over 2 or more processes"):
+        _run("finetune_lora.py", 1, llama_dir, tmp_path / "x", "--method", "qlora", "--offload", "cpu")
