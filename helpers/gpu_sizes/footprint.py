@@ -22,15 +22,23 @@ Each part of the step, and why it is counted so (conservative where a choice had
       this is also the gradient of the logits and of their log-softmax), plus the gradients flowing into and out of
       the layer (2 x the largest layer output: the logits on the last stage, held by the caller);
   (b) the optimizer step: PyTorch's foreach Adam computes sqrt(exp_avg_sq) into new tensors (4 bytes per parameter)
-      after backward has freed the activations, so only what exceeds (a) and the activations counts.
+      after backward has freed the activations, so only what exceeds (a) and the activations counts;
+  plus (c) the largest parameter's fresh gradient, which backward computes before adding it to the kept `.grad`,
+  and (d) cuBLAS's workspace (`CUBLAS_WORKSPACE`), which the caching allocator hands out and max_memory_allocated sees.
   The CUDA context, cuBLAS's workspace and the caching allocator's slack are not part of a step: `plans` adds
   data/inference.json's runtime reserve per device and per process.
 
-Checked against real GPUs (one H200, torch.cuda.max_memory_allocated after reset_peak_memory_stats): the block stack
-at hidden 2048, 8 blocks, batch 16 x 512 tokens kept 8390 MiB saved after forward (this ledger on meta: 8594 MiB),
-peak 10.10 GiB (planned here: 11.75 GiB, grads counted whole); at hidden 1024, 4 blocks, batch 8 x 256: 537 MiB
-saved (planned 552 MiB), peak 0.84 GiB (planned 1.02 GiB). `training_step_peak` gives the plan of one such step for
-a GPU script to compare with its measured peak.
+Checked on one H200 (torch.cuda.max_memory_allocated over the second of three steps, after reset_peak_memory_stats,
+gradients kept by zero_grad(set_to_none=False); `training_step_peak` and `training_step` give these plans): what the
+block stack (fp32) holds after its forward equals this ledger's count on meta to the MiB in all five cases, and
+  measured / planned peak    hidden, blocks, batch x tokens, optimizer
+  11.58 / 11.87 GiB          2048, 8, 16 x 512, SGD  (the first step, before gradients exist: 10.08 GiB)
+   9.28 /  9.58 GiB          1024, 8, 32 x 512, SGD
+  10.04 / 10.33 GiB          1024, 8, 32 x 512, Adam
+   1.01 /  1.02 GiB          1024, 4,  8 x 256, SGD
+   8.56 /  8.70 GiB          1024, 12, 32 x 256, Adam
+   7.75 /  8.74 GiB          Hugging Face Llama, 12 x 768, vocabulary 50257, 8 x 512, bf16 autocast, AdamW
+   7.58 /  8.29 GiB          the same as GPT-2 (tied embeddings)
 """
 from __future__ import annotations
 
@@ -49,6 +57,10 @@ from helpers.models.layered import call_layer
 from helpers.models.stack import StackConfig, StackModel
 
 OPTIMIZER_STATE = {"none": 0, "sgd": 0, "momentum": 4, "adam": 8}  # bytes per fp32 parameter (ZeRO paper)
+# cuBLAS's workspace, taken from the caching allocator once per stream that multiplies matrices: 32 MiB on Hopper,
+# 4096 KiB x 2 + 16 KiB x 8 on other GPUs (PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize):
+# the larger, so that a plan also holds on the H200 it is checked on
+CUBLAS_WORKSPACE = 32 * 2**20
 OPTIMIZER_TEMPORARY = {"none": 0, "sgd": 0, "momentum": 0, "adam": 4}  # foreach Adam: sqrt(exp_avg_sq), new tensors
 
 
@@ -58,12 +70,19 @@ class cuda_attention(TorchFunctionMode):
     instead of the math path PyTorch takes on the meta device, which stores the attention scores. Boolean masks
     become additive ones, as PyTorch converts them; grouped-query keys and values are repeated per query head.
 
-    `autocast=True` also plays bf16 autocast, which has no meta device: the matrix products (`F.linear`,
-    `torch.addmm`, `matmul`, `bmm`, attention) get 16-bit inputs and give 16-bit outputs, everything else runs in the
-    dtype it gets, as under autocast. The 16-bit copy of a weight is made a Parameter, so the ledger leaves it out
-    (`training_step` adds those copies once per micro-batch in flight, as autocast's cast cache holds them)."""
+    `autocast=True` also plays bf16 autocast, which has no meta device, by PyTorch's CUDA op lists (torch.amp docs,
+    "CUDA Ops that can autocast to float16" / "to float32"): the matrix products (`F.linear`, `torch.addmm`, `matmul`,
+    `bmm`, attention) get 16-bit inputs and give 16-bit outputs; pow, exp, log, rsqrt, softmax, the norms, sums and
+    losses get 16-bit inputs cast to fp32 (GPT-2's tanh GELU, built on `torch.pow`, thus runs and saves in fp32);
+    everything else runs in the dtype it gets. The 16-bit copy of a weight is made a Parameter, so the ledger leaves
+    it out (`training_step` adds those copies once per micro-batch in flight, as autocast's cast cache holds them)."""
 
     MATMULS = {F.linear, torch.addmm, torch.matmul, torch.Tensor.__matmul__, torch.bmm, torch.baddbmm}
+    TO_FP32 = {getattr(where, name) for name in (
+        "pow", "__pow__", "__rpow__", "__rtruediv__", "exp", "expm1", "log", "log1p", "log2", "log10", "reciprocal",
+        "rsqrt", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softmax", "log_softmax", "softmin", "softplus",
+        "layer_norm", "group_norm", "norm", "normalize", "sum", "prod", "cumsum", "cumprod", "cross_entropy",
+        "nll_loss", "mse_loss", "l1_loss", "kl_div") for where in (torch, torch.Tensor, F) if hasattr(where, name)}
 
     def __init__(self, autocast: bool = False, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -79,11 +98,16 @@ class cuda_attention(TorchFunctionMode):
             return self._weights[id(t)]
         return t.to(self.dtype)
 
+    def _fp32(self, t):
+        return t.float() if isinstance(t, torch.Tensor) and t.dtype == self.dtype else t
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         autocast = self.dtype is not None
         if func in self.MATMULS and autocast:
             return func(*map(self._cast, args), **{k: self._cast(v) for k, v in kwargs.items()})
+        if func in self.TO_FP32 and autocast:
+            return func(*map(self._fp32, args), **{k: self._fp32(v) for k, v in kwargs.items()})
         if func is not F.scaled_dot_product_attention or not args[0].is_meta:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -106,10 +130,11 @@ class cuda_attention(TorchFunctionMode):
 
 @dataclass(frozen=True)
 class LayerBytes:
-    """One layer, for ONE sequence (every activation grows linearly with the batch): its parameters' bytes, what
-    its forward saves for backward, the largest single saved storage, and its output."""
+    """One layer, for ONE sequence (every activation grows linearly with the batch): its parameters (an opaque token
+    per parameter, so that a weight two layers share, like tied embeddings, counts once where both sit on one
+    device, and its bytes), what its forward saves for backward, the largest single saved storage, and its output."""
 
-    params: int
+    params: tuple[tuple[int, int], ...]
     saved: int
     largest_saved: int
     output: int
@@ -149,16 +174,12 @@ def _layers_and_context(spec: ModelSpec, ids: torch.Tensor) -> tuple[list[nn.Mod
     return spec.layers_and_context(ids)
 
 
-def seq_len_of(spec: ModelSpec) -> int:
-    return spec.seq_len
-
-
 @lru_cache(maxsize=64)
 def layer_bytes(spec: ModelSpec, autocast: bool = False) -> tuple[LayerBytes, ...]:
     """Every layer of `spec` for one sequence of its `seq_len` tokens: a forward pass and the loss on the meta
     device, each layer under its own label of one `MemoryLedger` (the loss counts with the last layer); `autocast`:
     under bf16 autocast (see `cuda_attention`)."""
-    ids = torch.zeros(1, seq_len_of(spec), dtype=torch.long, device="meta")
+    ids = torch.zeros(1, spec.seq_len, dtype=torch.long, device="meta")
     layers, ctx = _layers_and_context(spec, ids)
     labels = [f"layer {i}" for i in range(len(layers))]
     ledger = MemoryLedger(labels)
@@ -172,8 +193,8 @@ def layer_bytes(spec: ModelSpec, autocast: bool = False) -> tuple[LayerBytes, ..
                 output = h.numel() * h.element_size()
                 if i == len(layers) - 1:
                     lm_loss(h, ids)
-            out.append(LayerBytes(sum(p.numel() * p.element_size() for p in layer.parameters()),
-                                  ledger.device(label).activations, ledger.largest_saved(label), output))
+            params = tuple((id(p), p.numel() * p.element_size()) for p in layer.parameters())
+            out.append(LayerBytes(params, ledger.device(label).activations, ledger.largest_saved(label), output))
     return tuple(out)
 
 
@@ -187,13 +208,14 @@ class StageBytes:
     largest_output: int
     output: int  # what the stage hands to the next one (the boundary tensor), per micro-batch
     largest_layer_params: int
+    largest_param: int
     recompute: int = 0  # a checkpointed layer's activations, saved again while its backward recomputes them
 
     @property
     def backward_workspace(self) -> int:
-        """Workspace (a) of the module docstring: one layer's backward at this micro-batch, with a checkpointed
-        layer's recomputed activations."""
-        return 2 * self.largest_saved + 2 * self.largest_output + self.recompute
+        """Workspace (a) and (c) of the module docstring: one layer's backward at this micro-batch (with a
+        checkpointed layer's recomputed activations) and the largest parameter's fresh gradient."""
+        return 2 * self.largest_saved + 2 * self.largest_output + self.recompute + self.largest_param
 
 
 def stage_bytes(spec: ModelSpec, batch: int, layers: Sequence[int] | range | None = None,
@@ -205,12 +227,14 @@ def stage_bytes(spec: ModelSpec, batch: int, layers: Sequence[int] | range | Non
     chosen = list(range(len(per_layer)) if layers is None else layers)
     ckpt = [i for i in chosen if i in set(checkpointed)]
     saved = [per_layer[i - 1].output if i in ckpt else per_layer[i].saved for i in chosen]
-    return StageBytes(params=sum(per_layer[i].params for i in chosen),
+    params = dict(p for i in chosen for p in per_layer[i].params)
+    return StageBytes(params=sum(params.values()),
                       activations=batch * sum(saved),
                       largest_saved=batch * max(per_layer[i].largest_saved for i in chosen),
                       largest_output=batch * max(per_layer[i].output for i in chosen),
                       output=batch * per_layer[chosen[-1]].output,
-                      largest_layer_params=max(per_layer[i].params for i in chosen),
+                      largest_layer_params=max(sum(b for _, b in per_layer[i].params) for i in chosen),
+                      largest_param=max(params.values(), default=0),
                       recompute=batch * max((per_layer[i].saved for i in ckpt), default=0))
 
 
@@ -256,7 +280,7 @@ def training_step(stage: StageBytes, optimizer: str = "sgd", in_flight: int = 1,
     casts = params // 2 if autocast else 0  # autocast's 16-bit weight copies, saved with each micro-batch
     activations = in_flight * (stage.activations + (stage.output if keeps_outputs else 0) + casts)
     step_temporary = params // 4 * OPTIMIZER_TEMPORARY[optimizer] // state_shards
-    workspace = max(stage.backward_workspace, step_temporary - activations)
+    workspace = max(stage.backward_workspace, step_temporary - activations) + CUBLAS_WORKSPACE
     return Footprint(params, params, state, activations, workspace)
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from helpers.gpu_sizes.footprint import (Footprint, HFSpec, ModelSpec, StageBytes, held, n_layers, stage_bytes,
-                                         training_step)
+from helpers.gpu_sizes.footprint import Footprint, HFSpec, ModelSpec, held, n_layers, stage_bytes, training_step
 from helpers.gpu_sizes.plans import NOTEBOOK, Inventory, Part, Phase
 from helpers.models.stack import StackConfig, nonuniform_config
 from helpers.pipeline.schedules import make_schedule, peak_in_flight
@@ -22,8 +21,8 @@ Constants = Mapping[str, object]
 MiB = 2**20
 
 
-def _stack(c: Constants, blocks: str = "BLOCKS") -> StackConfig:
-    return StackConfig(hidden=c["HIDDEN"], n_blocks=c[blocks], seq_len=c["SEQ"])
+def _stack(c: Constants) -> StackConfig:
+    return StackConfig(hidden=c["HIDDEN"], n_blocks=c["BLOCKS"], seq_len=c["SEQ"])
 
 
 def _cut(spec: ModelSpec) -> int:
@@ -32,8 +31,8 @@ def _cut(spec: ModelSpec) -> int:
     return (n_layers(spec) + 1) // 2
 
 
-def _stages(spec: ModelSpec, cut: int | None = None) -> tuple[range, range]:
-    n, cut = n_layers(spec), _cut(spec) if cut is None else cut
+def _stages(spec: ModelSpec) -> tuple[range, range]:
+    n, cut = n_layers(spec), _cut(spec)
     return range(0, cut), range(cut, n)
 
 
@@ -43,11 +42,9 @@ def keep(what: str, spec: ModelSpec, grads: bool = True, optimizer: str | None =
     return Part(what, device, held(stage_bytes(spec, 1, layers).params, grads, optimizer), process)
 
 
-def keep_split(what: str, spec: ModelSpec, grads: bool = True, optimizer: str | None = None,
-               cut: int | None = None) -> list[Part]:
+def keep_split(what: str, spec: ModelSpec, grads: bool = True, optimizer: str | None = None) -> list[Part]:
     """A two-stage copy of the model alive between steps: stage s on device s."""
-    return [keep(f"{what}, stage {s}", spec, grads, optimizer, s, layers) for s, layers in
-            enumerate(_stages(spec, cut))]
+    return [keep(f"{what}, stage {s}", spec, grads, optimizer, s, layers) for s, layers in enumerate(_stages(spec))]
 
 
 def step(what: str, spec: ModelSpec, batch: int, optimizer: str = "sgd", device: int = 0,
@@ -60,13 +57,12 @@ def step(what: str, spec: ModelSpec, batch: int, optimizer: str = "sgd", device:
 
 
 def pipeline(what: str, spec: ModelSpec, batch: int, m: int, schedule: str = "gpipe", optimizer: str = "sgd",
-             ranks: bool = False, cut: int | None = None, autocast: bool = False,
-             torch_engine: bool = False) -> list[Part]:
+             ranks: bool = False, autocast: bool = False, torch_engine: bool = False) -> list[Part]:
     """A two-stage pipeline step over global batch `batch` in `m` micro-batches: each stage holds the activations of
     the micro-batches its schedule keeps in flight (GPipe: all m; 1F1B: at most p on the first stage), the first
     stage also their outputs. `ranks`: one process per stage (else threads of the notebook). torch.distributed.
     pipelining also allocates a receive buffer per micro-batch for activations and for gradients."""
-    schedule_lists, stages = make_schedule(schedule, 2, m), _stages(spec, cut)
+    schedule_lists, stages = make_schedule(schedule, 2, m), _stages(spec)
     boundary = stage_bytes(spec, batch // m, stages[0]).output
     parts = []
     for s, layers in enumerate(stages):
@@ -80,23 +76,22 @@ def pipeline(what: str, spec: ModelSpec, batch: int, m: int, schedule: str = "gp
 
 
 def data_parallel(what: str, spec: ModelSpec, batch: int, strategy: str, optimizer: str = "adam",
-                  microbatches: int = 1, world: int = 2, gathered_dtype_bytes: int = 4) -> list[Part]:
-    """One rank per device, each with a replica (DDP, ZeRO-1) or a shard (FSDP2) and batch / world sequences in
-    `microbatches` accumulation steps. DDP copies gradients into its buckets (as many bytes again); ZeRO-1 keeps 1/N
-    of the optimizer state; FSDP2 keeps 1/N of weights, grads and state and gathers whole layers around the one
+                  world: int = 2, autocast: bool = False) -> list[Part]:
+    """One rank per device, each with a replica (DDP, ZeRO-1) or a shard (FSDP2) and batch / world sequences (in one
+    step: accumulation steps hold less). DDP copies gradients into its buckets (as many bytes again); ZeRO-1 keeps
+    1/N of the optimizer state; FSDP2 keeps 1/N of weights, grads and state, gathers whole layers around the one
     computing (two gathered: the current and the prefetched; ZeRO-2-like `reshard_after_forward=False` keeps every
-    gathered layer from forward to backward) and reduce-scatters each layer's whole gradient."""
-    stage = stage_bytes(spec, batch // world // microbatches)
+    gathered layer from forward to backward) and reduce-scatters each layer's whole gradient (two in flight)."""
+    stage = stage_bytes(spec, batch // world, autocast=autocast)
     parts = []
     for r in range(world):
         if strategy in ("ddp", "zero1"):
-            fp = training_step(stage, optimizer, state_shards=world if strategy == "zero1" else 1)
+            fp = training_step(stage, optimizer, autocast=autocast, state_shards=world if strategy == "zero1" else 1)
             fp = fp + Footprint(grads=stage.params)  # the buckets
         else:
-            whole = training_step(stage, optimizer)
-            layer = stage.largest_layer_params * gathered_dtype_bytes // 4
-            gathered = stage.params * gathered_dtype_bytes // 4 if strategy == "zero2" else 2 * layer
-            fp = Footprint(whole.weights // world + gathered, whole.grads // world + 2 * stage.largest_layer_params,
+            whole, layer = training_step(stage, optimizer, autocast=autocast), stage.largest_layer_params
+            gathered = stage.params if strategy == "zero2" else 2 * layer
+            fp = Footprint(whole.weights // world + gathered, whole.grads // world + 2 * layer,
                            whole.optimizer // world, whole.activations, whole.workspace)
         parts.append(Part(f"{what}, rank {r}", r, fp, f"rank {r}"))
     return parts
@@ -105,10 +100,6 @@ def data_parallel(what: str, spec: ModelSpec, batch: int, strategy: str, optimiz
 def small_ranks(what: str, nbytes: int, world: int = 2) -> list[Part]:
     """Ranks that compute on small tensors (link benchmarks, demo spans): their contexts matter, not their bytes."""
     return [Part(f"{what}, rank {r}", r, Footprint(workspace=nbytes), f"rank {r}") for r in range(world)]
-
-
-def _two_gpus(rig: Rig) -> bool:
-    return rig.kind == "two_gpus"
 
 
 # --- the notebooks ---------------------------------------------------------------------------------------------------
@@ -333,7 +324,7 @@ def nb09(c: Constants, rig: Rig) -> list[Phase]:
     phases = [Phase("sections 4-5: device_map generate and the stage loop", (*copy("device_map model"),
                                                                             *copy("stage loop"))),
               Phase("section 6: the engines", (*copy("stage loop"), one, *copy("layer split")))]
-    if _two_gpus(rig):
+    if rig.kind == "two_gpus":
         embedding = shape.hidden * shape.vocab * 4  # whole on both ranks
         tp = [Part(f"tensor parallel, rank {r}", r, Footprint(weights=one_device // 2 + embedding,
                                                               activations=largest.kv_cache_bytes,
@@ -372,15 +363,10 @@ def nb11(c: Constants, rig: Rig) -> list[Phase]:
     """bf16 autocast everywhere; AdamW like Adam. The DDP script runs on two ranks, then on one with the whole
     batch; `train` runs 1F1B on two ranks, then the naive split in this process's threads."""
     llama, gpt2, b = _nb11_spec(c, "llama"), _nb11_spec(c, "gpt2"), c["BATCH"]
-    ddp = []
-    for r in (0, 1):
-        part = step(f"DDP replica {r}", llama, b // 2, "adam", r, autocast=True, process=f"rank {r}")
-        ddp.append(Part(part.what, r, part.bytes + Footprint(grads=part.bytes.weights), part.process))
-    alone = step("one rank, the whole batch", llama, b, "adam", 0, autocast=True, process="rank 0")
     return [
-        Phase("section 3: DDP on two ranks", tuple(ddp)),
-        Phase("section 3: the script on one rank", (Part(alone.what, 0, alone.bytes + Footprint(
-            grads=alone.bytes.weights), alone.process),)),
+        Phase("section 3: DDP on two ranks", tuple(data_parallel("your DDP", llama, b, "ddp", autocast=True))),
+        Phase("section 3: the script on one rank", tuple(data_parallel("your DDP, one rank", llama, b, "ddp", world=1,
+                                                                       autocast=True))),
         Phase("section 4: 1F1B ranks", tuple(pipeline("1f1b", gpt2, b, 4, "1f1b", "adam", True, autocast=True))),
         Phase("section 4: the naive split in threads", tuple(pipeline("naive", gpt2, b, 1, "gpipe", "adam",
                                                                       autocast=True))),
@@ -397,7 +383,7 @@ INVENTORIES = {
     "06": Inventory(nb06, ("BATCH", "SEQ")),
     "07": Inventory(nb07, ("BATCH", "SEQ")),
     "08": Inventory(nb08, ("BATCH", "SEQ")),
-    "09": Inventory(nb09, ("PROMPT_LENGTHS", "NEW_TOKENS")),
+    "09": Inventory(nb09, ("LAYERS", "HIDDEN")),
     "10": Inventory(nb10, ("BATCH", "SEQ")),
     "11": Inventory(nb11, ("BATCH", "SEQ")),
 }
