@@ -77,11 +77,15 @@ class DeviceMemory:
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
-    """Address of a tensor's storage, or None for tensors without a plain storage (DTensor wrappers)."""
+    """Identity of a tensor's storage: its address, or None for tensors without a plain storage (DTensor wrappers).
+    A meta tensor's storage has no memory, so its address is 0 for every one of them; there the identity of the
+    storage object itself (`_cdata`, the address of PyTorch's StorageImpl, shared by every view) tells them apart,
+    which is what lets the ledger count a model's activations on the meta device (helpers.gpu_sizes)."""
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
     except RuntimeError:
         return None
+    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 class _Saved:
@@ -109,6 +113,7 @@ class MemoryLedger:
         self._lock = threading.Lock()
         self._live: dict[str, int] = dict.fromkeys(self.labels, 0)
         self._peak: dict[str, int] = dict.fromkeys(self.labels, 0)
+        self._largest: dict[str, int] = dict.fromkeys(self.labels, 0)
         self._refs: dict[tuple[str, int], list[int]] = {}  # (label, storage ptr) -> [count, bytes]
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -135,6 +140,7 @@ class MemoryLedger:
                 self._refs[key] = [1, t.untyped_storage().nbytes()]
                 self._live[label] += self._refs[key][1]
                 self._peak[label] = max(self._peak[label], self._live[label])
+                self._largest[label] = max(self._largest[label], self._refs[key][1])
             else:
                 entry[0] += 1
         saved = _Saved(t)
@@ -170,6 +176,11 @@ class MemoryLedger:
 
     def live_activations(self, label: str) -> int:
         return self._live[label]
+
+    def largest_saved(self, label: str) -> int:
+        """Bytes of the largest single storage saved on `label` so far: backward's gradient with respect to it is
+        as large, which makes it the biggest transient of a backward pass (helpers.gpu_sizes plans with it)."""
+        return self._largest[label]
 
     def device(self, label: str) -> DeviceMemory:
         params = self._params[label]

@@ -1,0 +1,19 @@
+"""GPU sizes planned, not guessed: every notebook's GPU constants against the course's memory model, per device.
+
+Its own room (not `memory`, which counts what a run holds while it runs, nor `inference.plan`, which places one
+model for generation): it plans whole notebooks before they run, from the same accounting (`MemoryLedger` on the
+meta device) plus what a GPU adds (workspace, CUDA contexts, allocator margin).
+
+- `footprint`: one device's bytes in a training step, measured on the meta device; `training_step_peak` is the plan
+  of one step, to compare with `torch.cuda.max_memory_allocated` on a GPU.
+- `plans`: a notebook's phases and per-device peaks on two RTX 3090s or one; `check_plan`, which each notebook calls
+  in its parameters cell; `notebook_plans` / `plans_table`, which the doctor prints.
+- `notebooks`: what each notebook keeps alive at its heaviest moments, read off its code.
+"""
+from helpers.gpu_sizes.footprint import Footprint, stage_bytes, training_step, training_step_peak
+from helpers.gpu_sizes.plans import (HEADROOM, NotebookPlan, NotEnoughMemory, check_plan, notebook_constants,
+                                     notebook_plans, plan_notebook, plans_table, rtx3090_rigs, shortfalls)
+
+__all__ = ["Footprint", "HEADROOM", "NotEnoughMemory", "NotebookPlan", "check_plan", "notebook_constants",
+           "notebook_plans", "plan_notebook", "plans_table", "rtx3090_rigs", "shortfalls", "stage_bytes",
+           "training_step", "training_step_peak"]
