@@ -1,6 +1,7 @@
 """Test-wide settings, inherited by the notebook kernels and every rank the tests start: widgets print static
-snapshots; ranks run device-strict (helpers.runtime.strict: a tensor made without device= fails a collective, as
-under NCCL).
+snapshots; the tests' ranks run device-strict (helpers.runtime.strict: a tensor made without device= fails a
+collective, as under NCCL). Notebook kernels do not: a notebook shows the lines a learner writes, such as
+`from_pretrained` inside a rank, which is right on GPUs and which a meta default device refuses.
 
 Two tiers. `pytest` runs the fast tier, which proves an install in minutes: the unit tests of every module, each
 engine and strategy once against one device on a tiny model, and notebook 00. `pytest --full` runs everything: every
@@ -27,10 +28,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "full: runs only with --full (the full tier)")
 
 
-def _is_full(item) -> bool:
+def _is_notebook(item) -> bool:
     path = getattr(item, "path", None)
-    notebook = path is not None and path.suffix == ".ipynb"
-    return item.get_closest_marker("full") is not None or (notebook and path.name not in FAST_NOTEBOOKS)
+    return path is not None and path.suffix == ".ipynb"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """nbval starts a notebook's kernel while setting up its first cell: without LAB_DEVICE_STRICT (see above)."""
+    strict = os.environ.pop("LAB_DEVICE_STRICT", None) if _is_notebook(item) else None
+    try:
+        yield
+    finally:
+        if strict is not None:
+            os.environ["LAB_DEVICE_STRICT"] = strict
+
+
+def _is_full(item) -> bool:
+    return item.get_closest_marker("full") is not None or (_is_notebook(item) and item.path.name not in FAST_NOTEBOOKS)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m filters: `pytest --full -m full` selects the full tier alone
@@ -39,10 +54,9 @@ def pytest_collection_modifyitems(config, items):
         if _is_full(item) and item.get_closest_marker("full") is None:
             item.add_marker(pytest.mark.full)
     repeated = {item.callspec.params["name"] for item in items
-                if item.originalname == "test_notebook_passes_five_times_in_a_row"}
+                if getattr(item, "originalname", None) == "test_notebook_passes_five_times_in_a_row"}
     if repeated:  # the five-run test executes these notebooks itself: nbval's single run would only repeat it
-        covered = [item for item in items if getattr(item, "path", None) is not None and
-                   item.path.suffix == ".ipynb" and item.path.stem in repeated]
+        covered = [item for item in items if _is_notebook(item) and item.path.stem in repeated]
         if covered:
             config.hook.pytest_deselected(items=covered)
             items[:] = [item for item in items if item not in covered]

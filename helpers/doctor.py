@@ -475,6 +475,29 @@ def calibration_check(rig: Rig) -> str:
             f"{', '.join(out['collectives']) or 'none'}")
 
 
+# --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
+
+def notebook_plan_checks(rig: Rig, wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
+    """Each notebook's GPU constants against the memory model (`helpers.gpu_sizes`): on this rig's GPUs, or on the
+    CPU rig for two RTX 3090s and for one. FAIL names the notebook, the device and what to lower."""
+    from helpers.gpu_sizes import notebook_plans
+    from helpers.gpu_sizes.plans import inventories
+
+    targets = [rig] if rig.is_cuda else ["two_gpus", "one_gpu"]
+    names = [f"notebook {nb}: GPU sizes" for nb in inventories()]
+    if not any(wanted(n) for n in names):
+        return []
+    plans = [notebook_plans(target) for target in targets]
+    checks = []
+    for name, per_target in zip(names, zip(*plans)):
+        said = "; ".join(f"{p.describe()} of {p.budget / 2**30:.1f} GiB allowed" for p in per_target)
+        bad = [p for p in per_target if not p.fits]
+        if bad:
+            said += "; over: lower " + bad[0].knob_text()
+        checks.append(Check(name, "FAIL" if bad else "PASS", said))
+    return checks
+
+
 # --- the command --------------------------------------------------------------------------------------------------
 
 def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only: tuple[str, ...] = ()) -> dict:
@@ -517,6 +540,8 @@ def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only
         checks += script_checks(rig, workdir, wanted)
     if wanted("bench: calibration in its ranks"):
         checks += guarded("bench: calibration in its ranks", lambda: calibration_check(rig))
+    say("notebooks' GPU sizes ...")
+    checks += guarded("notebooks: GPU sizes", lambda: notebook_plan_checks(rig, wanted))
     result["checks"] = [asdict(c) for c in checks if wanted(c.name) or c.status == "FAIL"]
     result["support"] = support_rows({"this rig": rig})
     return result
