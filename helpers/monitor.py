@@ -113,7 +113,7 @@ class Reading:
         return max(self.counted, self.reserved or 0, self.nvml or 0)
 
     def text(self) -> str:
-        bits = [f"{k} {fmt_bytes(v)}" for k, v in self.parts.items()] or ["nothing published"]
+        bits = [f"{k} {fmt_bytes(v)}" for k, v in self.parts.items()] or ["nothing published yet"]
         if self.allocated is not None:
             bits.append(f"allocated {fmt_bytes(self.allocated)}, reserved {fmt_bytes(self.reserved or 0)}, "
                         f"nvidia-smi {fmt_bytes(self.nvml) if self.nvml is not None else 'N/A'}")
@@ -247,9 +247,9 @@ class MemoryMonitor:
                 f'<div title="{k} {fmt_bytes(v)}" style="width:{100 * v / self.scale:.2f}%;'
                 f'background:{PART_COLORS[k]};height:14px"></div>' for k, v in r.parts.items() if v)
             rows.append(f'<div style="display:flex;align-items:center;gap:8px;font-size:12px">'
-                        f'<div style="width:140px;text-align:right;white-space:nowrap">{r.label}</div>'
+                        f'<div style="flex:none;width:150px;text-align:right;white-space:nowrap">{r.label}</div>'
                         f'<div style="display:flex;flex:none;width:360px;background:#eee">{segments}</div>'
-                        f'<div>{r.text()} (peak {fmt_bytes(peak)}{r.at_peak()})</div></div>')
+                        f'<div style="flex:1">{r.text()} (peak {fmt_bytes(peak)}{r.at_peak()})</div></div>')
         if not readings and self.ranks:
             rows.append('<div style="font-size:12px">waiting for the ranks: a row per rank of each run started '
                         'while the panel is on</div>')

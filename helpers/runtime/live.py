@@ -137,8 +137,8 @@ class _Reporter:
                 "max_allocated": torch.cuda.max_memory_allocated(self.device)}
 
     def snapshot(self, status: str) -> dict:
-        report: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "status": status, "time": time.time(),
-                                  "title": self.title, "parts": {}, "peak_parts": {}}
+        report: dict[str, Any] = {"rank": self.rank, "status": status, "title": self.title, "parts": {},
+                                  "peak_parts": {}}
         if self.source is not None:
             torch = sys.modules.get("torch")
             with torch.no_grad() if torch is not None else nullcontext():  # reading a DTensor shard records nothing
@@ -222,10 +222,6 @@ class RankReport:
     @property
     def key(self) -> tuple[int, int]:
         return self.run, self.rank
-
-    @property
-    def done(self) -> bool:
-        return self.status not in ("starting", "running")
 
 
 def _lock_held(path: Path) -> bool:
