@@ -75,6 +75,10 @@ class DeviceMemory:
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
 
+    def parts(self) -> dict[str, int]:
+        """The four parts by name, without the total."""
+        return asdict(self)
+
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
     """Identity of a tensor's storage: its address, or None for tensors without a plain storage (DTensor wrappers).
@@ -199,6 +203,13 @@ class MemoryLedger:
     def current_bytes(self, label: str) -> int:
         """Bytes in use right now on `label`."""
         return self.current(label).total
+
+    # what the memory panel reads (`helpers.monitor`): parts by name, now and at the peak
+    def parts(self, label: str) -> dict[str, int]:
+        return self.current(label).parts()
+
+    def peak_parts(self, label: str) -> dict[str, int]:
+        return self.device(label).parts()
 
 
 def ledger_for(modules: Iterable[nn.Module], labels: Iterable[str],

@@ -13,6 +13,7 @@ from helpers.inference.generate import (Generation, LayerSplit, OneDevice, Pipel
 from helpers.inference.tensor_parallel import check_shardable, run_tensor_parallel, tensor_parallel_support
 from helpers.runtime.launch import run
 from helpers.models import hf_config, save_hf_model
+from helpers.monitor import MemoryMonitor
 from helpers.runtime.rig import cpu_rig
 from helpers.timeline import Event
 from helpers.training.support import reference_rigs
@@ -86,6 +87,27 @@ def test_layer_split_takes_a_device_map_directly(llama, requests, reference):
     engine = LayerSplit(llama, device_map, CPU2)
     assert engine.specs == [StageSpec(0, 0, 2), StageSpec(1, 2, 7)]
     assert same_tokens(engine.generate(requests, NEW).tokens, reference)
+
+
+def test_split_memory_counts_each_devices_weights_and_kv_cache(llama, requests, reference):
+    """The memory panel's source for generation. Each device holds its stages' weights, and its KV cache grows to
+    what the tokens need: rows x positions (prompt with padding, then each fed-back token) x 2 (K and V) x 2 KV heads
+    x head dim 8 x 4 bytes, per decoder layer there (cut at layer 3: blocks 0-1 | blocks 2-3). The layer split holds
+    one request's cache at a time, the pipeline every request's at once; both are let go once generation ends."""
+    split = LayerSplit(llama, stages_from_cuts(llama, [3]), CPU2)
+    memory = split.memory(RIG.labels)
+    whole = AutoModelForCausalLM.from_pretrained(llama.path)
+    assert memory.labels == ["cpu:0", "cpu:1"]
+    assert sum(memory.parts(lb)["params"] for lb in memory.labels) == sum(p.numel() * 4 for p in whole.parameters())
+    positions = [r.rows * (r.ids.shape[1] + t.shape[1] - 1) for r, t in zip(requests, reference)]
+    per_position = 2 * 2 * 8 * 4 * 2  # K and V, KV heads, head dim, fp32, two decoder layers per device
+    split.generate(requests, NEW)
+    assert [memory.peak_parts(lb)["kv_cache"] for lb in memory.labels] == [max(positions) * per_position] * 2
+    Pipelined.from_split(split).generate(requests, NEW)
+    assert [memory.peak_parts(lb)["kv_cache"] for lb in memory.labels] == [sum(positions) * per_position] * 2
+    assert [memory.parts(lb)["kv_cache"] for lb in memory.labels] == [0, 0]
+    rows = MemoryMonitor(RIG, memory).readings()
+    assert [r.label for r in rows] == ["cpu:0", "cpu:1"] and all(set(r.parts) == {"params", "kv_cache"} for r in rows)
 
 
 def test_end_of_sequence_stops_as_generate_does(llama, requests, reference):

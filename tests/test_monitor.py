@@ -1,10 +1,25 @@
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from helpers.memory import ledger_for
 from helpers.monitor import MemoryMonitor, frontend_attached
+from helpers.runtime import live
+from helpers.runtime.launch import WorkerError, run
 from helpers.runtime.rig import cpu_rig
+from tests import workers as bad
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_no_frontend_under_tests():
@@ -51,3 +66,178 @@ def test_gpu_readings_tolerate_nvml_without_a_reading(monkeypatch):
     assert nvml_used([0, 1]) == [123, None]
     r = Reading("cuda:1", {"params": 10}, 100, allocated=10, reserved=20, nvml=None)
     assert "nvidia-smi N/A" in r.text() and r.total == 20
+
+
+# --- the rank channel (helpers.runtime.live) and the panel's rank rows --------------------------------------------
+
+class _Counter:
+    """A memory source whose one part the test sets by hand."""
+
+    labels = ["device"]
+
+    def __init__(self):
+        self.now = self.most = 0
+
+    def parts(self, label):
+        return {"activations": self.now}
+
+    def peak_parts(self, label):
+        return {"activations": self.most}
+
+
+def _wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_no_panel_no_reports():
+    """Without a panel, run() gets no folder and a rank starts no reporting thread: the bench's ranks pay nothing."""
+    assert live.new_run(2) is None
+    before = {t.name for t in threading.enumerate()}
+    with live.reporting(None, 0):
+        live.publish(_Counter())  # a worker publishes unconditionally: a no-op here
+        assert {t.name for t in threading.enumerate()} == before
+
+
+def test_reports_follow_the_source_and_end_with_its_peak(tmp_path):
+    """In-process: the reporter rewrites its file as the source changes; the final report carries the peak; a
+    panel whose folder is removed mid-run disturbs nothing."""
+    live.watch(tmp_path, interval_s=0.02)
+    try:
+        folder = live.new_run(1)
+    finally:
+        live.unwatch(tmp_path)
+    assert live.new_run(1) is None  # nobody watches any more
+    source = _Counter()
+    with live.reporting(folder, 0):
+        _wait_for(lambda: [r.status for r in live.read_reports(tmp_path)] == ["running"])
+        live.publish(source, title="counting")
+        for n in (100, 300):
+            source.now = source.most = n
+            _wait_for(lambda: live.read_reports(tmp_path)[0].parts == {"activations": n})
+        source.now = 0
+    (report,) = live.read_reports(tmp_path)
+    assert (report.status, report.title, report.parts, report.peak_parts) == \
+        ("finished", "counting", {"activations": 0}, {"activations": 300})
+    with pytest.raises(RuntimeError):
+        with live.reporting(live.new_run(1) or _new_run_in(tmp_path / "gone"), 1):
+            shutil.rmtree(tmp_path / "gone")  # the panel stopped: the rank goes on, and its own error is its own
+            raise RuntimeError("the worker's error")
+
+
+def _new_run_in(root):
+    root.mkdir()
+    live.watch(root, interval_s=0.02)
+    try:
+        return live.new_run(1)
+    finally:
+        live.unwatch(root)
+
+
+def test_a_killed_reporter_reads_as_stopped(tmp_path):
+    """A rank killed mid-run leaves a 'running' report behind; its lock, dropped by the kernel, says it stopped.
+    (The channel is standard library only, so a plain interpreter stands in for the rank.)"""
+    folder = _new_run_in(tmp_path / "panel")
+    code = ("import sys, time; from helpers.runtime import live\n"
+            "with live.reporting(sys.argv[1], 0):\n    time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, folder], env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        _wait_for(lambda: [r.status for r in live.read_reports(tmp_path / "panel")] == ["running"])
+    finally:
+        child.kill()
+        child.wait()
+    assert [r.status for r in live.read_reports(tmp_path / "panel")] == ["stopped"]
+
+
+def _poll_while(thread, monitor):
+    """Every reading the panel makes while `thread` runs: (label, status, activations) per row."""
+    seen = []
+    while thread.is_alive():
+        seen += [(r.label, r.status, r.parts.get("activations")) for r in monitor.readings()]
+        time.sleep(0.05)
+    return seen
+
+
+def test_panel_sees_ranks_ledgers_grow_while_they_run(capsys):
+    """Two ranks publish ledgers whose activations grow step by step: the panel, reading all the while, sees each
+    rank grow while it runs, the ranks finish and return undisturbed, and each row ends at the rank's peak."""
+    rig = cpu_rig()
+    monitor = MemoryMonitor(rig, ranks=True).start()
+    out = {}
+    job = threading.Thread(target=lambda: out.update(r=run(bad.growing_ledger, 4, 0.4, rig=rig, timeout=60)))
+    job.start()
+    seen = _poll_while(job, monitor)
+    job.join()
+    monitor.stop()
+    assert out["r"][0] == out["r"][1] > 0
+    for label in ("growing · cpu:0", "growing · cpu:1"):
+        running = [a for lb, status, a in seen if lb == label and status == "running"]
+        assert len(set(running)) >= 3 and running == sorted(running), running  # seen growing, mid-run
+    final = monitor.readings()
+    assert [(r.label, r.status) for r in final] == [("growing · cpu:0", "finished"), ("growing · cpu:1", "finished")]
+    assert all(r.parts["activations"] == out["r"][0] for r in final)  # the row keeps the rank's peak
+    printed = capsys.readouterr().out
+    assert "nothing to draw yet" in printed and "finished, at its peak" in printed
+    assert not any(t.name == "memory-monitor" for t in threading.enumerate())
+
+
+@pytest.mark.full
+def test_a_rank_that_dies_leaves_the_panel_usable(capsys):
+    rig = cpu_rig()
+    monitor = MemoryMonitor(rig, ranks=True).start()
+    with pytest.raises(WorkerError, match="rank 1 exited with code 3"):
+        run(bad.growing_ledger, 20, 0.2, die_on_rank=1, rig=rig, timeout=60)
+    statuses = {r.label: r.status for r in monitor.readings()}
+    assert statuses["growing · cpu:1"] == "stopped"
+    assert "stopped" in monitor._html_bars()  # what the live panel's thread draws next
+    monitor.stop()
+    assert "growing · cpu:1" in capsys.readouterr().out
+    assert live.new_run(2) is None  # the stopped panel no longer watches
+
+
+def test_split_memory_rows_in_the_panel():
+    """Any source with labels, parts and peak_parts draws: parts the panel does not know (a total) are left out."""
+    class Split:
+        labels = ["cpu:0", "cpu:1"]
+
+        def parts(self, label):
+            return {"params": 10, "kv_cache": 5 if label == "cpu:1" else 0, "total": 99}
+
+        def peak_parts(self, label):
+            return {"params": 10, "kv_cache": 7}
+
+    monitor = MemoryMonitor(cpu_rig(), Split())
+    r0, r1 = monitor.readings()
+    assert r1.parts == {"params": 10, "kv_cache": 5} and monitor.peak == [17, 17]
+    assert "K kv_cache" in monitor.text() and "(peak 17 B: kv_cache 7 B)" in monitor.text()
+
+
+# --- where memory is the lesson, the notebook shows the panel ------------------------------------------------------
+
+MEMORY_LESSONS = ("00", "03", "06", "07", "09", "12")  # 12: once it exists
+NOTEBOOKS = REPO / "notebooks"
+
+
+def _starts_the_panel(path):
+    code = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    starts = any(re.search(r"MemoryMonitor\((.|\n)*?\)\s*\.start\(\)", c) for c in code)
+    return starts and any(".stop()" in c for c in code)
+
+
+def test_notebooks_where_memory_is_the_lesson_start_the_panel():
+    lessons = [p for n in MEMORY_LESSONS for p in NOTEBOOKS.glob(f"{n}_*.ipynb")]
+    assert len(lessons) >= len(MEMORY_LESSONS) - 1
+    missing = [p.name for p in lessons if not _starts_the_panel(p)]
+    assert not missing, f"memory is the lesson, but no `MemoryMonitor(...).start()` ... `.stop()`: {missing}"
+
+
+def test_readme_names_the_notebooks_with_the_panel():
+    """README says which notebooks show the live memory panel; it must be exactly those that start it."""
+    said = re.search(r"live memory panel[^|]{0,600}?in notebooks ((?:\d\d, )*\d\d(?:,? and \d\d)?)",
+                     (REPO / "README.md").read_text())
+    assert said, "README: say which notebooks show the live memory panel ('... in notebooks 00, 03, ...')"
+    claimed = set(re.findall(r"\d\d", said.group(1)))
+    shown = {p.name[:2] for p in NOTEBOOKS.glob("*.ipynb") if _starts_the_panel(p)}
+    assert claimed == shown, f"README names {sorted(claimed)}, the notebooks starting the panel are {sorted(shown)}"

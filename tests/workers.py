@@ -103,3 +103,28 @@ def tensor_parallel_shards(path: str) -> dict:
     return {"shapes": {n: tuple(t.shape) for n, t in local.items()},
             "bytes": sum(t.numel() * t.element_size() for t in local.values()),
             "q": local["model.layers.0.self_attn.q_proj.weight"].detach().cpu().clone()}
+
+
+def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None) -> int:
+    """Publish a ledger to the memory panel and keep more activations alive at each step, pausing between steps so
+    a panel can see every size; rank `die_on_rank` exits hard after the first step (no final report)."""
+    import torch
+    from torch import nn
+
+    from helpers.memory import ledger_for
+    from helpers.runtime.launch import rank_device
+    from helpers.runtime.live import publish
+
+    device = rank_device()
+    layer = nn.Linear(32, 32, device=device)
+    ledger = ledger_for([layer], ["device"])
+    publish(ledger, title="growing")
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    kept = []
+    for step in range(steps):
+        with ledger.track_activations("device"):
+            kept.append(torch.tanh(layer(x) * (step + 1)))  # its graph keeps the saved tensors alive
+        time.sleep(pause_s)
+        if step == 0 and dist.get_rank() == die_on_rank:
+            os._exit(3)
+    return ledger.live_activations("device")

@@ -22,7 +22,9 @@ first generated token. The pipelined engine runs the two phases one after the ot
 decodes), so that each phase's throughput is its own. Each engine records one timeline (`helpers.timeline` events of
 kinds "prefill" and "decode", one row per device); `measure` times several engines in interleaved rounds and keeps
 medians; `throughput_table` and `plot_generation_timelines` show them. `Pipelined.from_split` reuses a LayerSplit's
-stages (one copy of the weights for both). `decode_bounds`: the memory-bandwidth bounds of decoding on real GPUs.
+stages (one copy of the weights for both). `LayerSplit.memory(rig.labels)` is what the memory panel draws while they
+generate: each device's weights and the KV caches it holds (counted after every step, with their peak).
+`decode_bounds`: the memory-bandwidth bounds of decoding on real GPUs.
 """
 from __future__ import annotations
 
@@ -351,17 +353,35 @@ class _StageState:
         self.positions = self.positions[:, -1:] + 1
 
 
+def cache_bytes(cache) -> int:
+    """Bytes of a Hugging Face KV cache's keys and values (its layers that hold none yet count nothing)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if torch.is_tensor(t):
+                total += t.numel() * t.element_size()
+    return total
+
+
 class _StageRunner:
-    """One stage on its device: runs a request's prefill or decode step with the request's own KV cache."""
+    """One stage on its device: runs a request's prefill or decode step with the request's own KV cache, and keeps
+    count of the bytes of its KV caches (now, and the most at once since it was built)."""
 
     def __init__(self, model: HFModel, stage: Stage, spec: StageSpec, device: torch.device, recorder: Recorder):
         self.model, self.stage, self.spec, self.device, self.recorder = model, stage, spec, device, recorder
         self.holds_head = spec.end == model.n_layers
         self.norm_index = model.n_layers - 2  # final norm: from here on only the last position matters
         self.states: dict[int, _StageState] = {}
+        self.kv_bytes: dict[int, int] = {}  # per request in flight
+        self.kv_peak = 0
 
     def reset(self) -> None:
         self.states.clear()
+        self.kv_bytes.clear()
+
+    @property
+    def kv_now(self) -> int:
+        return sum(list(self.kv_bytes.values()))  # read by the memory panel's thread: copy before summing
 
     def step(self, r: int, x: torch.Tensor, request: Request, phase: str) -> torch.Tensor:
         """Prefill (x: the prompt's ids on stage 0, hidden states elsewhere) or one decode step of request r. The last
@@ -379,6 +399,8 @@ class _StageRunner:
                     h = h[:, -1:]  # as generate: the norm and the head see only the last position
                 h = call_layer(layer, h, ctx)
             state.advance()
+        self.kv_bytes[r] = cache_bytes(state.cache)
+        self.kv_peak = max(self.kv_peak, self.kv_now)
         return h[:, -1] if self.holds_head else h
 
 
@@ -480,6 +502,11 @@ class LayerSplit:
     def first_device(self) -> torch.device:
         return self.runners[0].device
 
+    def memory(self, labels: Sequence[str]) -> "SplitMemory":
+        """What each device holds while this split (or a `Pipelined.from_split` of it) generates, for the memory
+        panel: `MemoryMonitor(rig, split.memory(rig.labels))`; `labels[i]` names device i."""
+        return SplitMemory(self.runners, labels)
+
     def _request(self, r: int, request: Request, rule: Stopping) -> tuple[torch.Tensor, float, float]:
         """(tokens [rows, steps], prefill seconds, decode seconds) of one request, the stages in turn."""
         last = self.runners[-1]
@@ -518,6 +545,28 @@ class LayerSplit:
                 prefill += p
                 decode += d
         return Generation(self.name, tokens, prefill, decode, *_counts(requests, tokens), _events(self.runners))
+
+
+class SplitMemory:
+    """Per device of a layer split: the weights of its stages ("params") and the KV caches of the requests in flight
+    ("kv_cache"), now and at the most so far. A source for `helpers.monitor.MemoryMonitor`."""
+
+    def __init__(self, runners: Sequence[_StageRunner], labels: Sequence[str]):
+        used = sorted({r.spec.device for r in runners})
+        if used[-1] >= len(labels):
+            raise ValueError(f"the split uses devices {used}, but {len(labels)} labels were given: pass rig.labels")
+        self.labels = [labels[i] for i in used]
+        self._runners = {labels[i]: [r for r in runners if r.spec.device == i] for i in used}
+        self._weights = {}
+        for label, on_device in self._runners.items():
+            unique = {id(p): p for r in on_device for p in r.stage.parameters()}  # a tied weight counts once
+            self._weights[label] = sum(p.numel() * p.element_size() for p in unique.values())
+
+    def parts(self, label: str) -> dict[str, int]:
+        return {"params": self._weights[label], "kv_cache": sum(r.kv_now for r in self._runners[label])}
+
+    def peak_parts(self, label: str) -> dict[str, int]:
+        return {"params": self._weights[label], "kv_cache": sum(r.kv_peak for r in self._runners[label])}
 
 
 # --- (c) pipelined: one thread per device, several requests in flight --------------------------------------------

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         from helpers.runtime.launch import finish_rank, run_rank  # torch is imported here, after the ties above
 
         finish = finish_rank
-        _send(conn, ns.rank, "ok", run_rank(fn, args, kwargs, rig, outer["timeout_s"]))
+        _send(conn, ns.rank, "ok", run_rank(fn, args, kwargs, rig, outer["timeout_s"], outer.get("live")))
         code = 0
     except BaseException as exc:  # noqa: BLE001 - everything, import errors included, must reach the caller
         _send(conn, ns.rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")

@@ -5,7 +5,9 @@
 value in rank order. A rank that raises, fails to import the worker, or returns something that cannot come back
 raises `WorkerError` naming the rank, with its traceback; a rank that hangs raises `WorkerTimeout` naming it; a
 rank that dies in native code brings back the end of its stderr. No rank outlives the call, nor the caller: see
-`helpers.runtime.bootstrap` for how a rank ties its life to the caller's before it imports torch.
+`helpers.runtime.bootstrap` for how a rank ties its life to the caller's before it imports torch. While a memory
+panel watches (`helpers.monitor.MemoryMonitor(rig, ranks=True)`), each rank also reports what it holds as it runs
+(`helpers.runtime.live`); otherwise ranks do not report at all.
 
 The same worker runs under torchrun, with JSON arguments:
     torchrun --nproc-per-node 2 -m helpers.runtime.launch helpers.runtime.workers:all_reduce_sum --args '[2.0]'
@@ -33,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from helpers.runtime import live
 from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig
 from helpers.runtime.strict import enter_device_strict_mode, strict_backend, strict_requested
 
@@ -137,12 +140,15 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     return rig
 
 
-def run_rank(fn: Callable, args: tuple, kwargs: dict, rig: Rig, timeout_s: float) -> Any:
-    """Inside a spawned rank (called by the bootstrap): join the group with the caller's rig, run the worker. The
-    group is left standing: the bootstrap reports the result first and then calls `finish_rank`, so that a rank's
-    own error reaches the caller before its peers fail on the torn-down group."""
+def run_rank(fn: Callable, args: tuple, kwargs: dict, rig: Rig, timeout_s: float, live_folder: str | None = None
+             ) -> Any:
+    """Inside a spawned rank (called by the bootstrap): join the group with the caller's rig, run the worker (while a
+    memory panel watches, reporting to it: `helpers.runtime.live`). The group is left standing: the bootstrap reports
+    the result first and then calls `finish_rank`, so that a rank's own error reaches the caller before its peers
+    fail on the torn-down group."""
     init_rank(rig, timeout_s)
-    return fn(*args, **kwargs)
+    with live.reporting(live_folder, dist.get_rank(), rank_device(rig)):
+        return fn(*args, **kwargs)
 
 
 def finish_rank() -> None:
@@ -330,10 +336,12 @@ def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIME
     port = free_port()
     ranks: list[_Rank] = []
     lifeline_r, lifeline_w = os.pipe()
+    live_folder = live.new_run(nranks)  # None unless a memory panel watches
     with tempfile.TemporaryDirectory(prefix="lab-run-") as tmp:
         workdir = Path(tmp)
         payload = workdir / "payload.pkl"
-        payload.write_bytes(pickle.dumps({"sys_path": list(sys.path), "body": body, "timeout_s": timeout}))
+        payload.write_bytes(pickle.dumps({"sys_path": list(sys.path), "body": body, "timeout_s": timeout,
+                                          "live": live_folder}))
         try:
             for rank in range(nranks):
                 ranks.append(_start(rank, nranks, port, rig, payload, lifeline_r, workdir))
@@ -344,6 +352,7 @@ def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIME
             return results
         finally:  # success, error, timeout or Ctrl-C: no rank survives
             stop_all(ranks)
+            live.end_run(live_folder)
             for fd in (lifeline_r, lifeline_w):
                 if fd >= 0:
                     os.close(fd)

@@ -28,6 +28,7 @@ from helpers.pipeline.interpreter import MicroBatch
 from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Autocast, make_scaler
 from helpers.runtime.launch import rank_device, run
+from helpers.runtime.live import publish
 from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.job import TrainJob, check_job
@@ -278,6 +279,7 @@ def train_worker(job: TrainJob) -> dict:
         raise ValueError(f"a {job.dp} x {job.pp} mesh has {job.world} devices but the world has "
                          f"{dist.get_world_size()} ranks")
     r = _Rank(job)
+    publish(r.ledger, title=job.strategy)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
     for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
