@@ -9,11 +9,20 @@ notebook, the slow parity matrices, the launcher's fault tests, the scripts, the
 the full tier with `@pytest.mark.full`; a notebook joins the fast tier by being listed in FAST_NOTEBOOKS.
 """
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("LAB_STATIC_WIDGETS", "1")
 os.environ.setdefault("LAB_DEVICE_STRICT", "1")
+
+# Every temp folder of the session (pytest's tmp_path, the ranks', the notebooks' kernels', torchrun's) goes into one
+# folder of its own, so that what a test leaves behind is seen (a failure at the end) and removed.
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="lab-tests-"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = None  # re-read TMPDIR
 
 FAST_NOTEBOOKS = {"00_start_here.ipynb"}
 
@@ -26,6 +35,20 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: runs only with --full (the full tier)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail a run that left folders in the temp directory (pytest's tmp_path folders excepted: it removes them, and
+    PyTorch's compile cache); then remove the session's temp folder whatever happened."""
+    from helpers.runtime.scratch import remove_scratch_dirs
+
+    remove_scratch_dirs()  # this process's scratch folders, which would go at exit
+    left = sorted(p.name for p in SESSION_TMP.iterdir()  # pytest's own, and PyTorch's compile cache, are theirs
+                  if not p.name.startswith(("pytest-of-", "torchinductor_")))
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    if left and session.exitstatus == 0:
+        print(f"\nthe tests left these in the temp directory: {left}")
+        session.exitstatus = 1
 
 
 def _is_notebook(item) -> bool:

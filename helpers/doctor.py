@@ -433,7 +433,7 @@ def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], mode
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--nproc-per-node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
-        "PYTHONPATH", "")]))
+        "PYTHONPATH", "")]), TMPDIR=os.path.dirname(model_dir))  # torchrun's temp folders, removed with ours
     if rig.is_cpu:
         env[FORCE_CPU_ENV] = "1"
     cmd = [*launcher, str(REPO / "scripts" / script), "--model", model_dir, *SCRIPT_FLAGS, *extra]

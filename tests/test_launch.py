@@ -144,8 +144,9 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-def _start_caller(mode: str, marker: str, extra_env: dict | None = None) -> subprocess.Popen:
-    env = dict(os.environ, LAB_TEST_MARKER=marker, **(extra_env or {}))
+def _start_caller(mode: str, marker: str, tmp: Path, extra_env: dict | None = None) -> subprocess.Popen:
+    """A caller that starts ranks; its temp folders go to `tmp` (it is killed: it cannot remove its own)."""
+    env = dict(os.environ, LAB_TEST_MARKER=marker, TMPDIR=str(tmp), **(extra_env or {}))
     caller = subprocess.Popen([sys.executable, "-m", "tests.orphan_caller", mode], env=env, stdout=subprocess.PIPE,
                               cwd=REPO)
     assert caller.stdout.readline().strip() == b"READY"
@@ -166,12 +167,12 @@ def _wait_gone(marker: str, seconds: float = 10.0) -> list[int]:
 @pytest.mark.full  # a launcher fault test
 @pytest.mark.parametrize("death_signal", [True, False], ids=["death-signal", "lifeline-only"])
 @pytest.mark.parametrize("delay", [0.0, 0.3, 1.0, 3.0])
-def test_no_rank_outlives_a_killed_caller(delay, death_signal):
+def test_no_rank_outlives_a_killed_caller(delay, death_signal, tmp_path):
     """SIGKILL the caller at several moments after it starts its ranks (before, during and after they import
     torch): no rank may survive. Without the Linux death signal the lifeline pipe alone must do it (macOS)."""
     marker = f"orphan-{uuid.uuid4().hex}"
     extra = {} if death_signal else {NO_DEATH_SIGNAL_ENV: "1"}
-    caller = _start_caller("sleepy", marker, extra)
+    caller = _start_caller("sleepy", marker, tmp_path, extra)
     time.sleep(delay)
     caller.kill()
     caller.wait()
@@ -180,11 +181,11 @@ def test_no_rank_outlives_a_killed_caller(delay, death_signal):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.full  # a launcher fault test
-def test_second_interrupt_during_cleanup_still_ends_everything():
+def test_second_interrupt_during_cleanup_still_ends_everything(tmp_path):
     """Ranks that ignore SIGTERM; Ctrl-C, then Ctrl-C again during the grace period: the caller ends promptly and
     takes every rank with it."""
     marker = f"stubborn-{uuid.uuid4().hex}"
-    caller = _start_caller("stubborn", marker)
+    caller = _start_caller("stubborn", marker, tmp_path)
     deadline = time.monotonic() + 30
     while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:  # the caller and both ranks
         time.sleep(0.1)
@@ -227,12 +228,12 @@ def test_every_rank_gets_the_callers_rig():
 
 
 @pytest.mark.full  # a launcher fault test
-def test_torchrun_entry_takes_json_arguments():
+def test_torchrun_entry_takes_json_arguments(tmp_path):
     """The docstring's example, as written."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "helpers.runtime.launch",
            "helpers.runtime.workers:all_reduce_sum", "--args", "[2.0]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "6.0"
 

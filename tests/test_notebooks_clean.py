@@ -108,3 +108,22 @@ def test_notebooks_link_the_glossary():
     missing = [p.name for p in NOTEBOOKS if int(p.name[:2]) >= 1
                and not any("../GLOSSARY.md#" in text for text in _markdown_cells(p))]
     assert not missing, f"link the glossary at the first use of a term it defines: {missing}"
+
+
+def test_notebooks_leave_no_temp_folders():
+    """A notebook's scratch folders (the scripts it writes, the models it saves) come from `scratch_dir`, which
+    removes them when the kernel exits; `tempfile.mkdtemp` left one behind per run."""
+    for path in NOTEBOOKS:
+        code = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+        assert "mkdtemp(" not in code and "tempfile." not in code, f"{path.name}: use helpers.runtime.scratch"
+
+
+def test_scratch_folders_go_when_the_process_ends(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = "from helpers.runtime.scratch import scratch_dir; print(scratch_dir('lab-x-'))"
+    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, TMPDIR=str(tmp_path))).stdout.strip()
+    assert made.startswith(str(tmp_path)) and not Path(made).exists()

@@ -54,7 +54,8 @@ def _run(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> li
                                                     "--nproc-per-node", str(nproc)]
     cmd = [*launcher, str(SCRIPTS / script), "--model", str(model_dir), "--save-to", str(out), *FLAGS, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1",
+                                   TMPDIR=str(out.parent)))  # torchrun's own temp folders go there
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
 

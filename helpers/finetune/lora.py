@@ -352,11 +352,10 @@ def finetune(model: str | Path | None = None, method: str = "qlora", steps: int 
     """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
     default the standard library), FSDP2 over 2 ranks, for `steps` optimizer steps (>= 3) of Adam on the adapters.
     Bad input is refused before any process starts."""
-    import tempfile
-
     from helpers.models.layered import Stage
     from helpers.models.text import greedy_sample, load_rows, model_text, text_loss
     from helpers.runtime.rig import detect_rig
+    from helpers.runtime.scratch import scratch_dir
     from helpers.training.job import TrainJob, check_job
     from helpers.training.loop import run_training
 
@@ -365,7 +364,7 @@ def finetune(model: str | Path | None = None, method: str = "qlora", steps: int 
     spec = LoraSpec(method=method, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype)
     check_spec(spec)
     rig = rig or detect_rig()
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="lab-lora-"))
+    workdir = Path(workdir or scratch_dir("lab-lora-"))
     base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
     lora = LoraModel(base, spec)
     train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",

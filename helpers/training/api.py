@@ -16,7 +16,6 @@ trained weights.
 """
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from helpers.pipeline.schedules import SCHEDULES
 from helpers.pipeline.stages import split_model
 from helpers.precision import make_scaler
 from helpers.runtime.rig import Rig, detect_rig
+from helpers.runtime.scratch import scratch_dir
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import global_batch, run_training
 from helpers.training.support import DATA_PARALLEL_STRATEGIES, engines_for
@@ -56,7 +56,7 @@ def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
     if isinstance(model, (str, Path)):
         return HFModel(str(model))
     if hasattr(model, "model_type"):
-        directory = Path(workdir or tempfile.mkdtemp(prefix="lab-model-"))
+        directory = Path(workdir or scratch_dir("lab-model-"))
         return save_hf_model(model, directory, seed=seed)
     raise TypeError(f"expected a save_pretrained directory, a transformers config or an HFModel, got "
                     f"{type(model).__name__}")
@@ -154,7 +154,7 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     if text is not None:
         from helpers.models.text import model_text
 
-        folder = Path(workdir or tempfile.mkdtemp(prefix="lab-text-"))
+        folder = Path(workdir or scratch_dir("lab-text-"))
         data, held_out, tokenizer = model_text(hf.path, hf.vocab_size, text, seq_len, folder)
     job = _job(hf, strategy, engine, steps, batch=batch, seq_len=seq_len, microbatches=microbatches,
                optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding, data_seed=data_seed,

@@ -1,0 +1,27 @@
+"""Scratch folders that live as long as the process that made them: the models a notebook saves, the scripts it
+writes, a default working directory of `train` or `finetune`. Removed when the process exits (a notebook's kernel
+shuts down, a script ends), so neither a notebook nor the test suite leaves folders in the system's temp directory."""
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+
+
+_MADE: list[str] = []
+
+
+def scratch_dir(prefix: str = "lab-") -> str:
+    """A new empty folder in the system's temp directory (its path, as `tempfile.mkdtemp` gives it), removed with
+    everything in it when this process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    _MADE.append(path)
+    return path
+
+
+@atexit.register
+def remove_scratch_dirs() -> None:
+    """Remove every folder `scratch_dir` made in this process (at exit; the test suite calls it before it checks
+    that nothing was left behind)."""
+    while _MADE:
+        shutil.rmtree(_MADE.pop(), ignore_errors=True)
