@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers.check import assert_same_grads
-from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan
+from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan, comm_plan, communication_plan
 from helpers.pipeline.threaded import ThreadedPipeline, split_batch
 from helpers.precision import Precision, max_relative_diff
 from helpers.memory import ledger_for
@@ -104,7 +104,10 @@ def test_the_plan_checker_finds_the_old_deadlock_and_misdeliveries():
     crossed = [[Action("F", 0), Action("F", 1), Action("B", 1), Action("B", 0)],
                [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]]
     with pytest.raises(ValueError, match="wrong receive"):
-        check_p2p_plan(crossed)
+        check_exchanges([comm_plan(actions, s, 2) for s, actions in enumerate(crossed)])
+    # posted as soon as they are sent, the receives take the sender's order: stage 0 waits for grad1 in its own buffer
+    early = communication_plan(crossed)
+    assert [str(m) for ex in early[0] for m in ex[1]] == ["grad0@0", "grad1@0"]
 
 
 @pytest.mark.parametrize("precision", [Precision(autocast="bf16"), Precision(dtype="bf16"), Precision(dtype="fp64")],
