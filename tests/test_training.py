@@ -51,6 +51,24 @@ def test_pipelines_equal_one_device(kw, reference):
         assert not any(e.kind == "send" for e in res.events), "overlapped sends never block"
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("engine", ["ours", "torch"])
+@pytest.mark.parametrize("schedule", ["interleaved", "zbh1", "zbv", "dualpipev"])
+def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
+    """Two stages per device (interleaved, the V shapes: four stages of one block stack) or a split backward (ZB-H1,
+    ZB-V, DualPipeV's ramps), ours and torch.distributed.pipelining's, one process per device: one device's loss and
+    gradients; the weight passes on the timeline."""
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, pp=2, schedule=schedule, microbatches=4, batch=BATCH, steps=1, engine=engine,
+                                return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5
+    assert max_grad_diff(grads, res.grads) <= 1e-5
+    chunks = 1 if schedule == "zbh1" else 2
+    assert sum(e.kind == "forward" for e in res.events) == 2 * chunks * 4
+    assert {e.stage for e in res.events if e.kind == "forward"} == set(range(2 * chunks))
+    assert (schedule == "interleaved") == (not any(e.kind == "weight" for e in res.events))
+
+
 def test_three_stages_on_two_cores_with_oversubscribe(reference):
     loss, grads, _ = reference
     job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, steps=1,

@@ -221,20 +221,74 @@ def zero_bubble_v(p: int, m: int) -> Schedule:
     return Schedule(schedule, Layout(p, 2, "v"))
 
 
+def dual_pipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek-AI 2024, DeepSeek-V3's DualPipe folded onto a V, as torch.distributed.pipelining's
+    `ScheduleDualPipeV` runs it): ZB-V's layout, with the steady phase pairing a forward of one chunk with a whole
+    backward of the other (DeepSeek overlaps each pair's communication with its compute; here, as in torch's
+    schedule without an overlap function, they run one after the other). Only the first and last few backwards
+    are split into B and W, to fill the ramps. Device d: 2(p-d-1) forwards of chunk 0; d+1 pairs of forwards of
+    both chunks; p-d-1 rounds of B (split), one owed W, F of chunk 1; m-2p+d+1 rounds of (F chunk 0, backward
+    chunk 1) and (F chunk 1, backward chunk 0); p-d-1 rounds of backward chunk 1, F chunk 1, backward chunk 0; d+1
+    pairs of backwards (split from the middle pair on); p-d-1 rounds of one owed W and a backward of chunk 0; the
+    W's still owed."""
+    _check_pm(p, m)
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs at least as many micro-batches as stages, 2p = {2 * p}, got m={m}")
+    schedule = []
+    for d in range(p):
+        forwards, backwards = [0, 0], [0, 0]
+        owed: list[Action] = []  # weight passes of split backwards, oldest first
+        actions: list[Action] = []
+
+        def forward(chunk: int) -> None:
+            actions.append(Action("F", forwards[chunk], chunk))
+            forwards[chunk] += 1
+
+        def backward(chunk: int, split: bool) -> None:
+            actions.append(Action("B", backwards[chunk], chunk))
+            if split:
+                owed.append(Action("W", backwards[chunk], chunk))
+            backwards[chunk] += 1
+
+        def pay() -> None:
+            if owed:
+                actions.append(owed.pop(0))
+
+        for _ in range(2 * (p - d - 1)):
+            forward(0)
+        for _ in range(d + 1):
+            forward(0), forward(1)
+        for _ in range(p - d - 1):
+            backward(1, split=True), pay(), forward(1)
+        for _ in range(m - 2 * p + d + 1):
+            forward(0), backward(1, split=False), forward(1), backward(0, split=False)
+        for _ in range(p - d - 1):
+            backward(1, split=False), forward(1), backward(0, split=False)
+        split = False
+        for i in range(d + 1):  # the backward pairs, split from the middle one on (chunk 1 first when d is odd)
+            split |= i == (d + 1) // 2 and d % 2 == 1
+            backward(1, split)
+            split |= i == (d + 1) // 2 and d % 2 == 0
+            backward(0, split)
+        for _ in range(p - d - 1):
+            pay(), backward(0, split)
+        while owed:
+            pay()
+        schedule.append(actions)
+    return Schedule(schedule, Layout(p, 2, "v"))
+
+
 SCHEDULES: dict[str, Callable[[int, int], Sequence[Sequence[Action]]]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zero_bubble_h1,
-    "zbv": zero_bubble_v}
-# (stages per device, shape) of every schedule a pipeline can run; dualpipev is torch.distributed.pipelining's
-# ScheduleDualPipeV (DeepSeek-V3's DualPipe on a V), which the course runs with engine="torch" only
+    "zbv": zero_bubble_v, "dualpipev": dual_pipe_v}
 LAYOUTS = {"gpipe": (1, "loop"), "1f1b": (1, "loop"), "interleaved": (2, "loop"), "zbh1": (1, "loop"),
-           "zbv": (2, "v"), "dualpipev": (2, "v")}
+           "zbv": (2, "v"), "dualpipev": (2, "v")}  # (stages per device, shape) of each schedule
 
 
 def make_schedule(name: str, p: int, m: int) -> Sequence[Sequence[Action]]:
     """The named schedule for `p` devices and `m` micro-batches (interleaved: 2 chunks per device)."""
     if name not in SCHEDULES:
-        hint = f" ({name} runs with engine='torch' only)" if name in LAYOUTS else ""
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}{hint}")
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](p, m)
 
 

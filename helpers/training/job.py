@@ -11,7 +11,7 @@ from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
 from helpers.pipeline.comm import resolve_dtype
 from helpers.pipeline.interpreter import check_p2p_plan
-from helpers.pipeline.schedules import SCHEDULES, Layout, layout_for, make_schedule
+from helpers.pipeline.schedules import Layout, layout_for, make_schedule
 from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
@@ -37,7 +37,7 @@ class TrainJob:
     pp: int = 1
     data_parallel: str = "ddp"  # with dp > 1: ddp | zero1 | zero2 | fsdp2 (dp x pp: ddp)
     boundaries: tuple[int, ...] = ()  # where stages 1.. start; () = equal layers per stage
-    schedule: str = "gpipe"  # gpipe | 1f1b | interleaved | zbh1 | zbv (2 stages per device: pp x 2 stages) | dualpipev
+    schedule: str = "gpipe"  # gpipe | 1f1b | zbh1; interleaved | zbv | dualpipev: 2 stages per device (pp x 2)
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
     engine: str = "ours"  # pipeline engine: ours (the interpreter) | torch (torch.distributed.pipelining)
     wire: str = "auto"  # dtype of boundary transfers; auto: the model's own
@@ -131,12 +131,8 @@ def _check_pipeline(job: TrainJob) -> None:
         raise ValueError(f"{len(bounds)} boundaries give {len(bounds) + 1} stages, but pp={job.pp}{per_device} "
                          f"needs {layout.stages}")
     stage_ranges(job.n_layers, bounds)
-    if job.engine == "ours" or job.schedule in SCHEDULES:
-        schedule = make_schedule(job.schedule, job.pp, job.microbatches)  # refuses m < p for 1F1B, ...
-        check_p2p_plan(schedule)
-    elif job.microbatches < layout.stages:  # torch's DualPipeV
-        raise ValueError(f"{job.schedule} needs at least as many micro-batches as stages: m={job.microbatches} < "
-                         f"{layout.stages}")
+    schedule = make_schedule(job.schedule, job.pp, job.microbatches)  # refuses m < p for 1F1B, ...
+    check_p2p_plan(schedule)
 
 
 def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:

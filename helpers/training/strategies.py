@@ -257,8 +257,8 @@ def _instrument_stage(pstage, rec: Recorder, wrapper: _ChunkContexts, stage: int
     pstage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-# our schedule names -> torch.distributed.pipelining's classes (ZB-H1 is its interleaved zero-bubble schedule with
-# one stage per device)
+# our schedule names -> torch.distributed.pipelining's classes (its ZB-H1 is its interleaved zero-bubble schedule
+# with one stage per device)
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
                    "dualpipev": "ScheduleDualPipeV"}

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from helpers.runtime.rig import Rig
 
 PIPELINE_STRATEGIES = ("naive", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
-TORCH_ONLY = ("dualpipev",)  # torch.distributed.pipelining's ScheduleDualPipeV: the course has no action lists for it
 DATA_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
 STRATEGIES = (*PIPELINE_STRATEGIES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp")
 ENGINES = ("threads", "processes", "torch")
@@ -35,7 +34,7 @@ def engines_for(strategy: str) -> tuple[str, ...]:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if strategy in PIPELINE_STRATEGIES:
-        return ("threads", "processes") if strategy == "naive" else ("torch",) if strategy in TORCH_ONLY else ENGINES
+        return ("threads", "processes") if strategy == "naive" else ENGINES
     return ("processes",) if strategy in DATA_PARALLEL_STRATEGIES else ("processes", "torch")
 
 
