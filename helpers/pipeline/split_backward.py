@@ -28,37 +28,22 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
-def _children(root: Node) -> dict[Node, list[Node]]:
-    """Every node reachable from `root`, with the nodes its backward feeds."""
+def _children(root: Node) -> tuple[dict[Node, list[Node]], list[Node]]:
+    """Every node reachable from `root` with the nodes its backward feeds, and all of them children first."""
     children: dict[Node, list[Node]] = {}
-    stack = [root]
+    order: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
-        node = stack.pop()
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
         if node in children:
             continue
         children[node] = [child for child, _ in node.next_functions if child is not None]
-        stack.extend(children[node])
-    return children
-
-
-def _reaching(children: dict[Node, list[Node]], targets: set[Node]) -> dict[Node, frozenset[Node]]:
-    """For every node, the `targets` its backward leads to (itself included), computed children first."""
-    reach: dict[Node, frozenset[Node]] = {}
-    for start in children:
-        stack = [(start, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in reach:
-                continue
-            if not expanded:
-                stack.append((node, True))
-                stack.extend((c, False) for c in children[node] if c not in reach)
-                continue
-            found = {node} & targets
-            for c in children[node]:
-                found |= reach[c]
-            reach[node] = frozenset(found)
-    return reach
+        stack.append((node, True))
+        stack.extend((c, False) for c in children[node] if c not in children)
+    return children, order
 
 
 class WeightGradients:
@@ -104,11 +89,17 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor |
         return None, WeightGradients([])
     if inp is None or not inp.requires_grad:
         return None, WeightGradients([([get_gradient_edge(output)], [grad], weights)])
-    children = _children(root)
+    children, order = _children(root)
     target = get_gradient_edge(inp).node
     weight_node = {get_gradient_edge(w).node: w for w in weights}
-    on_spine = {n for n, r in _reaching(children, {target}).items() if r}
-    behind = _reaching(children, set(weight_node))
+    on_spine: set[Node] = set()
+    behind: dict[Node, frozenset[Node]] = {}  # off the spine: the weights a node's backward leads to
+    for node in order:  # children first
+        if node is target or any(c in on_spine for c in children[node]):
+            on_spine.add(node)
+        else:
+            found = {node} if node in weight_node else set()
+            behind[node] = frozenset(found.union(*(behind[c] for c in children[node])))
     forks: dict[Node, frozenset[Node]] = {}  # spine node -> the weights only its side branches lead to
     for node in on_spine:
         side = frozenset().union(*(behind[c] for c in children[node] if c not in on_spine))

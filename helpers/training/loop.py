@@ -12,7 +12,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,28 @@ class TrainResult:
 def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe: bool = False) -> TrainResult:
     """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return."""
     check_job(job, rig, oversubscribe)
-    parts = run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe)
+    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe))
+
+
+def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
+                  oversubscribe: bool = False) -> list[TrainResult]:
+    """Several jobs of one world size in one launch, the same ranks running them one after the other: a comparison
+    pays one start-up of the processes instead of one per job. Every job is checked before anything starts;
+    `timeout` is per job."""
+    if not jobs:
+        return []
+    worlds = sorted({job.world for job in jobs})
+    if len(worlds) > 1:
+        raise ValueError(f"jobs launched together need one world size, got {worlds}: launch them separately")
+    for job in jobs:
+        check_job(job, rig, oversubscribe)
+    parts = run(train_workers, list(jobs), nranks=worlds[0], rig=rig, timeout=timeout * len(jobs),
+                oversubscribe=oversubscribe)
+    return [_combine([rank[i] for rank in parts]) for i in range(len(jobs))]
+
+
+def _combine(parts: list[dict]) -> TrainResult:
+    """One job's result from what its ranks returned (`train_worker`)."""
     per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
     phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
     replica0 = [p for p in parts if p["dp"] == 0]
@@ -285,6 +306,11 @@ def train_worker(job: TrainJob) -> dict:
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
             "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}}
+
+
+def train_workers(jobs: Sequence[TrainJob]) -> list[dict]:
+    """Several jobs, one after the other, on the same ranks (started by `run_trainings`)."""
+    return [train_worker(job) for job in jobs]
 
 
 def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:
