@@ -7,6 +7,11 @@ stage posts, *together*, the sends the previous action produced and the receives
 receives of a step as one batch is what makes this safe on NCCL, where all point-to-point operations between two
 ranks run in order on one stream: `check_p2p_plan` replays a schedule's plan under those rules and proves it can
 neither deadlock nor deliver a tensor to the wrong receive, for any stage count and micro-batch count.
+
+A device may run several stages (interleaved and V-shaped schedules): what one of its stages hands to another never
+goes over the wire. For those schedules the plan above can deadlock (both devices sending, each send waiting for a
+receive queued behind the other's send); `communication_plan` then posts each receive as soon as its sender has
+produced the message, and the action that needs it waits for it (`early_receive_plans`, torch's rule).
 """
 from __future__ import annotations
 
