@@ -15,7 +15,7 @@ from torch import nn
 from helpers.measure import Timings, interleaved_medians, relative_spread
 from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
-from helpers.pipeline.schedules import chunks_of, layout_for
+from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
 from helpers.runtime.rig import claim_cpu_device
@@ -304,10 +304,11 @@ BEYOND_1F1B = ("interleaved", "zbh1", "zbv", "dualpipev")  # notebook 06b's sche
 
 
 def bench_cut(schedule: str, n_layers: int) -> tuple[int, ...]:
-    """Where the bench cuts its block stack (embedding, blocks, head) for `schedule` on two devices: in the middle
-    for one stage per device; for two (interleaved, V-shaped), into four stages of equal block counts, the embedding
-    with the first and the head with the last, so each device holds as many blocks whichever stages it gets."""
-    stages = 2 * chunks_of(schedule)
+    """Where the bench cuts its block stack (embedding, blocks, head) for `schedule` on two devices (any other row:
+    as for one stage per device): in the middle for one stage per device; for two (interleaved, V-shaped), into four
+    stages of equal block counts, the embedding with the first and the head with the last, so each device holds as
+    many blocks whichever stages it gets."""
+    stages = 2 * (chunks_of(schedule) if schedule in LAYOUTS else 1)
     if stages == 2:
         return (n_layers // 2,)
     blocks = n_layers - 2

@@ -61,7 +61,7 @@ def test_every_kind_of_row_maps_to_a_simulated_job():
 def test_rows_past_1f1b_cut_four_stages_of_equal_blocks_and_are_simulated():
     """Two stages per device: embedding + 2 blocks | 2 | 2 | 2 + head for the bench's 8 blocks, so each device
     holds 4 blocks whichever stages it gets (interleaved: 0 and 2; V: 0 and 3)."""
-    assert bench_cut("1f1b", 10) == bench_cut("zbh1", 10) == (5,)
+    assert bench_cut("1f1b", 10) == bench_cut("zbh1", 10) == bench_cut("single", 10) == bench_cut("ddp", 10) == (5,)
     assert bench_cut("interleaved", 10) == bench_cut("zbv", 10) == bench_cut("dualpipev", 10) == (3, 5, 7)
     assert bench_cut("zbv", 6) == (2, 3, 4)
     light = [1 / 8] + [1] * 8 + [1 / 8]  # embedding and head cost little beside a block
