@@ -15,10 +15,11 @@ from torch import nn
 from helpers.measure import Timings, interleaved_medians, relative_spread
 from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
+from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model
-from helpers.pipeline.threaded import ThreadedPipeline
+from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
 from helpers.runtime.rig import claim_cpu_device
-from helpers.timeline import PHASES, Event, Recorder, busy_fraction, median_phases, phase_seconds
+from helpers.timeline import PHASES, Event, Recorder, busy_fraction, chrome_trace, median_phases, phase_seconds
 from helpers.training.support import support
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,8 +78,10 @@ def make_pipeline_run(name: str, model: nn.Module, boundaries: Sequence[int], de
                       lr: float = 0.0, wire: str = "fp32", optimizer: str = "sgd") -> PipelineRun:
     """Copy `model`, split it at `boundaries` over `devices`, and wire a ledger and an optimizer (SGD with lr=0
     keeps the weights fixed so that every repeat times the same computation; "adam" for Adam at `lr`)."""
-    split = split_model(copy.deepcopy(model), list(boundaries), devices)
-    ledger = ledger_for(split.stages, labels[:len(split.stages)])
+    layout = layout_for(schedule, (len(boundaries) + 1) // chunks_of(schedule))
+    split = split_model(copy.deepcopy(model), list(boundaries), stage_devices(devices, layout))
+    per_device = [nn.ModuleList(split.stages[k] for k in layout.stages_of(d)) for d in range(layout.devices)]
+    ledger = ledger_for(per_device, labels[:layout.devices])
     pipe = ThreadedPipeline(split, schedule, microbatches, ledger, wire)
     opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](split.parameters(), lr=lr)
     ledger.optimizer = opt
@@ -183,7 +186,8 @@ BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", 
 TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded with a reason aside
 
 LEGEND = f"""\
-strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), DDP, ZeRO-1, FSDP2, DP x PP
+strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), past 1F1B (notebook 06b:
+             ZB-H1; interleaved 1F1B, ZB-V, DualPipeV with 2 stages per device), DDP, ZeRO-1, FSDP2, DP x PP
 engine       ours = the course's schedule interpreter; torch = PyTorch's engine (torch.distributed.pipelining,
              DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard); none = plain autograd
 runner       one thread; threads = one thread per device in this process; processes = one process per device (gloo
@@ -297,8 +301,10 @@ def _caller_seconds(run: PipelineRun) -> float:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
+BEYOND_1F1B = ("interleaved", "zbh1", "zbv", "dualpipev")  # notebook 06b's schedules, ours and torch's
 PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
-                ("1f1b", "torch"), ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
+                ("1f1b", "torch"), *((s, e) for s in BEYOND_1F1B for e in ("processes", "torch")),
+                ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
                 ("dp_x_pp", "processes"))  # the bench's multi-process rows, as (strategy, engine) of the support matrix
 
 
@@ -312,6 +318,18 @@ def bench_refusals(rig) -> dict[tuple[str, str], str]:
         if not verdict.ok:
             out[(strategy, engine)] = verdict.reason
     return out
+
+
+def bench_cut(schedule: str, n_layers: int) -> tuple[int, ...]:
+    """Where the bench cuts its block stack (embedding, blocks, head) for `schedule` on two devices (any other row:
+    as for one stage per device): in the middle for one stage per device; for two (interleaved, V-shaped), into four
+    stages of equal block counts, the embedding with the first and the head with the last, so each device holds as
+    many blocks whichever stages it gets."""
+    stages = 2 * (chunks_of(schedule) if schedule in LAYOUTS else 1)
+    if stages == 2:
+        return (n_layers // 2,)
+    blocks = n_layers - 2
+    return tuple(1 + round(k * blocks / stages) for k in range(1, stages))
 
 
 def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
@@ -332,7 +350,9 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     cut = [len(model) // 2]
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
-    runs = [make_pipeline_run(f"{s}-m{m}", model, cut, rig.devices, rig.labels, s, m) for s, m in threaded]
+    threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
+    runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
+            for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.steps} interleaved repeats")
     sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
     samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
@@ -351,12 +371,13 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
     jobs += [(s, "torch", s, m, True) for m in config.torch_microbatches for s in ("gpipe", "1f1b")]
+    jobs += [(s, engine, s, config.onefoneb_microbatches, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
     refused = bench_refusals(rig)
     jobs = [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
     results = run_in_rounds(
-        {j: (lambda j=j: run_training(TrainJob(config.cfg, pp=2, boundaries=tuple(cut), schedule=j[2],
-                                               microbatches=j[3], batch=config.batch, engine=j[1], overlap=j[4],
-                                               steps=config.steps), rig)) for j in jobs},
+        {j: (lambda j=j: run_training(TrainJob(config.cfg, pp=2, boundaries=bench_cut(j[2], len(model)),
+                                               schedule=j[2], microbatches=j[3], batch=config.batch, engine=j[1],
+                                               overlap=j[4], steps=config.steps), rig)) for j in jobs},
         config.rounds, "process pipelines", progress,
         around=(lambda j: timer.sample(config.batch // j[3], j)) if timer else None)
     for j, got in results.items():
@@ -452,11 +473,12 @@ def microbatch_size(row: BenchRow, batch: int) -> int:
 def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
     """The simulator's Job for a bench row."""
     from helpers.simulate import Job
+    from helpers.simulate.strategies import PIPELINES
 
     m = row.microbatches or 1
     if row.strategy in ("single", "single_adam"):
         return Job("single", batch)
-    if row.strategy in ("naive", "gpipe", "1f1b"):
+    if row.strategy in PIPELINES:
         return Job(row.strategy, batch, microbatches=m, stages=2, cut=tuple(cut) or None)
     if row.strategy == "dp_x_pp":
         return Job("dp_x_pp", batch, microbatches=m, stages=2, replicas=2, schedule="1f1b", cut=tuple(cut) or None)
@@ -520,7 +542,7 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
             if row.runner == "threads":
                 row_rig = rig_model.with_thread_slowdown(timer.slowdown(row.calibration_key))
                 row.core_slowdown = getattr(row_rig.thread_cores, "slowdown", None)
-        predict_row(row, workload, row_rig, config.batch, [len(model) // 2], adam_s)
+        predict_row(row, workload, row_rig, config.batch, bench_cut(row.strategy, len(model)), adam_s)
         if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
             from helpers.simulate import simulate
 
@@ -535,8 +557,8 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
 
 def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
                   extras: dict[str, list[dict]] | None = None, calibration: dict | None = None) -> list[dict]:
-    """bench.json (rig, rows, any extra tables, the calibration) and one timeline PNG per row in `out_dir`; returns
-    the rows."""
+    """bench.json (rig, rows, any extra tables, the calibration) and per row one timeline PNG and the same timeline
+    as a Chrome / Perfetto trace (timeline_*.json) in `out_dir`; returns the rows."""
     import json
     from pathlib import Path
 
@@ -560,6 +582,7 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
         ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}{m})")
         ax.figure.savefig(out / timeline_name(r), dpi=90, bbox_inches="tight")
         plt.close(ax.figure)
+        chrome_trace(r.events, (out / timeline_name(r)).with_suffix(".json"))  # for ui.perfetto.dev
     return dicts
 
 

@@ -147,7 +147,9 @@ class MemoryLedger:
                 self._largest[label] = max(self._largest[label], self._refs[key][1])
             else:
                 entry[0] += 1
-        saved = _Saved(t)
+        # an output its own node saves would hold that node through its grad_fn, a cycle the garbage collector cannot
+        # see: a graph kept (retain_graph, or never run backward) would never be freed. A detached view holds none.
+        saved = _Saved(t.detach() if t.grad_fn is not None else t)
         weakref.finalize(saved, self._release, key)
         return saved
 

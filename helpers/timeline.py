@@ -17,20 +17,21 @@ KIND_COLORS = {
     "forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "recv": "#8C8C8C",
     "allreduce": "#C44E52", "optimizer": "#8172B3", "recompute": "#937860", "compute": "#4C72B0",
     "allgather": "#DA8BC3", "reducescatter": "#CCB974", "transfer": "#55A868", "loss": "#64B5CD",
-    "prefill": "#4C72B0", "decode": "#55A868", "copy": "#B0B0B0", "host": "#6E6E6E",
+    "prefill": "#4C72B0", "decode": "#55A868", "copy": "#B0B0B0", "host": "#6E6E6E", "weight": "#E5AE38",
 }
 
 
-COMPUTE_KINDS = {"forward", "backward", "recompute", "optimizer", "loss", "compute"}
+COMPUTE_KINDS = {"forward", "backward", "recompute", "optimizer", "loss", "compute", "weight"}
 
 
 @dataclass(frozen=True)
 class Event:
     device: int
-    kind: str  # forward / backward / send / recv / allreduce / optimizer / ...
+    kind: str  # forward / backward / weight (a split backward's weight half) / send / recv / allreduce / ...
     start: float  # seconds
     end: float
     microbatch: int | None = None
+    stage: int | None = None  # the pipeline stage that ran it (a device may hold several)
 
     @property
     def duration(self) -> float:
@@ -47,7 +48,7 @@ class Recorder:
         self.device_index = device_index
         self._cuda = torch_device is not None and torch_device.type == "cuda" and torch.cuda.is_available()
         self._events: list[Event] = []
-        self._pending: list[tuple[str, int | None, object, object]] = []
+        self._pending: list[tuple[str, int | None, object, object, int | None]] = []
         if self._cuda:
             self._torch_device = torch_device
             torch.cuda.synchronize(torch_device)
@@ -64,34 +65,35 @@ class Recorder:
             return mark
         return time.perf_counter()
 
-    def finish(self, mark, kind: str, microbatch: int | None = None) -> None:
+    def finish(self, mark, kind: str, microbatch: int | None = None, stage: int | None = None) -> None:
         """Close a span opened with `start`. On CUDA the end is an event on the *current* stream, so a callback
         that runs once a collective has finished on the GPU (a DDP comm hook's future) marks that moment, not the
         moment the host queued the work."""
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self._torch_device))
-            self._pending.append((kind, microbatch, mark, end))
+            self._pending.append((kind, microbatch, mark, end, stage))
         else:
-            self._events.append(Event(self.device_index, kind, mark, time.perf_counter(), microbatch))
+            self._events.append(Event(self.device_index, kind, mark, time.perf_counter(), microbatch, stage))
 
     @contextmanager
-    def span(self, kind: str, microbatch: int | None = None) -> Iterator[None]:
+    def span(self, kind: str, microbatch: int | None = None, stage: int | None = None) -> Iterator[None]:
         mark = self.start()
         yield
-        self.finish(mark, kind, microbatch)
+        self.finish(mark, kind, microbatch, stage)
 
-    def add(self, kind: str, start: float, end: float, microbatch: int | None = None) -> None:
+    def add(self, kind: str, start: float, end: float, microbatch: int | None = None,
+            stage: int | None = None) -> None:
         """Record a span measured elsewhere (e.g. by a library hook)."""
-        self._events.append(Event(self.device_index, kind, start, end, microbatch))
+        self._events.append(Event(self.device_index, kind, start, end, microbatch, stage))
 
     def events(self) -> list[Event]:
         if self._pending:
             torch.cuda.synchronize(self._torch_device)
-            for kind, mb, s, e in self._pending:
+            for kind, mb, s, e, stage in self._pending:
                 t0 = self._base_time + self._base_event.elapsed_time(s) / 1e3
                 t1 = self._base_time + self._base_event.elapsed_time(e) / 1e3
-                self._events.append(Event(self.device_index, kind, t0, t1, mb))
+                self._events.append(Event(self.device_index, kind, t0, t1, mb, stage))
             self._pending.clear()
         return sorted(self._events, key=lambda e: e.start)
 
@@ -130,7 +132,7 @@ def seconds_of(events: Iterable[Event], kinds: set[str]) -> float:
     return sum(e.duration for e in events if e.kind in kinds)
 
 
-PHASES = {"forward": {"forward"}, "backward": {"backward", "recompute"}}  # the timeline kinds of each phase
+PHASES = {"forward": {"forward"}, "backward": {"backward", "recompute", "weight"}}  # the timeline kinds of each phase
 
 
 def phase_seconds(events: Iterable[Event]) -> dict[str, float]:
@@ -170,7 +172,9 @@ def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -
 
 def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
                   device_names: dict[int, str] | None = None, busy_kinds: set[str] | None = None):
-    """Gantt chart: one row per device, a bar per event, micro-batch numbers on the bars, busy % per row."""
+    """Gantt chart: one row per device, a bar per event, micro-batch numbers on the bars, busy % per row. Where a
+    device runs several pipeline stages (interleaved and V-shaped schedules), the bars of its later stages are
+    hatched."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -180,10 +184,15 @@ def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
     busy = busy_fraction(events, busy_kinds)
     devices = sorted({e.device for e in events})
     span_ms = makespan(events) * 1e3 or 1.0
+    hatched = False
     for row, dev in enumerate(devices):
-        for e in (e for e in events if e.device == dev):
+        mine = [e for e in events if e.device == dev]
+        first_stage = min((e.stage for e in mine if e.stage is not None), default=None)
+        for e in mine:
+            later = e.stage is not None and e.stage != first_stage
+            hatched |= later
             ax.barh(row, e.duration * 1e3, left=e.start * 1e3, height=0.6, edgecolor="white", linewidth=0.5,
-                    color=KIND_COLORS.get(e.kind, "#999999"))
+                    color=KIND_COLORS.get(e.kind, "#999999"), hatch="///" if later else None)
             if e.microbatch is not None and e.duration * 1e3 > span_ms / 60:
                 ax.text((e.start + e.duration / 2) * 1e3, row, str(e.microbatch), ha="center", va="center",
                         fontsize=7, color="white")
@@ -192,8 +201,10 @@ def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     kinds = [k for k in KIND_COLORS if any(e.kind == k for e in events)]
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds], loc="upper left", fontsize=7,
-              bbox_to_anchor=(1.0, 1.0), frameon=False)
+    handles = [Patch(color=KIND_COLORS[k], label=k) for k in kinds]
+    if hatched:
+        handles.append(Patch(facecolor="#999999", edgecolor="white", hatch="///", label="device's later stage"))
+    ax.legend(handles=handles, loc="upper left", fontsize=7, bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
         ax.set_title(title)
     return ax
@@ -225,3 +236,26 @@ def plot_timelines(panels: dict[str, Iterable[Event]], device_names: dict[int, s
         plot_timeline(events, ax=ax, title=title, device_names=device_names, busy_kinds=busy_kinds)
     fig.tight_layout()
     return fig
+
+
+def chrome_trace(events: Iterable[Event], path=None, device_names: dict[int, str] | None = None) -> dict:
+    """The events as a Chrome / Perfetto trace (the JSON `torch.profiler`'s `export_chrome_trace` writes: one
+    complete event, "ph": "X", per span, times in microseconds from the first span), one process row per device;
+    written to `path` if given. Open it at ui.perfetto.dev or chrome://tracing."""
+    import json
+
+    events = normalise(events)
+    names = device_names or {}
+    trace = [{"name": "process_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": names.get(d, f"device {d}")}}
+             for d in sorted({e.device for e in events})]
+    for e in events:
+        label = e.kind if e.microbatch is None else f"{e.kind} {e.microbatch}"
+        args = {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage)) if v is not None}
+        trace.append({"name": label, "cat": e.kind, "ph": "X", "ts": e.start * 1e6, "dur": e.duration * 1e6,
+                      "pid": e.device, "tid": 0, "args": args})
+    out = {"traceEvents": trace, "displayTimeUnit": "ms"}
+    if path is not None:
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(out))
+    return out

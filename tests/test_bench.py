@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from helpers.bench import (BenchRow, Progress, default_config, display_rows, main as bench_main, microbatch_size,
-                           misses, predict_row, simulation_job, timeline_name)
+from helpers.bench import (BEYOND_1F1B, BenchRow, Progress, bench_cut, default_config, display_rows,
+                           main as bench_main, microbatch_size, misses, predict_row, simulation_job, timeline_name)
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
 from helpers.simulate.hardware import Collectives
@@ -56,6 +56,22 @@ def test_every_kind_of_row_maps_to_a_simulated_job():
     predict_row(ddp, work, rig_model(), 32, adam_s=0.5)
     predict_row(zero1, work, rig_model(), 32, adam_s=0.5)
     assert ddp.predicted_s - zero1.predicted_s == pytest.approx(0.25)
+
+
+def test_rows_past_1f1b_cut_four_stages_of_equal_blocks_and_are_simulated():
+    """Two stages per device: embedding + 2 blocks | 2 | 2 | 2 + head for the bench's 8 blocks, so each device
+    holds 4 blocks whichever stages it gets (interleaved: 0 and 2; V: 0 and 3)."""
+    assert bench_cut("1f1b", 10) == bench_cut("zbh1", 10) == bench_cut("single", 10) == bench_cut("ddp", 10) == (5,)
+    assert bench_cut("interleaved", 10) == bench_cut("zbv", 10) == bench_cut("dualpipev", 10) == (3, 5, 7)
+    assert bench_cut("zbv", 6) == (2, 3, 4)
+    light = [1 / 8] + [1] * 8 + [1 / 8]  # embedding and head cost little beside a block
+    work = Workload.from_lists([F * c for c in light], [B * c for c in light], params=[1000] * 10)
+    for strategy in BEYOND_1F1B:
+        r = row(strategy, "processes", 8)
+        sim = predict_row(r, work, rig_model(), 32, bench_cut(strategy, 10))
+        assert simulation_job(r, 32, bench_cut(strategy, 10)).layout.stages == 2 * (1 + (strategy != "zbh1"))
+        assert 0 < r.predicted_s < predict_row(row("1f1b", "processes", 8), work, rig_model(), 32, [5]).step_s
+        assert ("weight" in {e.kind for e in sim.events}) == (strategy != "interleaved")
 
 
 def test_rows_carry_prediction_and_error_and_the_table_flags_misses():
@@ -144,6 +160,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     strategies = {(r["strategy"], r["engine"]) for r in data["rows"]}
     assert {("single", "none"), ("naive", "ours"), ("gpipe", "ours"), ("1f1b", "ours"), ("gpipe", "torch"),
             ("1f1b", "torch"), ("ddp", "torch"), ("zero1", "torch"), ("fsdp2", "torch")} <= strategies
+    assert {(s, e) for s in BEYOND_1F1B for e in ("ours", "torch")} <= strategies
     for r in data["rows"] + data["splits"] + data["checkpointing"]:
         assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
         if r.get("strategy") not in ("ddp", "zero1", "fsdp2"):  # threads, processes, one thread: a drift each
@@ -158,6 +175,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
+    assert {p.with_suffix(".json") for p in pngs} == set(tmp_path.glob("timeline_*.json"))  # Perfetto traces
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
 
 

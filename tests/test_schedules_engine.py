@@ -4,15 +4,19 @@ import pytest
 import torch
 
 from helpers.check import assert_same_grads
-from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan
-from helpers.pipeline.threaded import ThreadedPipeline, split_batch
+from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan, comm_plan, communication_plan
+from helpers.partition import equal_count_split
+from helpers.pipeline.threaded import ThreadedPipeline, split_batch, stage_devices
 from helpers.precision import Precision, max_relative_diff
 from helpers.memory import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
+from helpers.pipeline.schedules import (Schedule, chunks_of, dual_pipe_v, interleaved_1f1b, layout_for, layout_of,
+                                        zero_bubble_h1, zero_bubble_v)
 from helpers.pipeline.stages import split_model
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
+CFG6 = StackConfig(hidden=32, n_blocks=6, heads=2, seq_len=8, vocab=64)  # 8 layers: 4 stages of 2
 CPU2 = [torch.device("cpu")] * 2
 
 
@@ -104,7 +108,10 @@ def test_the_plan_checker_finds_the_old_deadlock_and_misdeliveries():
     crossed = [[Action("F", 0), Action("F", 1), Action("B", 1), Action("B", 0)],
                [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]]
     with pytest.raises(ValueError, match="wrong receive"):
-        check_p2p_plan(crossed)
+        check_exchanges([comm_plan(actions, s, 2) for s, actions in enumerate(crossed)])
+    # posted as soon as they are sent, the receives take the sender's order: stage 0 waits for grad1 in its own buffer
+    early = communication_plan(crossed)
+    assert [str(m) for ex in early[0] for m in ex[1]] == ["grad0@0", "grad1@0"]
 
 
 @pytest.mark.parametrize("precision", [Precision(autocast="bf16"), Precision(dtype="bf16"), Precision(dtype="fp64")],
@@ -129,3 +136,175 @@ def test_stages_of_different_dtypes_are_refused():
     split.stages[1].to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"different dtypes \(stage 0: torch.float32; stage 1: torch.bfloat16\)"):
         ThreadedPipeline(split, "gpipe", 2)
+
+
+# --- past 1F1B: interleaved 1F1B, ZB-H1, ZB-V, DualPipeV --------------------------------------------------------
+
+BEYOND = ("interleaved", "zbh1", "zbv", "dualpipev")
+
+
+def _fits(name: str, p: int, m: int) -> bool:
+    return {"interleaved": m % p == 0, "zbh1": m >= p, "zbv": m >= 2 * p - 1, "dualpipev": m >= 2 * p}[name]
+
+
+@pytest.mark.parametrize("name", BEYOND)
+def test_new_schedules_are_valid_and_safe_on_nccl(name):
+    """Every device runs F and B of every micro-batch on each of its chunks once (W at most once), no dependency
+    cycle, and the communication plan can neither deadlock on NCCL nor misdeliver."""
+    for p in range(1, 5):
+        for m in range(1, 13):
+            if _fits(name, p, m):
+                sched = make_schedule(name, p, m)
+                validate(sched, m)
+                check_p2p_plan(sched)
+                assert len(sched) == p and layout_of(sched).stages == p * chunks_of(name)
+
+
+def test_new_schedules_keep_their_memory_promises():
+    """Micro-batches (per chunk) whose activations a device holds at once: ZB-H1 p on every device (1F1B: p - d),
+    ZB-V 2p chunk-halves (1F1B's first stage), interleaved more during its longer warm-up."""
+    p, m = 4, 8
+    assert [peak_in_flight(a) for a in zero_bubble_h1(p, m)] == [p] * p
+    assert [peak_in_flight(a) for a in zero_bubble_v(p, m)] == [2 * p] * p
+    assert [peak_in_flight(a) for a in interleaved_1f1b(2, 8)] == [5, 3]
+    # the split backward: a W for every B of ZB-H1 and ZB-V; DualPipeV splits only its ramps
+    for name in ("zbh1", "zbv"):
+        sched = make_schedule(name, p, m)
+        assert all(sum(a.kind == "W" for a in actions) == sum(a.kind == "B" for a in actions) for actions in sched)
+    assert [sum(a.kind == "W" for a in actions) for actions in dual_pipe_v(2, 8)] == [3, 2]
+
+
+def test_broken_new_schedules_are_refused():
+    good = zero_bubble_h1(2, 2)
+    w_first = [list(good[0]), [Action("F", 0), Action("W", 0), Action("B", 0), Action("F", 1), Action("B", 1),
+                                Action("W", 1)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        validate(w_first, 2)
+    twice = [list(good[0]), list(good[1]) + [Action("W", 1)]]
+    with pytest.raises(ValueError, match="W at most once"):
+        validate(twice, 2)
+    inter = interleaved_1f1b(2, 2)
+    no_chunk_1 = Schedule([[a for a in actions if a.chunk == 0] for actions in inter], inter.layout)
+    with pytest.raises(ValueError, match="on each of its 2 chunks"):
+        validate(no_chunk_1, 2)
+    assert [str(a) for a in inter[1][2:4]] == ["F0c1", "B0c1"]
+    swapped = Schedule([inter[0], [*inter[1][:2], inter[1][3], inter[1][2], *inter[1][4:]]], inter.layout)
+    with pytest.raises(ValueError, match="deadlocks"):
+        validate(swapped, 2)
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        interleaved_1f1b(2, 3)
+    with pytest.raises(ValueError, match="at least 2 chunks"):
+        interleaved_1f1b(2, 2, chunks=1)
+    with pytest.raises(ValueError, match="2p-1 = 3"):
+        zero_bubble_v(2, 2)
+    with pytest.raises(ValueError, match="2p = 4"):
+        dual_pipe_v(2, 3)
+    with pytest.raises(ValueError, match="m=1 < p=2"):
+        zero_bubble_h1(2, 1)
+
+
+def test_the_v_turns_on_one_device_and_interleaved_needs_early_receives():
+    """ZB-V: device 0 holds stages 0 and 3, device 1 stages 1 and 2, so boundary 1 (stage 1 -> 2) never goes over
+    the wire. Interleaved 1F1B: Megatron's plan (previous sends with the next receives) deadlocks on NCCL, both
+    devices sending while the matching receives wait behind those sends; posted early, the receives are safe.
+    GPipe and 1F1B keep Megatron's plan."""
+    zbv = zero_bubble_v(2, 4)
+    assert [zbv.layout.stages_of(d) for d in range(2)] == [[0, 3], [1, 2]]
+    wire = {m.boundary for plan in communication_plan(zbv) for ex in plan for m in ex[0] + ex[1]}
+    assert wire == {0, 2}
+    inter = interleaved_1f1b(2, 4)
+    with pytest.raises(ValueError, match="deadlocks on NCCL"):
+        check_exchanges([comm_plan(a, d, inter.layout) for d, a in enumerate(inter)], inter.layout)
+    early = communication_plan(inter)
+    assert all(len(ex) == 3 for plan in early for ex in plan)
+    for name in ("gpipe", "1f1b", "zbh1"):
+        sched = make_schedule(name, 3, 6)
+        assert communication_plan(sched) == [comm_plan(a, d, 3) for d, a in enumerate(sched)]
+
+
+@pytest.mark.parametrize("name", BEYOND)
+def test_new_schedules_on_threads_equal_one_device(name):
+    model = build_stack(CFG6)
+    x, y = SyntheticTokens(8, CFG6.seq_len, CFG6.vocab).batch(0, 8)
+    layout = layout_for(name, 2)
+    split = split_model(copy.deepcopy(model), list(equal_count_split(len(model), layout.stages)),
+                        stage_devices(CPU2, layout))
+    pipe = ThreadedPipeline(split, name, 4)
+    loss = pipe.step(x, y)
+    ref = lm_loss(model(x), y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert_same_grads(model, split)
+    events = pipe.events()
+    assert sum(e.kind == "forward" for e in events) == 4 * layout.stages
+    weights = sum(a.kind == "W" for actions in make_schedule(name, 2, 4) for a in actions)
+    assert sum(e.kind == "weight" for e in events) == weights
+    assert {(e.device, e.stage) for e in events if e.kind == "forward"} == \
+        {(layout.device_of(k), k) for k in range(layout.stages)}
+
+
+def test_zero_bubble_holds_the_graph_until_w():
+    """ZB-H1's last stage keeps each micro-batch's graph (its activations) from B until W: two micro-batches at
+    its peak where 1F1B's last stage holds one, measured with the ledger."""
+    model = build_stack(CFG)
+    x, y = SyntheticTokens(16, CFG.seq_len, CFG.vocab).batch(0, 16)
+    peaks = {}
+    for schedule in ("1f1b", "zbh1"):
+        split = split_model(copy.deepcopy(model), 3, CPU2)
+        ledger = ledger_for(split.stages, ["d0", "d1"])
+        ThreadedPipeline(split, schedule, 8, ledger).step(x, y)
+        peaks[schedule] = [ledger.device(d).activations for d in ("d0", "d1")]
+        assert all(ledger.live_activations(d) == 0 for d in ("d0", "d1")), "every graph freed after the step"
+    assert peaks["zbh1"][0] == peaks["1f1b"][0]
+    assert peaks["zbh1"][1] == pytest.approx(2 * peaks["1f1b"][1], rel=0.02)
+
+
+class _SharedWeight(torch.nn.Module):
+    """One linear layer used twice with a nonlinearity between: its weight is behind two forks of the spine."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.lin(torch.tanh(self.lin(x))))
+
+
+@pytest.mark.parametrize("make", [_SharedWeight, lambda: build_stack(CFG)[1:3]], ids=["shared", "blocks"])
+def test_split_backward_is_the_backward_in_two_halves(make):
+    """B gives the input gradient and leaves .grad untouched; W adds exactly what backward() would have."""
+    from helpers.pipeline.split_backward import backward_input
+
+    torch.manual_seed(0)
+    module = make()
+    x = torch.randn(4, CFG.seq_len, 8 if isinstance(module, _SharedWeight) else CFG.hidden)
+    inp = x.clone().requires_grad_()
+    out = module(inp)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    inp2 = x.clone().requires_grad_()
+    got, weights = backward_input(module(inp2), grad, inp2, module.parameters())
+    assert torch.allclose(got, inp.grad, atol=1e-6)
+    assert all(p.grad is None for p in module.parameters())
+    weights.run()
+    assert max((a - p.grad).abs().max().item() for a, p in zip(ref, module.parameters())) < 1e-6
+
+
+def test_a_first_stage_defers_its_whole_backward():
+    """Token ids need no gradient: B computes nothing and W is the whole backward."""
+    from helpers.pipeline.split_backward import backward_input
+
+    stage = build_stack(CFG)[:2]
+    x, _ = SyntheticTokens(2, CFG.seq_len, CFG.vocab).batch(0, 2)
+    out = stage(x)
+    grad = torch.randn_like(out)
+    out.backward(grad, retain_graph=True)
+    ref = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad(set_to_none=True)
+    got, weights = backward_input(out, grad, None, stage.parameters())
+    assert got is None and all(p.grad is None for p in stage.parameters())
+    weights.run()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref, stage.parameters()))

@@ -52,6 +52,45 @@ def test_1f1b_same_time_and_p_minus_s_in_flight(p, m):
     assert all(mem.activations == m * act for mem in gpipe.memory.values())
 
 
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (3, 6), (4, 8)])
+def test_past_1f1b_the_bubbles_shrink_as_the_papers_say(p, m):
+    """Equal stages, free links, F = 1 and B = 2 per stage (a split backward: 1 for the input, 1 for the weights):
+    interleaved 1F1B's bubble is (p-1)/(2m+p-1) (Narayanan et al. 2021), ZB-H1's (p-1)(F+B-W) beside m(F+B+W)
+    (Qi et al. 2024), and the V shapes' smaller still. Memory follows the action lists' peak in flight."""
+    from helpers.pipeline.schedules import make_schedule, peak_in_flight, zero_bubble_h1_fraction
+
+    sims = {}
+    for name in ("1f1b", "interleaved", "zbh1", "zbv", "dualpipev"):
+        v = 2 if name in ("interleaved", "zbv", "dualpipev") else 1
+        work = Workload.from_lists([F / v] * (p * v), [B / v] * (p * v), params=[1] * (p * v),
+                                   activations=[1024.0 / v] * (p * v))
+        sims[name] = simulate(work, Job(name, batch=m, microbatches=m, stages=p))
+        actions = make_schedule(name, p, m)
+        assert sims[name].in_flight == {d: peak_in_flight(a) for d, a in enumerate(actions)}
+        assert {d: mem.activations for d, mem in sims[name].memory.items()} == \
+            {d: peak_in_flight(a) * 1024.0 / v for d, a in enumerate(actions)}
+    assert sims["1f1b"].bubble == pytest.approx(bubble_fraction(p, m))
+    assert sims["interleaved"].bubble == pytest.approx(bubble_fraction(p, m, chunks=2))
+    assert sims["zbh1"].bubble == pytest.approx(zero_bubble_h1_fraction(p, m, F, B / 2, B / 2))
+    assert sims["zbv"].step_s < sims["zbh1"].step_s < sims["interleaved"].step_s < sims["1f1b"].step_s
+    assert sims["dualpipev"].step_s == sims["zbv"].step_s
+    assert {e.kind for e in sims["zbh1"].events} == {"forward", "backward", "weight"}
+
+
+def test_the_first_stage_defers_its_whole_backward_and_local_messages_are_free():
+    """The first stage's input (token ids) needs no gradient: its B is empty and its W the whole backward. In the V
+    the message from stage 1 to stage 2 stays on device 1: with a slow link, only boundaries 0 and 2 cost."""
+    work = Workload.from_lists([F] * 4, [B] * 4, params=[1] * 4, output=[1.0] * 4)
+    sim = simulate(work, Job("zbv", batch=4, microbatches=4, stages=2))
+    assert not [e for e in sim.events if e.stage == 0 and e.kind == "backward"]  # empty tasks are left out
+    assert {e.duration for e in sim.events if e.kind == "weight" and e.stage == 0} == {B}
+    assert {e.duration for e in sim.events if e.kind == "weight" and e.stage != 0} == {B / 2}
+    slow = Link(latency_s=0.0, bandwidth=1.0)  # one second per byte
+    sends = [e for e in simulate(work, Job("zbv", batch=4, microbatches=4, stages=2), slow).events
+             if e.kind == "send"]
+    assert len(sends) == 2 * 4 * 2  # boundaries 0 and 2, each way, each micro-batch
+
+
 def test_naive_two_stages_is_twice_one_stage():
     sim = simulate(equal_stages(2), Job("naive", batch=1))
     assert sim.step_s == 2 * (F + B)

@@ -2,6 +2,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pytest  # noqa: E402
+
 from helpers.runtime import workers  # noqa: E402
 from helpers.runtime.launch import run  # noqa: E402
 from helpers.runtime.rig import cpu_rig  # noqa: E402
@@ -44,3 +46,30 @@ def test_concurrent_time_sees_only_overlap_across_devices():
     assert concurrent_time(overlapping) == 1.0  # only [1, 2]: sends are not compute
     fig = plot_timelines({"a": sequential, "b": overlapping})
     assert len(fig.axes) == 2
+
+
+def test_chrome_trace_is_the_events_in_microseconds(tmp_path):
+    """The JSON torch.profiler's export_chrome_trace writes: one complete ("X") event per span, ts and dur in
+    microseconds from the first span, one process per device; the bench writes one beside each PNG and the
+    simulator's timelines go through the same function."""
+    import json
+
+    from helpers.simulate import Job, Workload, simulate
+    from helpers.timeline import chrome_trace
+
+    events = [Event(1, "forward", 10.0, 10.5, 0, 1), Event(0, "weight", 10.25, 11.0, 3, 2),
+              Event(0, "recv", 11.0, 11.125)]
+    path = tmp_path / "trace.json"
+    chrome_trace(events, path, {0: "cuda:0"})
+    trace = json.loads(path.read_text())["traceEvents"]
+    spans = [t for t in trace if t["ph"] == "X"]
+    assert len(spans) == len(events)
+    for e in events:
+        t = next(t for t in spans if t["pid"] == e.device and t["cat"] == e.kind)
+        assert t["ts"] == pytest.approx((e.start - 10.0) * 1e6) and t["dur"] == pytest.approx(e.duration * 1e6)
+        assert t["args"] == {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage)) if v is not None}
+    assert {t["args"]["name"] for t in trace if t["ph"] == "M"} == {"cuda:0", "device 1"}
+    sim = simulate(Workload.from_lists([1.0] * 4, [2.0] * 4), Job("zbv", batch=4, microbatches=4, stages=2))
+    simulated = [t for t in sim.trace(tmp_path / "sim.json")["traceEvents"] if t["ph"] == "X"]
+    assert len(simulated) == len(sim.events) and {t["cat"] for t in simulated} == {"forward", "backward", "weight"}
+    assert json.loads((tmp_path / "sim.json").read_text())["traceEvents"][-1] == simulated[-1]

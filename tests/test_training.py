@@ -53,6 +53,39 @@ def test_pipelines_equal_one_device(kw, reference):
 
 
 @FULL
+@pytest.mark.parametrize("engine", ["ours", "torch"])
+@pytest.mark.parametrize("schedule", ["interleaved", "zbh1", "zbv", "dualpipev"])
+def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
+    """Two stages per device (interleaved, the V shapes: four stages of one block stack) or a split backward (ZB-H1,
+    ZB-V, DualPipeV's ramps), ours and torch.distributed.pipelining's, one process per device: one device's loss and
+    gradients; the weight passes on the timeline."""
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, pp=2, schedule=schedule, microbatches=4, batch=BATCH, steps=1, engine=engine,
+                                return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5
+    assert max_grad_diff(grads, res.grads) <= 1e-5
+    chunks = 1 if schedule == "zbh1" else 2
+    assert sum(e.kind == "forward" for e in res.events) == 2 * chunks * 4
+    assert {e.stage for e in res.events if e.kind == "forward"} == set(range(2 * chunks))
+    assert (schedule == "interleaved") == (not any(e.kind == "weight" for e in res.events))
+
+
+@FULL
+def test_jobs_launched_together_equal_one_device(reference):
+    """`run_trainings`: several jobs on the same two ranks, one after the other (one start-up for a comparison)."""
+    from helpers.training.loop import run_trainings
+
+    loss, grads, _ = reference
+    jobs = [TrainJob(CFG, pp=2, schedule=s, microbatches=4, batch=BATCH, steps=1, engine=e, return_grads=True)
+            for s, e in (("1f1b", "ours"), ("zbv", "torch"))]
+    results = run_trainings(jobs, cpu_rig())
+    assert [r.loss for r in results] == pytest.approx([loss, loss], abs=1e-5)
+    assert all(max_grad_diff(grads, r.grads) <= 1e-5 for r in results)
+    with pytest.raises(ValueError, match="one world size"):
+        run_trainings([jobs[0], TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH)], cpu_rig())
+
+
+@FULL
 def test_three_stages_on_two_cores_with_oversubscribe(reference):
     loss, grads, _ = reference
     job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, steps=1,

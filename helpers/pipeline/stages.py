@@ -19,6 +19,7 @@ from torch import nn
 
 from helpers.models.data import kept_tokens, lm_loss_sum
 from helpers.models.layered import Stage
+from helpers.pipeline.split_backward import WeightGradients, backward_input
 from helpers.precision import Precision
 from helpers.timeline import Recorder
 
@@ -143,7 +144,9 @@ class StageExecutor:
     """Runs one stage: forward on a cut input, backward from the gradient of its output.
 
     Used by the naive step below and by every pipeline engine, so every strategy shares one mechanism. The last
-    stage (`computes_loss=True`) returns its micro-batch's share of the global loss.
+    stage (`computes_loss=True`) returns its micro-batch's share of the global loss. Zero-bubble schedules split a
+    backward in two (`backward(..., weights_later=True)`, then `backward_weights`); the spans of the weight half
+    are recorded as `weight`. Spans carry the stage's index (a device may run several stages).
     """
 
     def __init__(self, stage: nn.Module, device: torch.device, index: int, recorder: Recorder | None = None,
@@ -153,6 +156,7 @@ class StageExecutor:
         self.track = track  # e.g. lambda: ledger.track_activations(label), entered around each forward
         self.computes_loss = computes_loss
         self.saved: dict[int, StageStep] = {}
+        self.deferred: dict[int, WeightGradients] = {}  # micro-batch -> weight gradients still to compute
 
     def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None, ctx: object | None = None,
                 normalizer: float = 1.0) -> torch.Tensor:
@@ -161,7 +165,7 @@ class StageExecutor:
         x = x.to(self.device)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
-        with self.recorder.span("forward", mb), (self.track() if self.track else nullcontext()), \
+        with self.recorder.span("forward", mb, self.index), (self.track() if self.track else nullcontext()), \
                 self.precision.context(self.device):
             out = self.stage(x, ctx) if ctx is not None else self.stage(x)
             if self.computes_loss:
@@ -169,16 +173,31 @@ class StageExecutor:
         self.saved[mb] = StageStep(x, out)
         return out
 
-    def backward(self, mb: int, grad: torch.Tensor | None, loss_scale: float = 1.0) -> torch.Tensor | None:
+    def backward(self, mb: int, grad: torch.Tensor | None, loss_scale: float = 1.0,
+                 weights_later: bool = False) -> torch.Tensor | None:
         """Backward of micro-batch `mb`; `grad is None` means this stage's output is the loss (scaled by
-        `loss_scale`, e.g. a gradient scaler's factor)."""
+        `loss_scale`, e.g. a gradient scaler's factor). With `weights_later`, only the input's gradient now (the
+        graph, and its activations, kept); `backward_weights(mb)` adds the weights' gradients later."""
         step = self.saved.pop(mb)
-        with self.recorder.span("backward", mb):
+        with self.recorder.span("backward", mb, self.index):
+            if weights_later:
+                seed = grad.to(self.device) if grad is not None else \
+                    torch.full_like(step.out, loss_scale, device=self.device)
+                inp = step.inp if step.inp.requires_grad else None
+                inp_grad, self.deferred[mb] = backward_input(step.out, seed, inp, self.stage.parameters())
+                return inp_grad
             if grad is None:
                 (step.out * loss_scale).backward()
             else:
                 step.out.backward(grad.to(self.device))
         return step.inp.grad if step.inp.requires_grad else None
+
+    def backward_weights(self, mb: int) -> None:
+        """The weight gradients of micro-batch `mb`, whose input gradient `backward(..., weights_later=True)`
+        computed; then its graph and activations go."""
+        deferred = self.deferred.pop(mb)
+        with self.recorder.span("weight", mb, self.index):
+            deferred.run()
 
 
 def make_executors(model: SplitModel, recorders: Sequence[Recorder] | None = None,

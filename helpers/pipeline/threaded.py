@@ -17,8 +17,8 @@ from helpers.memory import MemoryLedger
 from helpers.models.data import kept_tokens
 from helpers.models.layered import with_seed
 from helpers.pipeline.comm import CopyStreams, Wire
-from helpers.pipeline.interpreter import MicroBatch, check_p2p_plan, run_stage
-from helpers.pipeline.schedules import Schedule, make_schedule, validate
+from helpers.pipeline.interpreter import Exchange, MicroBatch, communication_plan, run_stage
+from helpers.pipeline.schedules import Layout, chunks_of, layout_of, make_schedule, validate
 from helpers.pipeline.stages import SplitModel, StageExecutor, make_executors
 from helpers.pipeline.transports import Mailboxes, MailboxTransport, PipelineAborted
 from helpers.precision import Precision
@@ -36,9 +36,16 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list[torch.Te
     return list(x.chunk(m)), list(y.chunk(m))
 
 
-def _compute_streams(executors: Sequence[StageExecutor]) -> list:
-    """One CUDA stream per stage (None on CPU)."""
-    return [torch.cuda.Stream(ex.device) if ex.device.type == "cuda" else None for ex in executors]
+def _compute_streams(devices: Sequence[torch.device]) -> list:
+    """One CUDA stream per device (None on CPU)."""
+    return [torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices]
+
+
+def stage_devices(devices: Sequence[torch.device], layout: Layout) -> list[torch.device]:
+    """The device of each stage of `layout` (what `split_model` takes when a device holds several stages)."""
+    if len(devices) < layout.devices:
+        raise ValueError(f"the schedule runs on {layout.devices} devices but {len(devices)} were given")
+    return [devices[layout.device_of(k)] for k in range(layout.stages)]
 
 
 def check_one_dtype(split: SplitModel) -> torch.dtype:
@@ -52,31 +59,37 @@ def check_one_dtype(split: SplitModel) -> torch.dtype:
     return next((p.dtype for p in split.parameters() if p.is_floating_point()), torch.float32)
 
 
-def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, microbatches: Sequence[MicroBatch],
+def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence], microbatches: Sequence[MicroBatch],
                  normalizer: float, wire: Wire = Wire(), timeout_s: float = 300.0,
-                 streams: tuple[list, CopyStreams] | None = None, loss_scale: float = 1.0) -> torch.Tensor:
-    """Run the action lists with one thread per stage; return the loss of the global batch."""
-    p, m = len(executors), len(microbatches)
-    if len(schedule) != p:
-        raise ValueError(f"the schedule has {len(schedule)} stages but there are {p} stage executors")
+                 streams: tuple[list, CopyStreams] | None = None, loss_scale: float = 1.0,
+                 plan: list[list[Exchange]] | None = None) -> torch.Tensor:
+    """Run the action lists with one thread per device (holding one executor per stage of the schedule's layout);
+    return the loss of the global batch. `plan`: the schedule's `communication_plan`, if already made."""
+    layout, m = layout_of(schedule), len(microbatches)
+    p = layout.devices
+    if len(executors) != layout.stages:
+        raise ValueError(f"the schedule has {layout.stages} stages but there are {len(executors)} stage executors")
     validate(schedule, m)
+    plan = plan or communication_plan(schedule)
     boxes = Mailboxes(p)
     compute, copies = streams or ([None] * p, None)
     losses: list[torch.Tensor] = []
     errors: list[tuple[int, BaseException]] = []
-    devices = [ex.device for ex in executors]
+    mine = [[executors[k] for k in layout.stages_of(d)] for d in range(p)]
+    devices = [chunks[0].device for chunks in mine]
 
     def worker(s: int) -> None:
-        ex = executors[s]
-        transport = MailboxTransport(s, boxes, devices, wire, ex.recorder, copies, timeout_s)
+        ex = mine[s]
+        transport = MailboxTransport(s, boxes, devices, wire, ex[0].recorder, copies, timeout_s, layout)
         try:
             if compute[s] is not None:
-                torch.cuda.set_device(ex.device)
-                compute[s].wait_stream(torch.cuda.current_stream(ex.device))  # inputs and zeroed grads exist
+                torch.cuda.set_device(devices[s])
+                compute[s].wait_stream(torch.cuda.current_stream(devices[s]))  # inputs and zeroed grads exist
                 with torch.cuda.stream(compute[s]):
-                    loss = run_stage(ex, schedule[s], transport, microbatches, p, normalizer, loss_scale)
+                    loss = run_stage(ex, schedule[s], transport, microbatches, layout, normalizer, loss_scale,
+                                     plan[s])
             else:
-                loss = run_stage(ex, schedule[s], transport, microbatches, p, normalizer, loss_scale)
+                loss = run_stage(ex, schedule[s], transport, microbatches, layout, normalizer, loss_scale, plan[s])
             if loss is not None:
                 losses.append(loss)
         except PipelineAborted:
@@ -93,9 +106,9 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Schedule, microba
     if errors:
         s, exc = errors[0]
         raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
-    for ex, stream in zip(executors, compute):
+    for device, stream in zip(devices, compute):
         if stream is not None:  # the caller's stream (optimizer step, next zero_grad) waits for the stages
-            torch.cuda.current_stream(ex.device).wait_stream(stream)
+            torch.cuda.current_stream(device).wait_stream(stream)
     return losses[0]
 
 
@@ -104,6 +117,10 @@ class ThreadedPipeline:
 
     `context` computes what every stage needs besides the hidden state for a micro-batch (masks and positions of a
     Hugging Face model: `HFModel.context` or `hf_layers(model).context`); the block stack needs none.
+
+    Schedules that put several stages on a device (interleaved, zbv: `chunks_of(schedule)` stages each) take a
+    split of devices x chunks stages, stage k on `stage_devices(devices, layout)[k]`; `ledger` then has one label
+    per device.
     """
 
     def __init__(self, split: SplitModel, schedule: str = "gpipe", microbatches: int = 4,
@@ -112,14 +129,25 @@ class ThreadedPipeline:
         self.split, self.schedule_name, self.m, self.context = split, schedule, microbatches, context
         dtype = check_one_dtype(split)
         self.wire = wire if isinstance(wire, Wire) else Wire.of(wire, compute=dtype)  # refuses unsendable dtypes
-        p = len(split.stages)
-        self.schedule = make_schedule(schedule, p, microbatches)  # refuses m < p for 1F1B, before any thread
-        check_p2p_plan(self.schedule)
-        self.recorders = [Recorder(i, d) for i, d in enumerate(split.devices)]
-        self.executors = make_executors(split, self.recorders, ledger.trackers() if ledger else None, precision)
+        stages, chunks = len(split.stages), chunks_of(schedule)
+        if stages % chunks:
+            raise ValueError(f"{schedule} runs {chunks} stages per device: split the model into a multiple of {chunks} "
+                             f"stages (devices x {chunks}), not {stages}")
+        self.schedule = make_schedule(schedule, stages // chunks, microbatches)  # refuses m < p for 1F1B, ...
+        self.plan = communication_plan(self.schedule)  # proven safe on NCCL, or refused
+        layout = layout_of(self.schedule)
+        devices = [split.devices[layout.stage(d)] for d in range(layout.devices)]
+        if [devices[layout.device_of(k)] for k in range(stages)] != list(split.devices):
+            raise ValueError(f"{schedule} runs stages 0..{stages - 1} on devices "
+                             f"{[layout.device_of(k) for k in range(stages)]}: split the model over "
+                             "helpers.pipeline.threaded.stage_devices(devices, layout)")
+        self.recorders = [Recorder(i, d) for i, d in enumerate(devices)]
+        tracks = [ledger.trackers()[layout.device_of(k)] for k in range(stages)] if ledger else None
+        self.executors = make_executors(split, [self.recorders[layout.device_of(k)] for k in range(stages)], tracks,
+                                        precision)
         self.streams = None
-        if any(d.type == "cuda" for d in split.devices):
-            self.streams = (_compute_streams(self.executors), CopyStreams())
+        if any(d.type == "cuda" for d in devices):
+            self.streams = (_compute_streams(devices), CopyStreams())
 
     def microbatches(self, x: torch.Tensor, y: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      seeds: Sequence[int] | None = None) -> list[MicroBatch]:
@@ -139,7 +167,7 @@ class ThreadedPipeline:
         one dropout seed per micro-batch (models with dropout)."""
         mbs = self.microbatches(x, y, attention_mask, seeds)
         loss = run_schedule(self.executors, self.schedule, mbs, kept_tokens(y), self.wire, streams=self.streams,
-                            loss_scale=loss_scale)
+                            loss_scale=loss_scale, plan=self.plan)
         self.split.sync_tied_grads()
         return loss
 

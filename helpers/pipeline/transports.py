@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from helpers.pipeline.comm import CopyStreams, Transfer, Wire, send_to
 from helpers.pipeline.interpreter import Message
+from helpers.pipeline.schedules import Layout
 from helpers.runtime.strict import plain_backend
 from helpers.timeline import Recorder
 
@@ -24,26 +25,26 @@ class PipelineAborted(RuntimeError):
 
 
 class Mailbox:
-    """Transfers addressed by micro-batch, handed from one stage thread to another."""
+    """Transfers addressed by message (kind, micro-batch, boundary), handed from one device's thread to another."""
 
     def __init__(self, abort: threading.Event):
-        self._items: dict[int, Transfer] = {}
+        self._items: dict[Message, Transfer] = {}
         self._cond = threading.Condition()
         self._abort = abort
 
-    def put(self, mb: int, item: Transfer) -> None:
+    def put(self, msg: Message, item: Transfer) -> None:
         with self._cond:
-            self._items[mb] = item
+            self._items[msg] = item
             self._cond.notify_all()
 
-    def get(self, mb: int, timeout_s: float) -> Transfer:
+    def get(self, msg: Message, timeout_s: float) -> Transfer:
         with self._cond:
-            ok = self._cond.wait_for(lambda: mb in self._items or self._abort.is_set(), timeout_s)
+            ok = self._cond.wait_for(lambda: msg in self._items or self._abort.is_set(), timeout_s)
             if self._abort.is_set():
                 raise PipelineAborted("another stage failed")
             if not ok:
-                raise TimeoutError(f"waited {timeout_s:.0f} s for micro-batch {mb}")
-            return self._items.pop(mb)
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {msg}")
+            return self._items.pop(msg)
 
     def wake(self) -> None:
         with self._cond:
@@ -51,11 +52,11 @@ class Mailbox:
 
 
 class Mailboxes:
-    """Every stage's incoming activations and gradients, and the flag that stops all waits when a stage fails."""
+    """Every device's incoming activations and gradients, and the flag that stops all waits when a stage fails."""
 
     def __init__(self, p: int):
         self.abort = threading.Event()
-        self.boxes = {(s, kind): Mailbox(self.abort) for s in range(p) for kind in ("act", "grad")}
+        self.boxes = {d: Mailbox(self.abort) for d in range(p)}
 
     def fail(self) -> None:
         self.abort.set()
@@ -67,20 +68,24 @@ class MailboxTransport:
     """Threads in one process: sends are non-blocking puts, receives wait on the mailbox (recorded as `recv`)."""
 
     def __init__(self, stage: int, boxes: Mailboxes, devices: Sequence[torch.device], wire: Wire,
-                 recorder: Recorder, streams: CopyStreams | None, timeout_s: float):
+                 recorder: Recorder, streams: CopyStreams | None, timeout_s: float, layout: Layout | None = None):
         self.stage, self.boxes, self.devices, self.wire = stage, boxes, devices, wire
         self.rec, self.streams, self.timeout_s = recorder, streams, timeout_s
+        self.layout = layout  # which device holds each stage (None: one stage per device)
 
-    def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> list[torch.Tensor]:
+    def post(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> None:
+        """Sends are puts into the receiver's mailbox; a receive needs no posting (`receive` waits on the mailbox)."""
         for msg, t in sends:
-            dst = msg.peer(self.stage, sending=True)
+            dst = msg.peer(self.stage, True, self.layout)
             transfer = send_to(self.wire.pack(t), self.devices[dst], self.streams)
             transfer.dtype = t.dtype  # in one process the receiver restores exactly what the sender computed
-            self.boxes.boxes[(dst, msg.kind)].put(msg.microbatch, transfer)
+            self.boxes.boxes[dst].put(msg, transfer)
+
+    def receive(self, messages: list[Message]) -> list[torch.Tensor]:
         out = []
-        for msg in recvs:
+        for msg in messages:
             with self.rec.span("recv", msg.microbatch):
-                transfer = self.boxes.boxes[(self.stage, msg.kind)].get(msg.microbatch, self.timeout_s)
+                transfer = self.boxes.boxes[self.stage].get(msg, self.timeout_s)
                 arrived = transfer.get()
             out.append(self.wire.unpack(arrived, transfer.dtype))
         return out
@@ -90,9 +95,11 @@ class MailboxTransport:
 
 
 class P2PTransport:
-    """Processes: each exchange is one `batch_isend_irecv` on the pipeline group `group`, whose rank i is stage i.
+    """Processes: each exchange is one `batch_isend_irecv` on the pipeline group `group`, whose rank i is device i
+    (holding the stages `layout` gives it; None: stage i). A receive is waited for when its tensor is asked for,
+    which may be after later exchanges were posted (plans that post receives early).
 
-    `shapes[kind]` is the shape of an incoming `act` (this stage's input) or `grad` (its output), and `wire.compute`
+    `shapes[b]` is the shape of what crosses boundary b (an activation forward, its gradient back), and `wire.compute`
     the dtype planned for the boundary (from the meta-device forward); a stage whose output has another dtype (an
     unexpected autocast result, say) is stopped with the reason, never rounded silently. Gloo carries CPU tensors
     only, so with gloo (the CPU rig, and two ranks sharing one GPU) messages are staged through host memory.
@@ -100,12 +107,13 @@ class P2PTransport:
     baseline that notebook 04 compares with.
     """
 
-    def __init__(self, group, stage: int, shapes: dict[str, tuple], wire: Wire, device: torch.device,
-                 recorder: Recorder, overlap: bool = True):
+    def __init__(self, group, stage: int, shapes: dict[int, tuple], wire: Wire, device: torch.device,
+                 recorder: Recorder, overlap: bool = True, layout: Layout | None = None):
         self.group, self.stage, self.shapes, self.wire = group, stage, shapes, wire
-        self.device, self.rec, self.overlap = device, recorder, overlap
+        self.device, self.rec, self.overlap, self.layout = device, recorder, overlap, layout
         self.wire_device = torch.device("cpu") if plain_backend(group) == "gloo" else device
         self.in_flight: list[tuple[torch.Tensor, object]] = []  # (tensor, work): kept alive until sent
+        self.posted: dict[Message, tuple[torch.Tensor, object]] = {}  # receives posted: (buffer, work)
 
     def _ops(self, sends, recvs) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
         ops, data, bufs = [], [], []
@@ -115,26 +123,24 @@ class P2PTransport:
                                  f"as {self.wire.compute} (from the model's dtype): every stage must compute in one "
                                  "dtype; give the model one dtype, or set the wire dtype explicitly")
             d = self.wire.pack(t.detach()).to(self.wire_device).contiguous()
-            ops.append(dist.P2POp(dist.isend, d, group=self.group, group_peer=msg.peer(self.stage, True)))
+            ops.append(dist.P2POp(dist.isend, d, group=self.group, group_peer=msg.peer(self.stage, True, self.layout)))
             data.append(d)
         for msg in recvs:
-            b = torch.empty(self.shapes[msg.kind], dtype=self.wire.carried, device=self.wire_device)
-            ops.append(dist.P2POp(dist.irecv, b, group=self.group, group_peer=msg.peer(self.stage, False)))
+            b = torch.empty(self.shapes[msg.boundary], dtype=self.wire.carried, device=self.wire_device)
+            ops.append(dist.P2POp(dist.irecv, b, group=self.group, group_peer=msg.peer(self.stage, False, self.layout)))
             bufs.append(b)
         return ops, data, bufs
 
-    def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> list[torch.Tensor]:
+    def post(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> None:
         ops, data, bufs = self._ops(sends, recvs)
         works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):  # one work per operation (gloo): wait for the receives only
+        if len(works) == len(ops):  # one work per operation (gloo): a receive waits for its own
             send_works, recv_works = works[:len(data)], works[len(data):]
         else:  # NCCL coalesces the batch into one work: waiting on it is a stream wait, not a host wait
-            send_works, recv_works = ([], works) if recvs else (works, [])
-        if recv_works:
-            mb = recvs[0].microbatch
-            with self.rec.span("recv", mb):
-                for w in recv_works:
-                    w.wait()
+            send_works, recv_works = ([], works * len(recvs)) if recvs else (works, [])
+            if recvs:  # the sent tensors live until the batch is done
+                self.in_flight.extend((data, w) for w in works)
+        self.posted.update({m: (b, w) for m, b, w in zip(recvs, bufs, recv_works)})
         pending = list(zip(data, send_works)) if len(send_works) == len(data) else [(data, w) for w in send_works]
         if self.overlap:
             self.in_flight.extend(pending)
@@ -142,7 +148,13 @@ class P2PTransport:
             with self.rec.span("send", sends[0][0].microbatch):
                 for _, w in pending:
                     w.wait()
-        return [self.wire.unpack(b.to(self.device, non_blocking=False)) for b in bufs]
+
+    def receive(self, messages: list[Message]) -> list[torch.Tensor]:
+        got = [self.posted.pop(m) for m in messages]
+        with self.rec.span("recv", messages[0].microbatch):
+            for _, w in got:
+                w.wait()
+        return [self.wire.unpack(b.to(self.device, non_blocking=False)) for b, _ in got]
 
     def flush(self) -> None:
         for _, work in self.in_flight:

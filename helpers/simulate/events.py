@@ -30,6 +30,7 @@ class Task:
     kind: str
     devices: tuple[int, ...]  # rows of the timeline that show this task
     microbatch: int | None
+    stage: int | None = None  # the pipeline stage it belongs to, where a device holds several
     start: float = math.nan
     end: float = math.nan
 
@@ -40,7 +41,8 @@ class TaskGraph:
     _last_on_stream: dict[Hashable, int] = field(default_factory=dict)
 
     def add(self, duration: float, streams: Iterable[Hashable], kind: str, devices: Iterable[int],
-            after: Iterable[int | None] = (), links: Iterable[Hashable] = (), microbatch: int | None = None) -> int:
+            after: Iterable[int | None] = (), links: Iterable[Hashable] = (), microbatch: int | None = None,
+            stage: int | None = None) -> int:
         """Add a task after everything already on its streams and after `after` (None entries are ignored);
         returns its id."""
         if not (duration >= 0 and math.isfinite(duration)):
@@ -52,7 +54,7 @@ class TaskGraph:
         if any(not 0 <= d < task_id for d in deps):
             raise ValueError(f"a {kind} task can only wait for tasks added before it")
         self.tasks.append(Task(float(duration), streams, tuple(links), tuple(sorted(deps)), kind, tuple(devices),
-                               microbatch))
+                               microbatch, stage))
         for s in streams:
             self._last_on_stream[s] = task_id
         return task_id
@@ -167,6 +169,6 @@ class TaskGraph:
 
     def events(self) -> list[Event]:
         """The timeline in `helpers.timeline`'s format: one event per task and device, empty tasks left out."""
-        return sorted((Event(d, t.kind, t.start, t.end, t.microbatch)
+        return sorted((Event(d, t.kind, t.start, t.end, t.microbatch, t.stage)
                        for t in self.tasks if t.duration > 0 for d in t.devices),
                       key=lambda e: (e.device, e.start, e.end))

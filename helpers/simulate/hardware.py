@@ -112,7 +112,7 @@ def collective_s(collectives: "Link | Collectives", kind: str, nbytes: float, de
     return ring[kind](collectives, nbytes, devices)
 
 
-COMPUTE_TASKS = frozenset({"forward", "backward", "recompute", "optimizer"})
+COMPUTE_TASKS = frozenset({"forward", "backward", "recompute", "optimizer", "weight"})
 COLLECTIVES = frozenset({"allreduce", "allgather", "reducescatter", "broadcast"})
 
 

@@ -1,7 +1,10 @@
 """Every way the course trains on several devices, as a task graph for the discrete-event core.
 
-Pipelines execute the engines' own action lists (`helpers.pipeline.schedules`), in the order each stage runs them,
-waiting where `dependencies` says. Data parallelism follows PyTorch's engines:
+Pipelines execute the engines' own action lists (`helpers.pipeline.schedules`), in the order each device runs them,
+waiting where `dependencies` says; a device holding several stages (interleaved, ZB-V) runs each action with its
+stage's layers, and messages between two stages of one device cost nothing. A split backward (ZB-H1, ZB-V) is a B of
+the input-gradient part (`LayerCost.weight_s` aside; on the first stage, whose input needs no gradient, nothing)
+and a W of the weight part, which frees the micro-batch's activations. Data parallelism follows PyTorch's engines:
 - DDP: gradient accumulation with `no_sync` (no communication until the last micro-batch); in its backward,
   gradients fill buckets in the order they become ready, i.e. reverse layer order (the first bucket 1 MiB, then
   25 MiB: `_DEFAULT_FIRST_BUCKET_BYTES` and `bucket_cap_mb` in torch/nn/parallel/distributed.py; `rebuild_buckets`
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 
 from helpers.memory import DeviceMemory, fmt_bytes
 from helpers.partition import optimal_split
-from helpers.pipeline.schedules import Action, dependencies, make_schedule
+from helpers.pipeline.schedules import (SCHEDULES, Action, dependencies, layout_for, layout_of, make_schedule,
+                                       split_backwards)
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
 from helpers.simulate.workload import Workload
@@ -41,12 +45,16 @@ STRATEGIES = {
     "naive": "naive split (GPipe with one micro-batch)",
     "gpipe": "GPipe pipeline",
     "1f1b": "1F1B pipeline",
+    "interleaved": "interleaved 1F1B pipeline",
+    "zbh1": "ZB-H1 pipeline",
+    "zbv": "ZB-V pipeline",
+    "dualpipev": "DualPipeV pipeline",
     "ddp": "DDP",
     "zero1": "ZeRO-1",
     "fsdp2": "FSDP2 (ZeRO-3)",
     "dp_x_pp": "DP x PP",
 }
-PIPELINES = ("naive", "gpipe", "1f1b")
+PIPELINES = ("naive", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
 DATA_PARALLEL = ("ddp", "zero1", "fsdp2")
 
 
@@ -58,11 +66,11 @@ class Job:
     strategy: str
     batch: int
     microbatches: int = 1
-    stages: int = 2  # pipeline stages (naive, gpipe, 1f1b, dp_x_pp)
+    stages: int = 2  # pipeline devices (naive, gpipe, 1f1b, ..., dp_x_pp); interleaved and zbv run 2 stages on each
     replicas: int = 2  # data-parallel replicas (ddp, zero1, fsdp2, dp_x_pp)
     checkpoint: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the layers to recompute
     schedule: str = "1f1b"  # the pipeline schedule inside dp_x_pp
-    cut: tuple[int, ...] | None = None  # first layer of each stage after the first; default: time-balanced
+    cut: tuple[int, ...] | None = None  # first layer of each model stage after the first; default: time-balanced
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     reshard_after_forward: bool = True
@@ -113,7 +121,8 @@ class Job:
     def label(self) -> str:
         parts = [STRATEGIES[self.strategy]]
         if self.strategy in PIPELINES:
-            parts.append(f"{self.stages} stages")
+            chunks = self.layout.chunks
+            parts.append(f"{self.stages} stages" if chunks == 1 else f"{self.stages} devices x {chunks} stages")
         if self.strategy == "dp_x_pp":
             parts.append(f"{self.replicas} x {self.stages}, {self.schedule}")
         if self.microbatches > 1:
@@ -123,6 +132,12 @@ class Job:
         elif self.checkpoint:
             parts.append(f"checkpointing {len(self.checkpoint)} layers")
         return ", ".join(parts)
+
+    @property
+    def layout(self):
+        """Which device holds each model stage of the pipeline (`helpers.pipeline.schedules.Layout`)."""
+        name = self.schedule if self.strategy == "dp_x_pp" else self.strategy
+        return layout_for(name if name in SCHEDULES else "gpipe", self.stages)
 
     def checkpoints(self, layer: int) -> bool:
         """Whether `layer` recomputes its activations in backward."""
@@ -158,6 +173,13 @@ class Simulation:
         busy = ", ".join(f"{b:.0%}" for b in self.busy.values())
         return (f"{self.job.label()}: step {self.step_s * 1e3:.1f} ms, {self.samples_per_s:.3g} samples/s, "
                 f"busy {busy}, bubble {self.bubble:.0%}, peak memory {fmt_bytes(self.peak_bytes)} per device")
+
+    def trace(self, path=None) -> dict:
+        """The simulated timeline as a Chrome / Perfetto trace, written to `path` if given: the same function as
+        measured timelines (`helpers.timeline.chrome_trace`)."""
+        from helpers.timeline import chrome_trace
+
+        return chrome_trace(self.events, path)
 
     def plot(self, ax=None, title: str | None = None):
         """The simulated timeline, drawn by the same function as measured ones."""
@@ -227,20 +249,40 @@ class _Builder:
         return int(self._sum(a, b, "params"))
 
     # --- tasks --------------------------------------------------------------------------------------------------
-    def forward(self, dev: int, a: int, b: int, mb: int, after) -> int:
-        self.traces[dev].forward(self.held(a, b), mb)
+    def forward(self, dev: int, a: int, b: int, mb: int, after, stage: int | None = None) -> int:
+        """Forward of layers [a, b) (pipeline `stage`: the device's trace counts each stage's micro-batches)."""
+        self.traces[dev].forward(self.held(a, b), mb if stage is None else (stage, mb))
         return self.graph.add(self.size * self._sum(a, b, "forward_s"), [("compute", dev)], "forward", [dev],
-                              after, microbatch=mb)
+                              after, microbatch=mb, stage=stage)
 
-    def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True, extra_s: float = 0.0) -> int:
+    def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True, extra_s: float = 0.0,
+                 stage: int | None = None, weights_later: bool = False) -> int:
         """Backward of layers [a, b) (recompute first with checkpointing), plus `extra_s` of work the engine does
-        inline (DDP's bucket copies); `last` when it frees the micro-batch."""
-        self.traces[dev].backward(self.held(a, b), self.transient(a, b), mb, last)
+        inline (DDP's bucket copies); `last` when it frees the micro-batch. With `weights_later`, only the
+        input-gradient part, and the activations stay for `backward_weights`."""
+        trace = self.traces[dev]
+        if weights_later:
+            trace.peak = max(trace.peak, trace.alive + self.transient(a, b))
+        else:
+            trace.backward(self.held(a, b), self.transient(a, b), mb if stage is None else (stage, mb), last)
         recompute = self.recompute_s(a, b)
         if recompute:
-            after = [self.graph.add(recompute, [("compute", dev)], "recompute", [dev], after, microbatch=mb)]
-        return self.graph.add(self.size * self._sum(a, b, "backward_s") + extra_s, [("compute", dev)], "backward",
-                              [dev], after, microbatch=mb)
+            after = [self.graph.add(recompute, [("compute", dev)], "recompute", [dev], after, microbatch=mb,
+                                    stage=stage)]
+        seconds = self.size * self._sum(a, b, "backward_s") - (self.weight_s(a, b) if weights_later else 0.0)
+        return self.graph.add(seconds + extra_s, [("compute", dev)], "backward", [dev], after, microbatch=mb,
+                              stage=stage)
+
+    def weight_s(self, a: int, b: int) -> float:
+        """The weight-gradient part of layers [a, b)'s backward; all of it for a stage whose input needs no
+        gradient (the first: it gets token ids), which has no input gradient to compute first."""
+        return self.size * self._sum(a, b, "backward_s" if a == 0 else "weight_s")
+
+    def backward_weights(self, dev: int, a: int, b: int, mb: int, after, stage: int) -> int:
+        """The weight gradients a split backward left for later; they free the micro-batch's activations."""
+        self.traces[dev].backward(self.held(a, b), 0.0, (stage, mb), True)
+        return self.graph.add(self.weight_s(a, b), [("compute", dev)], "weight", [dev], after, microbatch=mb,
+                              stage=stage)
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
@@ -267,7 +309,8 @@ class _Builder:
 
     # --- strategies ---------------------------------------------------------------------------------------------
     def ranges(self) -> list[tuple[int, int]]:
-        p, n = self.job.stages, len(self.layers)
+        """[(first, end)) layers of each model stage (devices x stages per device of them)."""
+        p, n = self.job.layout.stages, len(self.layers)
         if self.job.cut is None:
             cut = optimal_split(self.w.time_costs(), p).boundaries
         else:
@@ -284,42 +327,55 @@ class _Builder:
         return DeviceMemory(w * params, g * params, int(o * params / shard))
 
     def pipeline(self, schedule: str, microbatches: int, devices: list[int], ranges) -> list[int]:
-        """Run the schedule's action lists on `devices`; return each stage's last compute task."""
+        """Run the schedule's action lists on `devices` (`ranges`: the layers of each model stage); return each
+        device's last compute task."""
         p = len(devices)
         actions = make_schedule(schedule, p, microbatches)
+        layout = layout_of(actions)
+        split = [split_backwards(a) for a in actions]
         done: dict[tuple[int, Action], int] = {}
-        message: dict[tuple[int, Action], int] = {}  # the send carrying an action's result to its neighbour
+        message: dict[tuple[int, Action], int] = {}  # the send carrying an action's result to another device
         position = [0] * p
         while any(position[s] < len(actions[s]) for s in range(p)):
             for s in range(p):
                 while position[s] < len(actions[s]):
                     action = actions[s][position[s]]
-                    deps = dependencies(s, action, p)
+                    deps = dependencies(s, action, layout)
                     if not all(d in done for d in deps):
                         break
                     after = [done[d] if d[0] == s else message[d] for d in deps]
-                    (a, b), dev, mb = ranges[s], devices[s], action.microbatch
+                    stage, dev, mb = layout.stage(s, action.chunk), devices[s], action.microbatch
+                    a, b = ranges[stage]
                     if action.kind == "F":
-                        done[(s, action)] = task = self.forward(dev, a, b, mb, after)
-                        if s < p - 1:
-                            message[(s, action)] = self.send(dev, devices[s + 1], self.size * self.layers[b - 1].output,
-                                                             mb, task)
+                        done[(s, action)] = task = self.forward(dev, a, b, mb, after, stage)
+                        to = layout.device_of(stage + 1) if stage < layout.stages - 1 else s
+                        nbytes = self.size * self.layers[b - 1].output
+                    elif action.kind == "B":
+                        done[(s, action)] = task = self.backward(dev, a, b, mb, after, stage=stage,
+                                                                 weights_later=(action.chunk, mb) in split[s])
+                        to = layout.device_of(stage - 1) if stage > 0 else s
+                        nbytes = self.size * self.layers[a - 1].output if a > 0 else 0.0
                     else:
-                        done[(s, action)] = task = self.backward(dev, a, b, mb, after)
-                        if s > 0:
-                            message[(s, action)] = self.send(dev, devices[s - 1], self.size * self.layers[a - 1].output,
-                                                             mb, task)
+                        done[(s, action)] = task = self.backward_weights(dev, a, b, mb, after, stage)
+                        to = s
+                    if to != s:
+                        message[(s, action)] = self.send(dev, devices[to], nbytes, mb, task)
                     position[s] += 1
         return [done[(s, actions[s][-1])] for s in range(p)]
+
+    def device_params(self, ranges, device: int) -> int:
+        """Parameters of the model stages the pipeline's `device` holds."""
+        return sum(self.params(*ranges[k]) for k in self.job.layout.stages_of(device))
 
     def run_pipeline(self, schedule: str) -> None:
         ranges = self.ranges()
         devices = list(range(self.job.stages))
         last = self.pipeline(schedule, self.job.microbatches, devices, ranges)
         n = self.w.n_params or 1
-        for dev, (a, b), task in zip(devices, ranges, last):
-            self.optimizer(dev, self.params(a, b) / n, [task])
-            self.state[dev] = self.state_for(self.params(a, b))
+        for dev, task in zip(devices, last):
+            params = self.device_params(ranges, dev)
+            self.optimizer(dev, params / n, [task])
+            self.state[dev] = self.state_for(params)
 
     def run_single(self) -> None:
         n = len(self.layers)
@@ -462,13 +518,14 @@ class _Builder:
                 for rep in range(r)]
         n = self.w.n_params or 1
         grad_bytes = self.w.bytes_per_param[1]
-        for s, (a, b) in enumerate(ranges):
+        for s in range(p):
+            params = self.device_params(ranges, s)
             group = [rep * p + s for rep in range(r)]
-            seconds = collective_s(self.coll, "allreduce", grad_bytes * self.params(a, b), r)
+            seconds = collective_s(self.coll, "allreduce", grad_bytes * params, r)
             reduced = self.collective("allreduce", group, seconds, "comm", [last[rep][s] for rep in range(r)])
             for dev in group:
-                self.optimizer(dev, self.params(a, b) / n, [reduced])
-                self.state[dev] = self.state_for(self.params(a, b))
+                self.optimizer(dev, params / n, [reduced])
+                self.state[dev] = self.state_for(params)
 
     def memory(self) -> dict[int, DeviceMemory]:
         return {d: DeviceMemory(s.params, s.grads, s.optimizer, int(self.traces[d].peak))

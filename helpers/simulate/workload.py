@@ -19,7 +19,9 @@ from helpers.profile import Profile
 class LayerCost:
     """One layer, for one sample: seconds of forward and backward, parameter count, bytes saved for backward and
     bytes of its output (what crosses a stage boundary placed after it); `tensors`: how many parameter tensors hold
-    its parameters (what is sent tensor by tensor costs one latency each)."""
+    its parameters (what is sent tensor by tensor costs one latency each); `weight_share`: the part of its backward
+    that computes weight gradients (what a zero-bubble schedule defers), by default half for a layer with
+    parameters (a matmul's input and weight gradients cost the same) and none without."""
 
     name: str
     forward_s: float
@@ -28,6 +30,13 @@ class LayerCost:
     activations: float = 0.0
     output: float = 0.0
     tensors: int = 1
+    weight_share: float | None = None
+
+    @property
+    def weight_s(self) -> float:
+        """Seconds of the weight-gradient part of the backward."""
+        share = self.weight_share if self.weight_share is not None else (0.5 if self.params else 0.0)
+        return self.backward_s * share
 
     def __post_init__(self):
         for what, value in (("forward", self.forward_s), ("backward", self.backward_s)):
@@ -39,6 +48,9 @@ class LayerCost:
                 raise ValueError(f"layer {self.name!r}: {what} must be >= 0, got {value}")
         if not (isinstance(self.tensors, int) and self.tensors >= 1):
             raise ValueError(f"layer {self.name!r}: tensor count must be a whole number >= 1, got {self.tensors!r}")
+        if self.weight_share is not None and not 0 <= self.weight_share <= 1:
+            raise ValueError(f"layer {self.name!r}: the weight gradients' share of the backward must be between 0 and "
+                             f"1, got {self.weight_share}")
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ Data: synthetic tokens by default; `text=` a file or folder of real text (the to
 used, or a byte-level BPE is trained on the text and saved beside it and beside the trained model); `data=` token
 windows saved with torch.save ([N, L+1], helpers.models.text).
 
-Strategies: naive, gpipe, 1f1b (pipelines: engine threads, processes or torch), ddp, zero1, zero2, fsdp2 (data
-parallel: engine processes), dp_x_pp (engine processes or torch). Every strategy computes what one device computes
-(helpers.training.support says where each runs); the saved model reloads with `from_pretrained` and equals the
-trained weights.
+Strategies: naive, gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev (pipelines: engine threads, processes or torch),
+ddp, zero1, zero2, fsdp2 (data parallel: engine processes), dp_x_pp (engine processes or torch). Every strategy
+computes what one device computes (helpers.training.support says where each runs); the saved model reloads with
+`from_pretrained` and equals the trained weights.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _job(model: HFModel, strategy: str, engine: str, steps: int, **fields) -> Tr
         layout = {"dp": 2, "data_parallel": strategy}
     if strategy == "dp_x_pp":
         layout = {"dp": 2, "pp": 2}
-    schedule = "gpipe" if strategy in ("naive", "gpipe") else "1f1b"
+    schedule = "gpipe" if strategy == "naive" else strategy if strategy in PIPELINES else "1f1b"
     if strategy == "naive":
         fields["microbatches"] = 1
     return TrainJob(model, engine="torch" if engine == "torch" else "ours", schedule=schedule, steps=steps - 2,
@@ -78,11 +78,12 @@ def _job(model: HFModel, strategy: str, engine: str, steps: int, **fields) -> Tr
 
 def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
     """The in-process engine: the whole model loaded here, split over the rig's devices, one thread per stage."""
-    from helpers.pipeline.threaded import ThreadedPipeline
+    from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
 
     layers = model.meta_layers()
     model.materialize(layers, range(len(layers)), torch.device("cpu"))
-    split = split_model([layer.to(job.precision.weights) for layer in layers], job.cut(), rig.devices)
+    split = split_model([layer.to(job.precision.weights) for layer in layers], job.cut(),
+                        stage_devices(rig.devices, job.layout))
     pipe = ThreadedPipeline(split, job.schedule, job.microbatches, wire=job.wire, precision=job.precision,
                             context=model.context)
     optimizer = torch.optim.Adam(split.parameters(), lr=job.lr) if job.optimizer == "adam" else \

@@ -11,7 +11,7 @@ from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
 from helpers.pipeline.comm import resolve_dtype
 from helpers.pipeline.interpreter import check_p2p_plan
-from helpers.pipeline.schedules import make_schedule
+from helpers.pipeline.schedules import Layout, layout_for, make_schedule
 from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
@@ -37,7 +37,7 @@ class TrainJob:
     pp: int = 1
     data_parallel: str = "ddp"  # with dp > 1: ddp | zero1 | zero2 | fsdp2 (dp x pp: ddp)
     boundaries: tuple[int, ...] = ()  # where stages 1.. start; () = equal layers per stage
-    schedule: str = "gpipe"
+    schedule: str = "gpipe"  # gpipe | 1f1b | zbh1; interleaved | zbv | dualpipev: 2 stages per device (pp x 2)
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
     engine: str = "ours"  # pipeline engine: ours (the interpreter) | torch (torch.distributed.pipelining)
     wire: str = "auto"  # dtype of boundary transfers; auto: the model's own
@@ -84,11 +84,17 @@ class TrainJob:
     def n_layers(self) -> int:
         return len(self.layered.meta_layers())
 
+    @property
+    def layout(self) -> Layout:
+        """Which device holds each pipeline stage: pp stages, or pp x 2 for the schedules that put two on a device."""
+        return layout_for(self.schedule, self.pp) if self.pp > 1 else Layout(1)
+
     def cut(self) -> tuple[int, ...]:
         """The job's boundaries, or equal layers per stage."""
         from helpers.partition import equal_count_split
 
-        return self.boundaries or (equal_count_split(self.n_layers, self.pp) if self.pp > 1 else ())
+        stages = self.layout.stages
+        return self.boundaries or (equal_count_split(self.n_layers, stages) if stages > 1 else ())
 
     def sequence_length(self) -> int:
         if self.seq_len is not None:
@@ -122,11 +128,14 @@ def _check_pipeline(job: TrainJob) -> None:
     resolve_dtype(job.wire)
     if job.engine == "torch" and job.wire != "auto":
         raise ValueError("torch.distributed.pipelining sends in the compute dtype: use wire='auto' with it")
+    layout = job.layout
     bounds = job.cut()
-    if len(bounds) != job.pp - 1:
-        raise ValueError(f"{len(bounds)} boundaries give {len(bounds) + 1} stages, but pp={job.pp}")
+    if len(bounds) != layout.stages - 1:
+        per_device = f" x {layout.chunks} stages per device ({job.schedule})" if layout.chunks > 1 else ""
+        raise ValueError(f"{len(bounds)} boundaries give {len(bounds) + 1} stages, but pp={job.pp}{per_device} "
+                         f"needs {layout.stages}")
     stage_ranges(job.n_layers, bounds)
-    schedule = make_schedule(job.schedule, job.pp, job.microbatches)  # refuses m < p for 1F1B
+    schedule = make_schedule(job.schedule, job.pp, job.microbatches)  # refuses m < p for 1F1B, ...
     check_p2p_plan(schedule)
 
 

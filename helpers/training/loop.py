@@ -12,7 +12,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,13 +57,35 @@ class TrainResult:
 def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe: bool = False) -> TrainResult:
     """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return."""
     check_job(job, rig, oversubscribe)
-    parts = run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe)
+    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe))
+
+
+def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
+                  oversubscribe: bool = False) -> list[TrainResult]:
+    """Several jobs of one world size in one launch, the same ranks running them one after the other: a comparison
+    pays one start-up of the processes instead of one per job. Every job is checked before anything starts;
+    `timeout` is per job."""
+    if not jobs:
+        return []
+    worlds = sorted({job.world for job in jobs})
+    if len(worlds) > 1:
+        raise ValueError(f"jobs launched together need one world size, got {worlds}: launch them separately")
+    for job in jobs:
+        check_job(job, rig, oversubscribe)
+    parts = run(train_workers, list(jobs), nranks=worlds[0], rig=rig, timeout=timeout * len(jobs),
+                oversubscribe=oversubscribe)
+    return [_combine([rank[i] for rank in parts]) for i in range(len(jobs))]
+
+
+def _combine(parts: list[dict]) -> TrainResult:
+    """One job's result from what its ranks returned (`train_worker`)."""
     per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
     phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
-    replica0 = sorted((p for p in parts if p["dp"] == 0), key=lambda p: p["pp"])
+    replica0 = [p for p in parts if p["dp"] == 0]
+    by_layer = sorted((i, g) for p in replica0 for i, g in p["grads"])
     return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
                        phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
-                       grads=[g for p in replica0 for g in p["grads"]], cuda_peak=[p["cuda_peak"] for p in parts],
+                       grads=[g for _, grads in by_layer for g in grads], cuda_peak=[p["cuda_peak"] for p in parts],
                        losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()})
 
 
@@ -120,11 +142,12 @@ def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
                         optimizer_state_bytes(opt) if opt is not None else 0)
 
 
-def _trained_state(module: Stage, first_layer: int) -> dict[int, dict[str, torch.Tensor]]:
-    """This rank's trained weights by global layer index (sharded ones gathered whole: a collective every rank
-    joins). Frozen parameters (a LoRA model's base) are left out: they are the checkpoint's."""
+def _trained_state(module: Stage, owned: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """This rank's trained weights by global layer index (`owned[k]` is module.layers[k]'s; sharded ones gathered
+    whole: a collective every rank joins). Frozen parameters (a LoRA model's base) are left out: they are the
+    checkpoint's."""
     out = {}
-    for offset, layer in enumerate(module.layers):
+    for index, layer in zip(owned, module.layers):
         tensors = {}
         frozen = {name for name, p in layer.named_parameters() if not p.requires_grad}
         if frozen and len(frozen) == len(list(layer.parameters())):
@@ -134,19 +157,21 @@ def _trained_state(module: Stage, first_layer: int) -> dict[int, dict[str, torch
                 continue
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             tensors[name] = full.detach().cpu().clone()
-        out[first_layer + offset] = tensors
+        out[index] = tensors
     return out
 
 
-def _first_grads(module: Stage, scale: float) -> list[torch.Tensor]:
-    """This rank's gradients layer by layer in parameters() order (a weight two layers share, like tied embeddings,
-    appears in both; frozen ones have none), unscaled; sharded ones (FSDP2) gathered whole (a collective)."""
+def _first_grads(module: Stage, owned: list[int], scale: float) -> list[tuple[int, list[torch.Tensor]]]:
+    """This rank's gradients as (global layer index, the layer's gradients in parameters() order) (a weight two
+    layers share, like tied embeddings, appears in both; frozen ones have none), unscaled; sharded ones (FSDP2)
+    gathered whole (a collective)."""
     out = []
-    for p in (p for layer in module.layers for p in layer.parameters() if p.requires_grad):
-        g = p.grad
-        if hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        out.append(g.detach().float().cpu() / scale)
+    for index, layer in zip(owned, module.layers):
+        grads = []
+        for p in (p for p in layer.parameters() if p.requires_grad):
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads.append(g.detach().float().cpu() / scale)
+        out.append((index, grads))
     return out
 
 
@@ -162,12 +187,17 @@ class _Rank:
         self.rec = Recorder(self.rank, self.device)
         self.precision = job.precision
         model = job.layered
-        self.layers_range = stage_ranges(job.n_layers, job.cut())[self.stage] if job.pp > 1 else (0, job.n_layers)
+        ranges = stage_ranges(job.n_layers, job.cut())
+        # the (first, end) layers of each stage this rank runs, in chunk order (one stage unless the schedule puts
+        # several on a device); the layers it owns, in that order
+        self.chunk_ranges = [ranges[k] for k in job.layout.stages_of(self.stage)] if job.pp > 1 else \
+            [(0, job.n_layers)]
+        self.owned = [i for a, b in self.chunk_ranges for i in range(a, b)]
         self.module = self._materialise(model)
         self.ledger = ledger_for([self.module], ["device"])
         self.rows = load_rows(job.data) if job.data is not None else None
         self.batch, self._step = _replica_batch(job, self.replica, self.device, 0, self.rows), 0
-        self.tied = tied_copies(model, self.module, self.layers_range, job, self.mesh)
+        self.tied = tied_copies(model, self.module, self.owned, job, self.mesh)
         self.scaler = make_scaler(self.precision, self.device, dist.group.WORLD)
         if job.pp > 1:
             self.wrapped, self.step_fn = self.module, self._pipeline()
@@ -184,16 +214,15 @@ class _Rank:
         return self.batch
 
     def _materialise(self, model) -> Stage:
-        a, b = self.layers_range
         job = self.job
         if job.dp > 1 and job.data_parallel in ("zero2", "fsdp2"):
-            meta = Stage(model.meta_layers()[a:b])
+            meta = Stage(model.meta_layers())
             self._checkpoint(meta)
-            return apply_fsdp(meta, model, a, self.mesh["dp"], self.device,
+            return apply_fsdp(meta, model, 0, self.mesh["dp"], self.device,
                               reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision,
                               offload=job.offload == "cpu")
-        return self._checkpoint(weights_in(Stage(owned_layers(model, range(a, b), self.device)[a:b]), model,
-                                           self.precision))
+        layers = owned_layers(model, self.owned, self.device)
+        return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
 
     def _checkpoint(self, stage: Stage) -> Stage:
         """With `job.checkpointing`, every layer between the embedding and the head (the blocks, the final norm)
@@ -202,6 +231,13 @@ class _Rank:
             for layer in list(stage.layers)[1:-1]:
                 checkpoint_in_place(layer)
         return stage
+
+    def chunks(self) -> list[Stage]:
+        """This rank's pipeline stages, in chunk order, sharing the layers of `module`."""
+        starts = [0]
+        for a, b in self.chunk_ranges:
+            starts.append(starts[-1] + b - a)
+        return [Stage(self.module.layers[s:e]) for s, e in zip(starts, starts[1:])]
 
     @property
     def loss_scale(self) -> float:
@@ -212,10 +248,10 @@ class _Rank:
         job, stage = self.job, self.stage
         mb_size = job.batch // job.dp // job.microbatches
         planned = boundary_shapes(job.layered, job.cut(), mb_size, job.sequence_length(), self.precision.weights)
-        shapes = {"act": planned[stage - 1][0] if stage > 0 else None,
-                  "grad": planned[stage][0] if stage < job.pp - 1 else None}
-        wire = Wire.of(job.wire, compute=planned[min(stage, len(planned) - 1)][1])
-        step = apply_pipeline(self.module, stage, job.pp, job.schedule, job.microbatches, job.engine,
+        shapes = {b: shape for b, (shape, _) in enumerate(planned)}
+        first = job.layout.stage(stage)
+        wire = Wire.of(job.wire, compute=planned[min(first, len(planned) - 1)][1])
+        step = apply_pipeline(self.chunks(), stage, job.pp, job.schedule, job.microbatches, job.engine,
                               self.mesh.get_group("pp"), shapes, wire, job.overlap, self.device, self.rec,
                               self.ledger.trackers()[0], self.precision)
 
@@ -293,7 +329,7 @@ def train_worker(job: TrainJob) -> dict:
         t0 = time.perf_counter()
         token_loss = r.step_fn(i)
         if i == 0 and job.return_grads:
-            grads = _first_grads(r.module, r.loss_scale)
+            grads = _first_grads(r.module, r.owned, r.loss_scale)
         r.optimizer_step()
         _synchronize(r.device)
         if 0 < i <= job.steps:
@@ -306,10 +342,15 @@ def train_worker(job: TrainJob) -> dict:
             memory = _local_state(r.module, r.optimizer)
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
-    state = _trained_state(r.module, r.layers_range[0]) if job.return_state else {}
+    state = _trained_state(r.module, r.owned) if job.return_state else {}
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
             "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}}
+
+
+def train_workers(jobs: Sequence[TrainJob]) -> list[dict]:
+    """Several jobs, one after the other, on the same ranks (started by `run_trainings`)."""
+    return [train_worker(job) for job in jobs]
 
 
 def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:

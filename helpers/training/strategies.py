@@ -7,8 +7,8 @@ whatever they return.
   queued it). ZeRO-1 is DDP plus `ZeroRedundancyOptimizer` (`make_optimizer(..., zero1=True)`).
 - `apply_fsdp`: FSDP2 `fully_shard` per layer and on the whole module, applied on the meta device; each rank then
   allocates only its shards and fills them with one device's weights (`reshard_after_forward=False` is ZeRO-2-like).
-- `apply_pipeline`: one stage of a pipeline: our interpreter over point-to-point messages on the "pp" group, or
-  torch.distributed.pipelining's schedules.
+- `apply_pipeline`: one device of a pipeline (one stage, or several for interleaved and V-shaped schedules): our
+  interpreter over point-to-point messages on the "pp" group, or torch.distributed.pipelining's schedules.
 - `sum_replica_grads`: DP x PP, each stage's gradients summed over its replicas in one flat all-reduce.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from helpers.memory import DeviceMemory
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
-from helpers.pipeline.interpreter import MicroBatch, run_stage
-from helpers.pipeline.schedules import make_schedule
+from helpers.pipeline.interpreter import MicroBatch, communication_plan, run_stage
+from helpers.pipeline.schedules import Layout, layout_for, make_schedule
 from helpers.pipeline.stages import StageExecutor, stage_ranges
 from helpers.pipeline.transports import P2PTransport
 from helpers.precision import DTYPES, Precision
@@ -193,26 +193,28 @@ class TiedCopies:
                 dist.all_reduce(p.grad, group=group)
 
 
-def tied_copies(model: LayeredModel, module: Stage, layers_range: tuple[int, int], job, mesh) -> TiedCopies:
+def tied_copies(model: LayeredModel, module: Stage, owned: list[int], job, mesh) -> TiedCopies:
     """Create, on every rank in the same order, one group per replica and tied pair whose two uses sit on
-    different stages; return this rank's copies and their groups. Checks the copies are equal to begin with."""
-    a, b = layers_range
+    different devices; return this rank's copies and their groups. Checks the copies are equal to begin with. Two
+    uses on one device (one stage, or the first and last stage of a V-shaped schedule) are one weight already.
+    `owned[k]`: the global index of module.layers[k]."""
     params, groups = [], []
     if job.pp == 1:
         return TiedCopies([], [])
     ranges = stage_ranges(job.n_layers, job.cut())
-    stage_of = {i: s for s, (lo, hi) in enumerate(ranges) for i in range(lo, hi)}
+    device_of = {i: job.layout.device_of(s) for s, (lo, hi) in enumerate(ranges) for i in range(lo, hi)}
+    position = {index: k for k, index in enumerate(owned)}
     my_rank = dist.get_rank()
     for (i, name_i), (j, name_j) in tied_pairs(model):
-        si, sj = stage_of[i], stage_of[j]
-        if si == sj:
+        di, dj = device_of[i], device_of[j]
+        if di == dj:  # both on one device: `materialize` made them one weight
             continue
         for replica in range(job.dp):
-            ranks = [replica * job.pp + si, replica * job.pp + sj]
+            ranks = [replica * job.pp + di, replica * job.pp + dj]
             group = dist.new_group(ranks)
             if my_rank in ranks:
                 index, name = (i, name_i) if my_rank == ranks[0] else (j, name_j)
-                param = module.layers[index - a].get_parameter(name)
+                param = module.layers[position[index]].get_parameter(name)
                 _check_tied_in_sync(param, group, (i, name_i), (j, name_j))
                 params.append(param)
                 groups.append(group)
@@ -266,64 +268,85 @@ class _ChunkContexts(nn.Module):
             return self.stage(h, ctx) if ctx is not None else self.stage(h)
 
 
-def _instrument_stage(pstage, rec: Recorder, wrapper: _ChunkContexts) -> None:
+def _instrument_stage(pstage, rec: Recorder, wrapper: _ChunkContexts, stage: int) -> None:
     """Put torch.distributed.pipelining's per-micro-batch work on our timeline: its stage runs each micro-batch
-    through forward_one_chunk / backward_one_chunk, so wrapping those two methods records every span (the library's
-    sends and receives happen outside them and stay invisible), and tells the stage which context is current."""
-    forward, backward = pstage.forward_one_chunk, pstage.backward_one_chunk
+    through forward_one_chunk / backward_one_chunk (and, for zero-bubble schedules, backward_weight_one_chunk), so
+    wrapping those methods records every span (the library's sends and receives happen outside them and stay
+    invisible), and tells the stage which context is current."""
+    forward, backward, weight = pstage.forward_one_chunk, pstage.backward_one_chunk, pstage.backward_weight_one_chunk
 
     def forward_one_chunk(fwd_chunk_id: int, *args, **kwargs):
         wrapper.current = fwd_chunk_id
-        with rec.span("forward", fwd_chunk_id):
+        with rec.span("forward", fwd_chunk_id, stage):
             return forward(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(bwd_chunk_id: int, *args, **kwargs):
-        with rec.span("backward", bwd_chunk_id):
+        with rec.span("backward", bwd_chunk_id, stage):
             return backward(bwd_chunk_id, *args, **kwargs)
 
+    def backward_weight_one_chunk(bwd_chunk_id: int, *args, **kwargs):
+        with rec.span("weight", bwd_chunk_id, stage):
+            return weight(bwd_chunk_id, *args, **kwargs)
+
     pstage.forward_one_chunk, pstage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    pstage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-def _torch_pipeline(module: Stage, stage: int, p: int, schedule: str, m: int, device, group, rec: Recorder,
-                    track: Callable, precision: Precision) -> PipelineStep:
-    """torch.distributed.pipelining on the same stage. Its loss is our token loss over the global batch's kept
-    tokens (times the loss scale), with its own 1/m scaling switched off, so both engines compute the same
-    gradients."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+# our schedule names -> torch.distributed.pipelining's classes (its ZB-H1 is its interleaved zero-bubble schedule
+# with one stage per device)
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
 
-    wrapper = _ChunkContexts(module, precision, device)
-    pstage = PipelineStage(wrapper, stage, p, device, group=group)
-    _instrument_stage(pstage, rec, wrapper)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+
+def _torch_pipeline(chunks: Sequence[Stage], device_index: int, layout: Layout, schedule: str, m: int, device,
+                    group, rec: Recorder, track: Callable, precision: Precision) -> PipelineStep:
+    """torch.distributed.pipelining on the same stages (one `PipelineStage` per chunk). Its loss is our token loss
+    over the global batch's kept tokens (times the loss scale), with its own 1/m scaling switched off, so both
+    engines compute the same gradients."""
+    from torch.distributed import pipelining
+
+    stages = layout.stages_of(device_index)
+    wrappers = [_ChunkContexts(chunk, precision, device) for chunk in chunks]
+    pstages = [pipelining.PipelineStage(w, k, layout.stages, device, group=group) for w, k in zip(wrappers, stages)]
+    for pstage, wrapper, k in zip(pstages, wrappers, stages):
+        _instrument_stage(pstage, rec, wrapper, k)
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
     factor = [1.0]  # loss scale / normalizer of the current step
-    sched = cls(pstage, m, loss_fn=lambda out, target: lm_loss_sum(out, target) * factor[0], scale_grads=False)
+    loss_fn = lambda out, target: lm_loss_sum(out, target) * factor[0]  # noqa: E731
+    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+    sched = cls(pstages if multi else pstages[0], m, loss_fn=loss_fn, scale_grads=False)
+    first, last = 0 in stages, layout.stages - 1 in stages
 
     def step(microbatches: Sequence[MicroBatch], norm: float, loss_scale: float = 1.0) -> torch.Tensor | None:
         factor[0] = loss_scale / norm
-        wrapper.contexts = [mb.context for mb in microbatches] if microbatches[0].context is not None else []
+        for w in wrappers:
+            w.contexts = [mb.context for mb in microbatches] if microbatches[0].context is not None else []
+        args = (torch.cat([mb.inputs for mb in microbatches]),) if first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": torch.cat([mb.targets for mb in microbatches]), "losses": losses} if last else {}
         with track():
-            if stage == 0:
-                sched.step(torch.cat([mb.inputs for mb in microbatches]))
-                return None
-            if stage == p - 1:
-                losses: list[torch.Tensor] = []
-                sched.step(target=torch.cat([mb.targets for mb in microbatches]), losses=losses)
-                return torch.stack([l.detach() for l in losses]).sum() / loss_scale
-            sched.step()
-            return None
+            sched.step(*args, **kwargs)
+        return torch.stack([l.detach() for l in losses]).sum() / loss_scale if last else None
 
     return step
 
 
-def apply_pipeline(module: Stage, stage: int, p: int, schedule: str, m: int, engine: str, group,
-                   shapes: dict[str, tuple], wire: Wire, overlap: bool, device: torch.device, rec: Recorder,
+def apply_pipeline(chunks: Stage | Sequence[Stage], stage: int, p: int, schedule: str, m: int, engine: str, group,
+                   shapes: dict[int, tuple], wire: Wire, overlap: bool, device: torch.device, rec: Recorder,
                    track: Callable, precision: Precision = Precision()) -> PipelineStep:
-    """Stage `stage` of a `p`-stage pipeline over `group` (whose rank i is stage i). The returned step runs one
-    global batch's micro-batches and returns this stage's summed loss shares (last stage) or None."""
+    """Device `stage` of a `p`-device pipeline over `group` (whose rank i is device i), holding the model stage
+    `chunks` (or, for schedules with several stages per device, one module per chunk, in chunk order). The returned
+    step runs one global batch's micro-batches and returns this device's summed loss shares (where the last stage
+    runs) or None. `shapes[b]`: what crosses boundary b."""
+    chunks = [chunks] if isinstance(chunks, Stage) else list(chunks)
+    layout = layout_for(schedule, p)
     if engine == "torch":
-        return _torch_pipeline(module, stage, p, schedule, m, device, group, rec, track, precision)
-    ex = StageExecutor(module, device, stage, rec, track, computes_loss=stage == p - 1, precision=precision)
-    actions = make_schedule(schedule, p, m)[stage]
-    transport = P2PTransport(group, stage, shapes, wire, device, rec, overlap)
-    return lambda microbatches, norm, loss_scale=1.0: run_stage(ex, actions, transport, microbatches, p, norm,
-                                                               loss_scale)
+        return _torch_pipeline(chunks, stage, layout, schedule, m, device, group, rec, track, precision)
+    executors = [StageExecutor(chunk, device, k, rec, track, computes_loss=k == layout.stages - 1,
+                               precision=precision) for chunk, k in zip(chunks, layout.stages_of(stage))]
+    full = make_schedule(schedule, p, m)
+    actions, plan = full[stage], communication_plan(full)[stage]
+    transport = P2PTransport(group, stage, shapes, wire, device, rec, overlap, layout)
+    return lambda microbatches, norm, loss_scale=1.0: run_stage(executors, actions, transport, microbatches, layout,
+                                                               norm, loss_scale, plan)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from helpers.runtime.rig import Rig
 
-PIPELINE_STRATEGIES = ("naive", "gpipe", "1f1b")
+PIPELINE_STRATEGIES = ("naive", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
 DATA_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
 STRATEGIES = (*PIPELINE_STRATEGIES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp")
 ENGINES = ("threads", "processes", "torch")

@@ -1,0 +1,129 @@
+"""A stage's backward pass in two halves, as zero-bubble schedules run it (Qi et al. 2024): first the gradient of
+the stage's input, which the previous stage is waiting for, then, whenever the schedule finds a gap, the gradients
+of the weights, which nobody is waiting for.
+
+How, with plain autograd. The graph of a stage's forward has two kinds of nodes: those on a path from the output to
+the input (they carry the input gradient; call them the spine) and the rest, which only lead to weights. Every path
+from the output to a weight leaves the spine exactly once, at a spine node whose backward also feeds a weight (a
+linear layer's `AddmmBackward`, a layer norm's backward; a *fork*).
+
+- `backward_input`: `torch.autograd.grad(output, input, grad, retain_graph=True)` runs the spine only (autograd
+  computes just what leads to the input: at a fork, the input's gradient, not the weight's), and a hook on each
+  fork keeps the gradient that arrived there. The graph stays alive, and with it every saved activation.
+- `WeightGradients.run`: at each fork, autograd again from the kept gradient, asked only for the weights behind that
+  fork: it computes exactly what the first pass skipped, nothing of the spine again. Forks whose weights overlap (a
+  weight used twice) are run together, each fork's gradient pinned to the kept one so no path counts twice (such a
+  group may run a stretch of spine between its forks again, so every call keeps the graph: it goes, with the
+  activations, when the last fork is done and nothing refers to it).
+
+A stage whose input needs no gradient (the first stage gets token ids) has no spine: its input half is empty and
+its weight half is the whole backward. torch.distributed.pipelining does the same split (`stage_backward_input`,
+`stage_backward_weight`) with the same autograd calls, grouped its own way.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+def _children(root: Node) -> tuple[dict[Node, list[Node]], list[Node]]:
+    """Every node reachable from `root` with the nodes its backward feeds, and all of them children first."""
+    children: dict[Node, list[Node]] = {}
+    order: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in children:
+            continue
+        children[node] = [child for child, _ in node.next_functions if child is not None]
+        stack.append((node, True))
+        stack.extend((c, False) for c in children[node] if c not in children)
+    return children, order
+
+
+class WeightGradients:
+    """The deferred weight half of one backward: groups of (fork edges, their kept gradients, the weights behind
+    them). `run` adds the weight gradients into `.grad`, as `backward()` would have, and lets the graph go."""
+
+    def __init__(self, groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]]):
+        self.groups = groups
+
+    def run(self) -> None:
+        for edges, grads, weights in self.groups:
+            pins = [edge.node.register_prehook(_pin(edges, grads, edge.node)) for edge in edges] \
+                if len({e.node for e in edges}) > 1 else []
+            try:
+                found = torch.autograd.grad(edges, weights, grads, retain_graph=True, allow_unused=True)
+            finally:
+                for handle in pins:
+                    handle.remove()
+            for w, g in zip(weights, found):
+                if g is not None:
+                    w.grad = g if w.grad is None else w.grad.add_(g)
+        self.groups = []
+
+
+def _pin(edges: list[GradientEdge], grads: list[torch.Tensor], node: Node):
+    """A hook replacing whatever gradient reaches `node` in the weight pass by the one the input pass kept there
+    (a fork reached both as a starting point and through another fork of its group counts once)."""
+    kept = {e.output_nr: g for e, g in zip(edges, grads) if e.node is node}
+
+    def hook(grad_outputs):
+        return tuple(kept.get(i, g) for i, g in enumerate(grad_outputs))
+
+    return hook
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor | None,
+                   weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor | None, WeightGradients]:
+    """The gradient of `inp` (None if it needs none) from `output` and its gradient `grad`, computed now; the
+    weights' gradients returned as a `WeightGradients` to run later. The graph is kept until then."""
+    weights = [w for w in weights if w.requires_grad]
+    root = output.grad_fn
+    if root is None:
+        return None, WeightGradients([])
+    if inp is None or not inp.requires_grad:
+        return None, WeightGradients([([get_gradient_edge(output)], [grad], weights)])
+    children, order = _children(root)
+    target = get_gradient_edge(inp).node
+    weight_node = {get_gradient_edge(w).node: w for w in weights}
+    on_spine: set[Node] = set()
+    behind: dict[Node, frozenset[Node]] = {}  # off the spine: the weights a node's backward leads to
+    for node in order:  # children first
+        if node is target or any(c in on_spine for c in children[node]):
+            on_spine.add(node)
+        else:
+            found = {node} if node in weight_node else set()
+            behind[node] = frozenset(found.union(*(behind[c] for c in children[node])))
+    forks: dict[Node, frozenset[Node]] = {}  # spine node -> the weights only its side branches lead to
+    for node in on_spine:
+        side = frozenset().union(*(behind[c] for c in children[node] if c not in on_spine))
+        if side:
+            forks[node] = side
+    kept: dict[Node, tuple] = {}
+    handles = [node.register_prehook(lambda grads, node=node: kept.__setitem__(node, grads)) for node in forks]
+    try:
+        (inp_grad,) = torch.autograd.grad(output, inp, grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    groups: list[tuple[list[Node], set[Node]]] = []  # forks whose weights overlap go together
+    for node, side in forks.items():
+        joined = [g for g in groups if g[1] & side]
+        merged = ([node] + [n for g in joined for n in g[0]], set(side).union(*(g[1] for g in joined)))
+        groups = [g for g in groups if not any(g is j for j in joined)] + [merged]
+    runs = []
+    for nodes, side in groups:
+        edges, grads = [], []
+        for node in nodes:
+            for i, g in enumerate(kept[node]):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        runs.append((edges, grads, [weight_node[n] for n in side]))
+    return inp_grad, WeightGradients(runs)
