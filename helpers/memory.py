@@ -87,9 +87,9 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
     which is what lets the ledger count a model's activations on the meta device (helpers.gpu_sizes)."""
     try:
         storage = t.untyped_storage()
-    except RuntimeError:
+        return storage._cdata if t.is_meta else storage.data_ptr()
+    except RuntimeError:  # a wrapper subclass (DTensor, NF4Tensor) has no storage of its own
         return None
-    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 class _Saved:

@@ -201,8 +201,10 @@ class LoraModel:
         added and drawn from each layer's seed, then moved to `device`."""
         owned = sorted(set(indices))
         self.base.materialize(layers, owned, torch.device("cpu"))
+        with torch.device("cpu"):  # the adapters too are made on the host, whatever the caller's default device
+            adapted = {i: self._adapt(layers[i], i, initialise=True) for i in owned}
         for i in owned:
-            layers[i] = self._adapt(layers[i], i, initialise=True).to(device)
+            layers[i] = adapted[i].to(device)
 
 
 # --- adapters in and out: peft's names, save_pretrained, merge_and_unload --------------------------------------------
