@@ -228,17 +228,29 @@ class BenchConfig:
     onefoneb_microbatches: int
     torch_microbatches: tuple[int, ...]
     rounds: int = 1  # launches of each multi-process job, interleaved across jobs
+    extra_repeats: int = 3  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
 
 
-def default_config(quick: bool, rig) -> BenchConfig:
+MODES = ("quick", "default", "precise")
+
+
+def default_config(mode: str | bool, rig) -> BenchConfig:
+    """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
+    model. default: every row once, 4 timed steps, one launch of each multi-process job. precise: the same rows,
+    6 steps and 3 launches of each job interleaved, 6 repeats of the extras: medians a noisy minute moves less."""
+    mode = {True: "quick", False: "default"}.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
     scale = 1 if rig.is_cpu else 4
-    if quick:  # 3 steps, so their median is not the first: 2-18% slower on the CPU rig (DDP rebuilds its buckets)
+    if mode == "quick":  # 3 steps, so their median is not the first: 2-18% slower on the CPU rig (DDP rebuilds)
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=3,
                            gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
-                           link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)))
-    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6,
-                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,), rounds=3)
+                           link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)), extra_repeats=2)
+    precise = mode == "precise"
+    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6 if precise else 4,
+                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,),
+                       rounds=3 if precise else 1, extra_repeats=6 if precise else 3)
 
 
 class Progress:
@@ -665,10 +677,14 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Every strategy side by side on this rig, in one run, each with the "
                                                  "simulator's prediction calibrated in the same run.")
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
-    parser.add_argument("--quick", action="store_true",
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true",
                         help="smoke test: a smaller model (hidden 256, 4 blocks, batch 16), one micro-batch count, "
                              "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
-                             "is predicted (45-100 s on a 2-core CPU; the default run takes 4-12 minutes there)")
+                             "is predicted")
+    length.add_argument("--precise", action="store_true",
+                        help="the same rows as the default run, timed longer: 6 steps and 3 launches of each "
+                             "multi-process job interleaved, 6 repeats of the split comparison and checkpoint sweep")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
     parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -676,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
     progress = Progress(not ns.no_progress)
     load = MachineLoad()
     rig = detect_rig(force_cpu=ns.cpu or None)
-    config = default_config(ns.quick, rig)
+    config = default_config("quick" if ns.quick else "precise" if ns.precise else "default", rig)
     print(rig.describe(), flush=True)
     from helpers.models import SyntheticTokens, build_stack
     from helpers.simulate.calibrate import WholeModelTimer
@@ -694,8 +710,8 @@ def main(argv: list[str] | None = None) -> None:
     calibrated = predict_rows(rows, config, rig, rig_model, progress, timer)
     extras = {}
     if not ns.skip_extras:
-        extras = {"splits": split_comparison_rows(rig, ns.quick, rig_model, progress),
-                  "checkpointing": checkpoint_sweep_rows(rig, ns.quick, rig_model, progress)}
+        extras = {"splits": split_comparison_rows(rig, ns.quick, rig_model, progress, config.extra_repeats),
+                  "checkpointing": checkpoint_sweep_rows(rig, ns.quick, rig_model, progress, config.extra_repeats)}
     load.stop()
     calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
     timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
@@ -846,7 +862,8 @@ def calibration_samplers(timer, microbatch: int, rig) -> dict[str, Callable[[], 
     return {"calibration: whole model": timer.sampler(microbatch), **together}
 
 
-def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False) -> list[dict]:
+def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False,
+                          repeats: int | None = None) -> list[dict]:
     """Notebook 02's four splits of the non-uniform model, each trained as a 4-micro-batch GPipe pipeline and timed
     against one device in the same interleaved rounds; with `rig_model` (a `RigModel` of this run), each row's
     prediction from the same per-layer profile the splits were chosen on."""
@@ -857,7 +874,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("splits of a non-uniform model (notebook 02)")
-    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 6)
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, repeats or 6)
     cfg = nonuniform_config(1 if rig.is_cpu else 4)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
@@ -883,7 +900,8 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
     return rows
 
 
-def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False) -> list[dict]:
+def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False,
+                          repeats: int | None = None) -> list[dict]:
     """Notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline; step time and saved
     activations per device; with `rig_model`, each row's prediction (the simulator recomputes the checkpointed
     blocks' forward in backward) from one profile of the unchecked model."""
@@ -892,7 +910,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("activation checkpointing sweep (notebook 03)")
-    batch, m, repeats = (16, 4, 2) if quick else (32, 4, 6)
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, repeats or 6)
     cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
     model = build_stack(cfg).to(rig.devices[0])
     x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)

@@ -130,3 +130,14 @@ def test_scratch_folders_go_when_the_process_ends(tmp_path):
     made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=dict(os.environ, TMPDIR=str(tmp_path))).stdout.strip()
     assert made.startswith(str(tmp_path)) and not Path(made).exists()
+
+
+def test_cuda_peaks_are_reset_before_they_are_read():
+    """`torch.cuda.max_memory_allocated` is the peak since the process started unless reset: notebook 01 printed it
+    per device after other steps had run, so the split's peak included everything before it."""
+    for path in NOTEBOOKS:
+        code = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+        for reader in ("max_memory_allocated", "cuda_peak_bytes("):
+            at = code.find(reader)
+            if at >= 0:
+                assert "reset_peak_memory_stats" in code[:at], f"{path.name} reads {reader} without resetting it"
