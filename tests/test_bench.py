@@ -284,7 +284,9 @@ def test_the_bench_leaves_out_what_the_rig_refuses():
     rigs = reference_rigs()
     assert bench_refusals(rigs["CPU (2 cores)"]) == {}
     one = bench_refusals(rigs["one GPU"])
-    assert set(one) == {("gpipe", "torch"), ("1f1b", "torch"), ("fsdp2", "processes"), ("dp_x_pp", "processes")}
+    torch_pipelines = {(s, "torch") for s, engine in PROCESS_ROWS if engine == "torch"}
+    assert len(torch_pipelines) == 6  # GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV
+    assert set(one) == torch_pipelines | {("fsdp2", "processes"), ("dp_x_pp", "processes")}
     assert all("NCCL refuses two ranks on one GPU" in why for key, why in one.items() if key[0] != "dp_x_pp")
     assert set(bench_refusals(rigs["two GPUs"])) == {("dp_x_pp", "processes")}
     assert set(one) <= set(PROCESS_ROWS)

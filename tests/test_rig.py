@@ -97,4 +97,4 @@ def test_a_cpu_device_keeps_freed_memory_as_a_gpu_allocator_does():
     out = subprocess.run([sys.executable, "-c", FAULTS_AFTER_WARMUP], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent, check=True).stdout
     faults = ast.literal_eval(out.strip().splitlines()[-1])
-    assert max(faults[-3:]) < faults[0] / 20, faults
+    assert max(faults[-3:]) < faults[0] / 10, faults  # counts, not times: seen 20-100x apart; 10x is the margin
