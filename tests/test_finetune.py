@@ -184,3 +184,37 @@ def test_fsdp2_lora_step_equals_one_device(base, method, base_dtype, checkpointi
     steps = 2 * 4 * len(ref_grads)  # Adam's fp32 step counter, one per adapter tensor on each rank
     assert sum(m.optimizer for m in res.memory) == 2 * adapter_bytes + steps  # two moments, sharded
     assert res.state and all("lora_" in name for layer in res.state.values() for name in layer)
+
+
+def test_finetune_each_refuses_bad_input_before_anything_starts(base):
+    from helpers.finetune.lora import finetune_each
+
+    with pytest.raises(ValueError, match="no fine-tuning method given"):
+        finetune_each(base.path, ())
+    with pytest.raises(ValueError, match="unknown method 'dora'"):
+        finetune_each(base.path, ("lora", "dora"))
+    with pytest.raises(ValueError, match="steps must be at least 3"):
+        finetune_each(base.path, steps=2)
+
+
+@pytest.mark.full
+def test_finetune_each_runs_every_method_in_one_launch(tmp_path, monkeypatch):
+    """LoRA and QLoRA of one base on the standard library's text in one launch: each trains only its adapters, saves
+    them in its own folder, and starts from the base (peft's init: the held-out loss before is the base's, for QLoRA
+    up to 4-bit rounding)."""
+    import helpers.training.loop as loop
+    from helpers.finetune.lora import finetune_each, small_llama
+
+    launches = []
+    real_run = loop.run
+    monkeypatch.setattr(loop, "run", lambda *a, **k: launches.append(1) or real_run(*a, **k))
+    llama = small_llama(tmp_path / "llama", vocab=320, seq_len=32, n_layers=2, hidden=64)
+    out = finetune_each(llama.path, ("lora", "qlora"), steps=3, batch=BATCH, seq_len=SEQ, rank=4,
+                        save_to=tmp_path / "adapters", workdir=tmp_path / "work", held_out_windows=4,
+                        max_chars=20_000, rig=cpu_rig())
+    assert list(out) == ["lora", "qlora"] and len(launches) == 1
+    for method, result in out.items():
+        assert result.model.spec.method == method and len(result.losses) == 3
+        assert result.saved == tmp_path / "adapters" / method and (result.saved / "adapter_config.json").is_file()
+        assert result.adapters and all("lora_" in name for layer in result.adapters.values() for name in layer)
+    assert abs(out["lora"].held_out[0] - out["qlora"].held_out[0]) < 0.1

@@ -15,7 +15,7 @@ from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.runtime.rig import cpu_rig
 
 STACK_NOTEBOOKS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "10"]
-HF_NOTEBOOKS = ["09", "11"]  # Hugging Face models: importing transformers takes longer than this tier allows
+HF_NOTEBOOKS = ["09", "11", "12"]  # Hugging Face models: importing transformers takes longer than this tier allows
 
 
 def _over(plan: NotebookPlan) -> str:

@@ -216,7 +216,7 @@ def test_split_memory_rows_in_the_panel():
 
 # --- where memory is the lesson, the notebook shows the panel ------------------------------------------------------
 
-MEMORY_LESSONS = ("00", "03", "06", "07", "09", "12")  # 12: once it exists
+MEMORY_LESSONS = ("00", "03", "06", "07", "09", "12")
 NOTEBOOKS = REPO / "notebooks"
 
 
@@ -228,7 +228,7 @@ def _starts_the_panel(path):
 
 def test_notebooks_where_memory_is_the_lesson_start_the_panel():
     lessons = [p for n in MEMORY_LESSONS for p in NOTEBOOKS.glob(f"{n}_*.ipynb")]
-    assert len(lessons) >= len(MEMORY_LESSONS) - 1
+    assert len(lessons) == len(MEMORY_LESSONS)
     missing = [p.name for p in lessons if not _starts_the_panel(p)]
     assert not missing, f"memory is the lesson, but no `MemoryMonitor(...).start()` ... `.stop()`: {missing}"
 

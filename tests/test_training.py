@@ -276,3 +276,16 @@ def test_mixed_precision_in_every_strategy_stays_close_to_one_device(kw):
     assert max_relative_diff(grads, res.grads) <= job.precision.tolerance
     if job.optimizer == "adam":  # fp16 with loss scaling trains: every rank took (or skipped) the same steps
         assert res.losses[-1] < res.losses[0]
+
+
+def test_a_ranks_slice_of_token_windows_is_its_own_tensor():
+    """On the CPU rig `.to(device)` returns the very tensor: a replica's slice of the token windows must still be
+    copied, or the ledger counts the whole corpus among the activations when an embedding that trains saves its
+    input ids."""
+    from helpers.training.loop import _replica_batch
+
+    rows = torch.randint(0, 64, (100, 17))
+    job = TrainJob(StackConfig(vocab=64, seq_len=16), dp=2, data_parallel="fsdp2", batch=8, microbatches=2)
+    batch = _replica_batch(job, 1, torch.device("cpu"), 3, rows)
+    for mb in batch.microbatches:
+        assert mb.inputs.untyped_storage().nbytes() == mb.targets.untyped_storage().nbytes() == 4 * 16 * 8

@@ -11,14 +11,15 @@ the host (the same bytes on every rig), adapters initialised from a per-layer se
 hold exactly the same numbers, and `TrainJob(LoraModel(...), dp=2, data_parallel="fsdp2", checkpointing=True,
 offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
 returns the adapters' trained values (`TrainResult.state`), which `save_adapters` writes with peft's
-`save_pretrained`, `merged_model` merges with peft's `merge_and_unload`, and `finetune` wraps for notebook 12.
+`save_pretrained`, `merged_model` merges with peft's `merge_and_unload`, and `finetune` (one method) and
+`finetune_each` (several, in one launch) wrap for notebook 12.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -336,13 +337,20 @@ class Finetuned:
     saved: Path | None = None
 
 
+def small_llama_config(vocab: int = 512, seq_len: int = 64, n_layers: int = 4, hidden: int = 128):
+    """The config of `small_llama`: 4 query heads over 2 key/value heads (grouped-query attention), intermediate
+    4 x hidden, `seq_len` positions."""
+    from helpers.models.hf import hf_config
+
+    return hf_config("llama", n_layers=n_layers, hidden=hidden, heads=4, kv_heads=2, vocab=vocab, seq_len=seq_len)
+
+
 def small_llama(directory: str | Path, vocab: int = 512, seq_len: int = 64, n_layers: int = 4, hidden: int = 128,
                 seed: int = 0) -> HFModel:
     """A small Llama-style model (grouped-query attention) with random weights, saved with `save_pretrained`."""
-    from helpers.models.hf import hf_config, save_hf_model
+    from helpers.models.hf import save_hf_model
 
-    cfg = hf_config("llama", n_layers=n_layers, hidden=hidden, heads=4, kv_heads=2, vocab=vocab, seq_len=seq_len)
-    return save_hf_model(cfg, directory, seed=seed)
+    return save_hf_model(small_llama_config(vocab, seq_len, n_layers, hidden), directory, seed=seed)
 
 
 def finetune(model: str | Path | None = None, method: str = "qlora", steps: int = 20, batch: int = 8,
@@ -354,37 +362,66 @@ def finetune(model: str | Path | None = None, method: str = "qlora", steps: int 
     """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
     default the standard library), FSDP2 over 2 ranks, for `steps` optimizer steps (>= 3) of Adam on the adapters.
     Bad input is refused before any process starts."""
+    return _finetune(model, (method,), {method: save_to}, steps=steps, batch=batch, seq_len=seq_len, rank=rank,
+                     alpha=alpha, targets=targets, base_dtype=base_dtype, checkpointing=checkpointing,
+                     offload=offload, text=text, lr=lr, prompt=prompt, workdir=workdir, rig=rig, timeout=timeout,
+                     held_out_windows=held_out_windows, max_chars=max_chars)[method]
+
+
+def finetune_each(model: str | Path | None = None, methods: Sequence[str] = METHODS,
+                  save_to: str | Path | None = None, **options) -> dict[str, Finetuned]:
+    """`finetune` of the same base on the same text with each of `methods` (default LoRA and QLoRA), one after the
+    other in one launch of the ranks (`helpers.training.loop.run_trainings`): one start-up of the processes for all of
+    them. `save_to`: a folder; each method's adapters go to its own subfolder (save_to/lora, ...). `options`: those of
+    `finetune`."""
+    methods = tuple(dict.fromkeys(methods))
+    if not methods:
+        raise ValueError(f"no fine-tuning method given: choose among {METHODS}")
+    folders = {m: (Path(save_to) / m if save_to is not None else None) for m in methods}
+    return _finetune(model, methods, folders, **options)
+
+
+def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | None], steps: int = 20,
+              batch: int = 8, seq_len: int = 32, rank: int = 8, alpha: float = 16.0,
+              targets: tuple[str, ...] | str = ALL_LINEAR, base_dtype: str = "fp32", checkpointing: bool = True,
+              offload: str | None = None, text: str | Path | None = None, lr: float = 3e-3, prompt: str = "def ",
+              workdir: str | Path | None = None, rig=None, timeout: float = 600.0, held_out_windows: int = 32,
+              max_chars: int = 200_000) -> dict[str, Finetuned]:
+    """Every method's job checked, then all of them run in one launch; each measured before and after."""
     from helpers.models.layered import Stage
     from helpers.models.text import greedy_sample, load_rows, model_text, text_loss
     from helpers.runtime.rig import detect_rig
     from helpers.runtime.scratch import scratch_dir
-    from helpers.training.job import TrainJob, check_job
-    from helpers.training.loop import run_training
+    from helpers.training.job import TrainJob
+    from helpers.training.loop import run_trainings
 
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
-    spec = LoraSpec(method=method, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype)
-    check_spec(spec)
+    specs = {m: LoraSpec(method=m, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype) for m in methods}
+    for spec in specs.values():
+        check_spec(spec)
     rig = rig or detect_rig()
     workdir = Path(workdir or scratch_dir("lab-lora-"))
     base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
-    lora = LoraModel(base, spec)
+    loras = {m: LoraModel(base, spec) for m, spec in specs.items()}
     train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",
                                                   max_chars=max_chars)
-    job = TrainJob(lora, dp=2, data_parallel="fsdp2", batch=batch, seq_len=seq_len, steps=steps - 2,
-                   optimizer="adam", lr=lr, data=str(train_rows), checkpointing=checkpointing, offload=offload,
-                   return_state=True)
-    check_job(job, rig, oversubscribe=rig.is_cpu)
+    jobs = [TrainJob(lora, dp=2, data_parallel="fsdp2", batch=batch, seq_len=seq_len, steps=steps - 2,
+                     optimizer="adam", lr=lr, data=str(train_rows), checkpointing=checkpointing, offload=offload,
+                     return_state=True) for lora in loras.values()]
     held = load_rows(held_rows)[:held_out_windows]
     context = getattr(base.config, "max_position_embeddings", None)
 
-    def measure(state):
+    def measure(lora: LoraModel, state):
         stage = Stage(full_layers(lora, state)).eval()
         return text_loss(stage, held), greedy_sample(stage, tokenizer, prompt, 40, context)
 
-    loss_before, sample_before = measure(None)
-    res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu)
-    loss_after, sample_after = measure(res.state)
-    saved = save_adapters(lora, res.state, save_to) if save_to is not None else None
-    return Finetuned(res.losses, (loss_before, loss_after), (sample_before, sample_after), res.memory,
-                     res.step_times, res.state, lora, prompt, saved)
+    before = {m: measure(lora, None) for m, lora in loras.items()}
+    results = run_trainings(jobs, rig, timeout=timeout, oversubscribe=rig.is_cpu)  # checks every job first
+    out = {}
+    for (m, lora), res in zip(loras.items(), results):
+        after = measure(lora, res.state)
+        saved = save_adapters(lora, res.state, save_to[m]) if save_to.get(m) is not None else None
+        out[m] = Finetuned(res.losses, (before[m][0], after[0]), (before[m][1], after[1]), res.memory,
+                           res.step_times, res.state, lora, prompt, saved)
+    return out

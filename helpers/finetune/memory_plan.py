@@ -340,7 +340,7 @@ def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, check
 class TrainingRequest:
     """Everything the planner is asked; `plan_training` checks it before planning."""
 
-    model: str = "llama-2-7b"
+    model: object = "llama-2-7b"  # a name, an id or a directory (str), or a transformers config
     method: str = "qlora"
     context: int = 2048
     batch: int = 1
@@ -352,7 +352,7 @@ class TrainingRequest:
     lora_targets: str = "all"
     optimizer: str = "adamw"
     precision: str = "mixed"
-    dtype: str | None = None  # the base's weight format; None: bf16 (full, lora) or nf4 (qlora)
+    dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4 (qlora)
     grad_accum: int | None = None  # micro-batches per optimizer step; None: 1, or the number of stages (pipeline)
     host_ram_bytes: int | None = None  # None: host RAM is reported, not checked
 
@@ -723,12 +723,14 @@ def _plan(request: TrainingRequest) -> TrainingPlan:
 def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048, batch: int = 1,
                   gpus: Sequence[Gpu] | str | None = None, strategy: str = "fsdp2", offload: str = "none",
                   checkpointing: bool = True, lora_rank: int | None = None, lora_targets: str = "all",
-                  optimizer: str = "adamw", precision: str = "mixed", dtype: str | None = None,
+                  optimizer: str = "adamw", precision: str = "mixed", dtype: str | WeightFormat | None = None,
                   grad_accum: int | None = None, host_ram_bytes: int | None = None) -> TrainingPlan:
-    """Per-GPU memory of fine-tuning `model` with `method` on `gpus` (default two RTX 3090s), and, when it does not
-    fit, the changes that would (`TrainingPlan.suggestions`, each re-planned, cheapest first)."""
+    """Per-GPU memory of fine-tuning `model` (a bundled name, a Hugging Face id, a directory holding a config.json, or
+    a transformers config) with `method` on `gpus` (default two RTX 3090s), and, when it does not fit, the changes
+    that would (`TrainingPlan.suggestions`, each re-planned, cheapest first). `dtype`: a format's name, or a
+    `WeightFormat` (e.g. NF4 computing in fp32, as on the CPU rig)."""
     request = check_request(TrainingRequest(
-        model=str(model), method=method, context=context, batch=batch, gpus=tuple(check_gpus(gpus)),
+        model=model if hasattr(model, "model_type") else str(model), method=method, context=context, batch=batch, gpus=tuple(check_gpus(gpus)),
         strategy=strategy, offload=offload, checkpointing=checkpointing, lora_rank=lora_rank,
         lora_targets=lora_targets, optimizer=optimizer, precision=precision, dtype=dtype, grad_accum=grad_accum,
         host_ram_bytes=host_ram_bytes))

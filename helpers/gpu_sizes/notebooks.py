@@ -373,6 +373,32 @@ def nb11(c: Constants, rig: Rig) -> list[Phase]:
     ]
 
 
+def nb12(c: Constants, rig: Rig) -> list[Phase]:
+    """Three FSDP2 runs on two ranks, one after the other, each planned by the training-memory planner
+    (helpers.finetune.memory_plan, through helpers.finetune.compare) for the notebook's small Llama: full fine-tuning,
+    LoRA and QLoRA. The notebook process measures held-out loss and samples on the host: nothing of it on a GPU. On
+    the one-GPU rig the notebook runs on the CPU rig instead (FSDP2 needs two GPUs there): nothing on the GPU."""
+    if rig.kind != "two_gpus":
+        return [Phase("the runs use the CPU rig (FSDP2 needs two GPUs)", ())]
+    from helpers.finetune.compare import run_format
+    from helpers.finetune.lora import small_llama_config
+    from helpers.finetune.memory_plan import plan_training
+
+    config = small_llama_config(c["VOCAB"], c["POSITIONS"], c["LAYERS"], c["HIDDEN"])
+    phases = []
+    for method in ("full", "lora", "qlora"):
+        lora = {} if method == "full" else {"lora_rank": c["RANK"], "lora_targets": "all"}
+        plan = plan_training(config, method, context=c["SEQ"], batch=c["BATCH"] // 2, strategy="fsdp2",
+                             checkpointing=True, precision="pure" if method == "full" else "mixed",
+                             dtype=run_format(method, c["BASE_DTYPE"]), **lora)
+        ranks = tuple(Part(f"{method}, rank {d.device}", d.device, Footprint(
+            weights=d.frozen_bytes + d.trainable_bytes, grads=d.gradient_bytes, optimizer=d.optimizer_bytes,
+            activations=d.activation_bytes, workspace=max(d.workspace_bytes, d.step_bytes - d.activation_bytes)),
+            f"rank {d.device}") for d in plan.devices)
+        phases.append(Phase(f"section 3: {method} fine-tuning ranks", ranks))
+    return phases
+
+
 INVENTORIES = {
     "00": Inventory(nb00, ("BATCH", "SEQ")),
     "01": Inventory(nb01, ("BATCH", "SEQ")),
@@ -386,4 +412,5 @@ INVENTORIES = {
     "09": Inventory(nb09, ("LAYERS", "HIDDEN")),
     "10": Inventory(nb10, ("BATCH", "SEQ")),
     "11": Inventory(nb11, ("BATCH", "SEQ")),
+    "12": Inventory(nb12, ("BATCH", "SEQ")),
 }

@@ -46,6 +46,8 @@ class Trained:
     events: list = field(default_factory=list)
     held_out: Path | None = None  # with text=: the held-out windows (helpers.models.text.text_loss measures them)
     tokenizer: object | None = None  # with text=: the tokenizer of the text
+    step_times: list[float] = field(default_factory=list)  # engine processes: every timed step (slowest rank)
+    memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.memory ledger)
 
 
 def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
@@ -136,10 +138,12 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
           seq_len: int = 32, microbatches: int = 4, rig: Rig | None = None, save_to: str | Path | None = None,
           optimizer: str = "adam", lr: float = 1e-3, dtype: str = "fp32", autocast: str | None = None,
           padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0,
-          text: str | Path | None = None, data: str | Path | None = None, workdir: str | Path | None = None) -> Trained:
+          text: str | Path | None = None, data: str | Path | None = None, workdir: str | Path | None = None,
+          checkpointing: bool = False) -> Trained:
     """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic tokens,
     real `text` or token windows `data`, and, with `save_to`, save it with `save_pretrained` (and the text's
-    tokenizer beside it). Bad input is refused before anything starts."""
+    tokenizer beside it). `checkpointing`: recompute each decoder layer's activations in backward (the data-parallel
+    strategies). Bad input is refused before anything starts."""
     if strategy not in (*PIPELINES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp"):
         raise ValueError(f"unknown strategy {strategy!r}; choose one of "
                          f"{(*PIPELINES, *DATA_PARALLEL_STRATEGIES, 'dp_x_pp')}")
@@ -159,13 +163,13 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
         data, held_out, tokenizer = model_text(hf.path, hf.vocab_size, text, seq_len, folder)
     job = _job(hf, strategy, engine, steps, batch=batch, seq_len=seq_len, microbatches=microbatches,
                optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding, data_seed=data_seed,
-               data=str(data) if data is not None else None)
+               data=str(data) if data is not None else None, checkpointing=checkpointing)
     if engine == "threads":
         check_job(job, rig)
         out = _train_threads(hf, job, rig)
     else:
         res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu)
-        out = Trained(res.losses, res.state, events=res.events)
+        out = Trained(res.losses, res.state, events=res.events, step_times=res.step_times, memory=res.memory)
     if save_to is not None:
         out.saved = save_trained(hf, out.state, save_to)
         if tokenizer is not None:

@@ -81,6 +81,12 @@ class TrainJob:
         return self.data_parallel
 
     @property
+    def title(self) -> str:
+        """What a memory panel calls this run: the strategy, and the fine-tuning method of a LoRA model."""
+        method = getattr(getattr(self.layered, "spec", None), "method", None)
+        return f"{self.strategy} {method}" if method else self.strategy
+
+    @property
     def n_layers(self) -> int:
         return len(self.layered.meta_layers())
 

@@ -122,7 +122,10 @@ def _replica_batch(job: TrainJob, replica: int, device: torch.device, step: int 
     x, y, mask = global_batch(job, step, rows)
     per = job.batch // job.dp
     rows = slice(replica * per, (replica + 1) * per)
-    xs, ys = x[rows].to(device).chunk(job.microbatches), y[rows].to(device).chunk(job.microbatches)
+    # copy=True: on the CPU rig a slice of the token windows would otherwise stay a view of the whole corpus, and the
+    # ledger would count the corpus among the activations when the embedding saves its input ids (full training)
+    xs = x[rows].to(device, copy=True).chunk(job.microbatches)
+    ys = y[rows].to(device, copy=True).chunk(job.microbatches)
     masks = mask[rows].to(device).chunk(job.microbatches) if mask is not None else [None] * job.microbatches
     model = job.layered
     mbs = [MicroBatch(xi, yi, model.context(xi, mi)) for xi, yi, mi in zip(xs, ys, masks)]
@@ -315,7 +318,7 @@ def train_worker(job: TrainJob) -> dict:
         raise ValueError(f"a {job.dp} x {job.pp} mesh has {job.world} devices but the world has "
                          f"{dist.get_world_size()} ranks")
     r = _Rank(job)
-    publish(r.ledger, title=job.strategy)  # to a memory panel, if one watches (helpers.monitor)
+    publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
     for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
