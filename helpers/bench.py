@@ -228,7 +228,7 @@ class BenchConfig:
     onefoneb_microbatches: int
     torch_microbatches: tuple[int, ...]
     rounds: int = 1  # launches of each multi-process job, interleaved across jobs
-    extra_repeats: int = 3  # interleaved repeats of the split comparison and the checkpoint sweep
+    extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
 
 
@@ -237,7 +237,7 @@ MODES = ("quick", "default", "precise")
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
-    model. default: every row once, 4 timed steps, one launch of each multi-process job. precise: the same rows,
+    model. default: every row once, 3 timed steps, one launch of each multi-process job. precise: the same rows,
     6 steps and 3 launches of each job interleaved, 6 repeats of the extras: medians a noisy minute moves less."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
@@ -248,9 +248,9 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
                            gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
                            link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)), extra_repeats=2)
     precise = mode == "precise"
-    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6 if precise else 4,
+    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6 if precise else 3,
                        gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,),
-                       rounds=3 if precise else 1, extra_repeats=6 if precise else 3)
+                       rounds=3 if precise else 1, extra_repeats=6 if precise else 2)
 
 
 class Progress:
@@ -352,7 +352,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     kept under its `calibration_key`, for the predictions."""
     from helpers.models import SyntheticTokens, build_stack
     from helpers.training.job import TrainJob
-    from helpers.training.loop import run_training
+    from helpers.training.loop import run_trainings
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     if rig.is_cpu:
@@ -386,10 +386,14 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     jobs += [(s, engine, s, config.onefoneb_microbatches, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
     refused = bench_refusals(rig)
     jobs = [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
+    def job(j) -> TrainJob:
+        return TrainJob(config.cfg, pp=2, boundaries=bench_cut(j[2], len(model)), schedule=j[2], microbatches=j[3],
+                        batch=config.batch, engine=j[1], overlap=j[4], steps=config.steps)
+
+    # ours and torch's run of one schedule share a launch (one start of the processes for the two)
     results = run_in_rounds(
-        {j: (lambda j=j: run_training(TrainJob(config.cfg, pp=2, boundaries=bench_cut(j[2], len(model)),
-                                               schedule=j[2], microbatches=j[3], batch=config.batch, engine=j[1],
-                                               overlap=j[4], steps=config.steps), rig)) for j in jobs},
+        {group: (lambda group=group: run_trainings([job(j) for j in group], rig))
+         for group in by_launch(jobs, lambda j: (j[2], j[3], j[4]))},
         config.rounds, "process pipelines", progress,
         around=(lambda j: timer.sample(config.batch // j[3], j)) if timer else None)
     for j, got in results.items():
@@ -414,30 +418,42 @@ class Pooled:
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   around: Callable | None = None) -> dict:
-    """Launch every job once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of them; return
-    {key: `Pooled`} (each launch returns a `TrainResult`). `around(key)` runs just before and just after each
-    launch (the bench times its calibration there, so each row's calibration sees the minutes it ran)."""
+    """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
+    them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch returning one `TrainResult`
+    per key (jobs launched together share one start of the processes: `run_trainings`). `around(key)` runs for
+    each job just before and just after its launch (the bench times its calibration there, so each row's
+    calibration sees the minutes it ran)."""
     import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
-    progress.phase(f"{desc}: {len(launches)} jobs x {rounds} round(s), one launch each")
-    steps: dict = {k: [] for k in launches}
-    phases: dict = {k: [] for k in launches}
+    jobs = [k for group in launches for k in group]
+    progress.phase(f"{desc}: {len(jobs)} jobs in {len(launches)} launches x {rounds} round(s)")
+    steps: dict = {k: [] for k in jobs}
+    phases: dict = {k: [] for k in jobs}
     last: dict = {}
     bar = progress.bar(rounds * len(launches), desc)
     for _ in range(rounds):
-        for key, launch in launches.items():
-            if around is not None:
+        for group, launch in launches.items():
+            for key in group if around is not None else ():
                 around(key)
-            last[key] = launch()
-            if around is not None:
+            for key, got in zip(group, launch()):
+                last[key] = got
+                steps[key].extend(got.step_times)
+                phases[key].extend(got.phase_times)
+            for key in group if around is not None else ():
                 around(key)
-            steps[key].extend(last[key].step_times)
-            phases[key].extend(last[key].phase_times)
             bar.update()
     bar.close()
     return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k])
-            for k in launches}
+            for k in jobs}
+
+
+def by_launch(keys: Sequence, share: Callable) -> list[tuple]:
+    """The job keys grouped into launches: keys with the same `share(key)` together (in order of first appearance)."""
+    groups: dict = {}
+    for key in keys:
+        groups.setdefault(share(key), []).append(key)
+    return [tuple(group) for group in groups.values()]
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
@@ -447,14 +463,15 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
     """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP; with
     `timer`, the whole model timed at each job's micro-batch size around its launches."""
     from helpers.training.job import TrainJob
-    from helpers.training.loop import run_training
+    from helpers.training.loop import run_training, run_trainings
 
     rows = []
     dp_job = lambda s: TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch, steps=config.steps,  # noqa: E731
                                 optimizer="adam")
     refused = bench_refusals(rig)
     strategies = [s for s in ("ddp", "zero1", "fsdp2") if (s, "processes") not in refused]
-    results = run_in_rounds({s: (lambda s=s: run_training(dp_job(s), rig)) for s in strategies},
+    results = run_in_rounds({tuple(strategies): lambda: run_trainings([dp_job(s) for s in strategies], rig)}
+                            if strategies else {},
                             config.rounds, "data parallel", progress,
                             around=(lambda s: timer.sample(config.batch // 2, s)) if timer else None)
     for strategy, got in results.items():
@@ -463,9 +480,9 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
                              spread=got.spread, measured_phase_s=got.phase_s, calibration_key=strategy))
     if ("dp_x_pp", "processes") not in refused:
         m = DP_X_PP_MICROBATCHES(config)
-        results = run_in_rounds({"dp_x_pp": lambda: run_training(
+        results = run_in_rounds({("dp_x_pp",): lambda: [run_training(
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
-            rig, oversubscribe=rig.is_cpu)}, config.rounds, "DP x PP", progress,
+            rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
             around=(lambda k: timer.sample(config.batch // 2 // m, k)) if timer else None)
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,

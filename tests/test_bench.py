@@ -300,3 +300,14 @@ def test_one_gpu_calibration_measures_only_what_gloo_carries_for_cuda():
     assert [k for k in ("allgather", "reducescatter", "broadcast") if carries("gloo", "cuda", k)] == ["broadcast"]
     assert all(carries(b, d, k) for b, d in (("gloo", "cpu"), ("nccl", "cuda"))
                for k in ("allgather", "reducescatter", "broadcast", "allreduce"))
+
+
+def test_jobs_of_one_schedule_share_a_launch():
+    """ours and torch's run of one schedule start their processes once (run_trainings): the default run's 15
+    pipeline jobs in 9 launches."""
+    from helpers.bench import by_launch
+
+    jobs = [("naive", "ours", "gpipe", 1, False), ("gpipe", "ours", "gpipe", 8, True), ("1f1b", "ours", "1f1b", 8, True),
+            ("gpipe", "torch", "gpipe", 8, True), ("1f1b", "torch", "1f1b", 8, True)]
+    assert by_launch(jobs, lambda j: (j[2], j[3], j[4])) == [
+        (jobs[0],), (jobs[1], jobs[3]), (jobs[2], jobs[4])]
