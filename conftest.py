@@ -5,8 +5,9 @@ collective, as under NCCL). Notebook kernels do not: a notebook shows the lines 
 
 Two tiers. `pytest` runs the fast tier, which proves an install in minutes: the unit tests of every module, each
 engine and strategy once against one device on a tiny model, and notebook 00. `pytest --full` runs everything: every
-notebook, the slow parity matrices, the launcher's fault tests, the scripts, the doctor and the bench. A test joins
-the full tier with `@pytest.mark.full`; a notebook joins the fast tier by being listed in FAST_NOTEBOOKS.
+notebook, the slow parity matrices, the launcher's fault tests, the scripts, the doctor, the bench, and the stress
+test that runs notebooks 04-07 five times in a row (`-m repeat`). A test joins the full tier with `@pytest.mark.full`;
+a notebook joins the fast tier by being listed in FAST_NOTEBOOKS.
 """
 import os
 import shutil
@@ -35,6 +36,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: runs only with --full (the full tier)")
+    config.addinivalue_line("markers", "repeat: the full tier's stress test (notebooks 04-07 five times in a row, about "
+                                       "20 minutes); CI leaves it out to keep its run under 30 minutes")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -76,13 +79,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_full(item) and item.get_closest_marker("full") is None:
             item.add_marker(pytest.mark.full)
-    repeated = {item.callspec.params["name"] for item in items
-                if getattr(item, "originalname", None) == "test_notebook_passes_five_times_in_a_row"}
-    if repeated:  # the five-run test executes these notebooks itself: nbval's single run would only repeat it
-        covered = [item for item in items if _is_notebook(item) and item.path.stem in repeated]
-        if covered:
-            config.hook.pytest_deselected(items=covered)
-            items[:] = [item for item in items if item not in covered]
     if config.getoption("--full"):
         return
     fast = [item for item in items if not _is_full(item)]

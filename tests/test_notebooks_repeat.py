@@ -1,6 +1,6 @@
 """The notebooks whose checks once hung on timing, sampling or the allocator's state (nbval of 04-06 failed 1 of 50
-cells once on a quiet machine, then passed) run five times in a row, every cell, with no failure. Full tier; where this
-test runs, it stands in for nbval's single run of the same notebooks (conftest.py)."""
+cells once on a quiet machine, then passed) run five times in a row, every cell, with no failure. Full tier, marked
+`repeat`: about 20 minutes on 2 cores, which CI leaves out (`pytest --full -m repeat` runs it alone)."""
 import copy
 from pathlib import Path
 
@@ -15,6 +15,7 @@ RUNS = 5
 
 
 @pytest.mark.full
+@pytest.mark.repeat
 @pytest.mark.parametrize("name", REPEATED)
 def test_notebook_passes_five_times_in_a_row(name, monkeypatch):
     monkeypatch.delenv("LAB_DEVICE_STRICT", raising=False)  # notebook kernels run as a learner's (conftest.py)
