@@ -66,16 +66,23 @@ def test_threaded_pipeline_equals_one_device(schedule, m):
     assert sum(e.kind == "backward" for e in events) == 2 * m
 
 
-def test_1f1b_holds_fewer_activations_than_gpipe():
+def _activation_peaks(schedules: tuple[str, ...]) -> dict[str, list[int]]:
+    """Each schedule's peak saved activations per device (8 micro-batches, threads), and that every graph was freed."""
     model = build_stack(CFG)
     x, y = SyntheticTokens(16, CFG.seq_len, CFG.vocab).batch(0, 16)
     peaks = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in schedules:
         split = split_model(copy.deepcopy(model), 3, CPU2)
         ledger = ledger_for(split.stages, ["d0", "d1"])
         ThreadedPipeline(split, schedule, 8, ledger).step(x, y)
-        peaks[schedule] = ledger.device("d0").activations
-    assert peaks["1f1b"] * 3 <= peaks["gpipe"]  # 2 of 8 micro-batches in flight instead of 8
+        peaks[schedule] = [ledger.device(d).activations for d in ("d0", "d1")]
+        assert all(ledger.live_activations(d) == 0 for d in ("d0", "d1")), "every graph freed after the step"
+    return peaks
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    peaks = _activation_peaks(("gpipe", "1f1b"))
+    assert peaks["1f1b"][0] * 3 <= peaks["gpipe"][0]  # 2 of 8 micro-batches in flight instead of 8
 
 
 def test_stage_error_reaches_caller():
@@ -246,15 +253,7 @@ def test_new_schedules_on_threads_equal_one_device(name):
 def test_zero_bubble_holds_the_graph_until_w():
     """ZB-H1's last stage keeps each micro-batch's graph (its activations) from B until W: two micro-batches at
     its peak where 1F1B's last stage holds one, measured with the ledger."""
-    model = build_stack(CFG)
-    x, y = SyntheticTokens(16, CFG.seq_len, CFG.vocab).batch(0, 16)
-    peaks = {}
-    for schedule in ("1f1b", "zbh1"):
-        split = split_model(copy.deepcopy(model), 3, CPU2)
-        ledger = ledger_for(split.stages, ["d0", "d1"])
-        ThreadedPipeline(split, schedule, 8, ledger).step(x, y)
-        peaks[schedule] = [ledger.device(d).activations for d in ("d0", "d1")]
-        assert all(ledger.live_activations(d) == 0 for d in ("d0", "d1")), "every graph freed after the step"
+    peaks = _activation_peaks(("1f1b", "zbh1"))
     assert peaks["zbh1"][0] == peaks["1f1b"][0]
     assert peaks["zbh1"][1] == pytest.approx(2 * peaks["1f1b"][1], rel=0.02)
 
