@@ -40,6 +40,7 @@ import torch
 from helpers.check import max_grad_diff
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.precision import Precision, max_relative_diff
+from helpers.runtime.launch import run_command
 from helpers.runtime.rig import FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig
 from helpers.runtime.strict import STRICT_ENV
 from helpers.training.support import Support, support
@@ -423,6 +424,7 @@ SCRIPT_RUNS = (("train_naive_split.py", 0, ()), ("train_pipeline.py", 2, ("--sch
                ("train_ddp.py", 2, ()), ("train_fsdp2.py", 2, ()), ("train_dp_x_pp.py", 4, ("--pp", "2")),
                ("finetune_lora.py", 2, ("--method", "qlora", "--lora-rank", "4", "--checkpointing")))
 LINEAR_BLOCKS = {"finetune_lora.py"}  # scripts that need nn.Linear in the blocks (GPT-2's are Conv1D): a Llama
+SCRIPT_TIMEOUT_S = 300  # two steps of a tiny model take 5-15 s: anything near this is a hang
 SCRIPT_FLAGS = ("--steps", "2", "--batch", "4", "--seq-len", "16", "--microbatches", "2", "--lr", "1e-3")
 
 
@@ -438,7 +440,11 @@ def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], mode
         env[FORCE_CPU_ENV] = "1"
     cmd = [*launcher, str(REPO / "scripts" / script), "--model", model_dir, *SCRIPT_FLAGS, *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    try:
+        proc = run_command(cmd, timeout_s=SCRIPT_TIMEOUT_S, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired as hung:
+        return Check(name, "FAIL", f"no answer in {SCRIPT_TIMEOUT_S} s (its ranks were stopped); it printed:\n"
+                     f"{(hung.stdout or '')[-1000:]}\n{(hung.stderr or '')[-2000:]}", time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
     if proc.returncode == 0 and len(losses) == 2 and all(math.isfinite(v) for v in losses):

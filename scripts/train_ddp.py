@@ -39,7 +39,8 @@ def main() -> None:
         report(step, total.item() / real)
     if ns.save_to and rank == 0:
         model.save_pretrained(ns.save_to)
-    dist.destroy_process_group()
+    del ddp  # free DDP before leaving the group: freed after, its reducer tears the group down holding Python's lock
+    dist.destroy_process_group()  # while gloo's worker thread waits for that lock to free a tensor (hung 1 run in 8)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.runtime import workers
 from helpers.runtime.bootstrap import NO_DEATH_SIGNAL_ENV
-from helpers.runtime.launch import GRACE_S, WorkerError, WorkerTimeout, check_importable, run
+from helpers.runtime.launch import GRACE_S, WorkerError, WorkerTimeout, check_importable, run, run_command
 from helpers.runtime.rig import cpu_rig
 from tests import workers as bad
 
@@ -232,10 +232,33 @@ def test_torchrun_entry_takes_json_arguments(tmp_path):
     """The docstring's example, as written."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "helpers.runtime.launch",
            "helpers.runtime.workers:all_reduce_sum", "--args", "[2.0]"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", TMPDIR=str(tmp_path)))
+    proc = run_command(cmd, timeout_s=120, cwd=REPO,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "6.0"
+
+
+@pytest.mark.full  # a launcher fault test
+def test_a_hung_torchrun_rank_is_stopped_with_what_it_printed(tmp_path):
+    """torchrun starts each worker in a session of its own: killing torchrun alone (subprocess.run's timeout) left the
+    doctor's hung train_ddp.py rank running forever. run_command stops torchrun, torchrun stops its workers."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "helpers.runtime.launch",
+           "tests.workers:hang_on_rank_one"]
+    with pytest.raises(subprocess.TimeoutExpired) as hung:
+        run_command(cmd, timeout_s=20, cwd=REPO,
+                    env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", TMPDIR=str(tmp_path)))
+    assert "shutting down workers" in hung.value.stderr
+    time.sleep(1)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).count("hang_on_rank_one")]
+    assert left == []
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def test_native_windows_is_refused_before_anything_starts(monkeypatch):

@@ -2,7 +2,6 @@
 device on the same batch, a loss that goes down, and a checkpoint that reloads."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from helpers.models.hf import hf_config, save_hf_model
+from helpers.runtime.launch import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -53,9 +53,8 @@ def _run(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> li
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--nproc-per-node", str(nproc)]
     cmd = [*launcher, str(SCRIPTS / script), "--model", str(model_dir), "--save-to", str(out), *FLAGS, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1",
-                                   TMPDIR=str(out.parent)))  # torchrun's own temp folders go there
+    proc = run_command(cmd, timeout_s=240, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1",
+                                                              TMPDIR=str(out.parent)))  # torchrun's temp folders
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
 

@@ -360,6 +360,30 @@ def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIME
 
 # --- torchrun ------------------------------------------------------------------------------------------------------
 
+def run_command(cmd: list[str], timeout_s: float, grace_s: float = 30.0, **popen: Any
+                ) -> subprocess.CompletedProcess:
+    """Run a command that starts ranks (torchrun and its workers), capturing its output. Past `timeout_s`, or if the
+    caller is interrupted, it gets SIGTERM, on which torchrun stops its workers (each in a session of its own, out of
+    reach of a group kill); what is left after `grace_s` is killed. `subprocess.run` would SIGKILL torchrun alone and
+    leave a hung rank running forever. A timeout raises `subprocess.TimeoutExpired` carrying what the command
+    printed, so the report says where it stopped."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **popen) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException as exc:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(cmd, timeout_s, out, err) from None
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _resolve(target: str) -> Callable:
     module, _, name = target.partition(":")
     if not name:
