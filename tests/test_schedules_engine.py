@@ -50,18 +50,22 @@ def test_bad_pipeline_input():
     assert bubble_fraction(2, 4) == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("schedule, m", [("gpipe", 1), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)])
-def test_threaded_pipeline_equals_one_device(schedule, m):
-    model = build_stack(CFG)
-    x, y = SyntheticTokens(8, CFG.seq_len, CFG.vocab).batch(0, 8)
-    split = split_model(copy.deepcopy(model), 3, CPU2)
+def _step_equals_one_device(model, split, schedule: str, m: int, x, y) -> list:
+    """One threaded step of `split` against `model`'s own step: same loss, same gradients. Returns its events."""
     pipe = ThreadedPipeline(split, schedule, m)
     loss = pipe.step(x, y)
     ref = lm_loss(model(x), y)
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-5
     assert_same_grads(model, split)
-    events = pipe.events()
+    return pipe.events()
+
+
+@pytest.mark.parametrize("schedule, m", [("gpipe", 1), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)])
+def test_threaded_pipeline_equals_one_device(schedule, m):
+    model = build_stack(CFG)
+    x, y = SyntheticTokens(8, CFG.seq_len, CFG.vocab).batch(0, 8)
+    events = _step_equals_one_device(model, split_model(copy.deepcopy(model), 3, CPU2), schedule, m, x, y)
     assert sum(e.kind == "forward" for e in events) == 2 * m
     assert sum(e.kind == "backward" for e in events) == 2 * m
 
@@ -236,13 +240,7 @@ def test_new_schedules_on_threads_equal_one_device(name):
     layout = layout_for(name, 2)
     split = split_model(copy.deepcopy(model), list(equal_count_split(len(model), layout.stages)),
                         stage_devices(CPU2, layout))
-    pipe = ThreadedPipeline(split, name, 4)
-    loss = pipe.step(x, y)
-    ref = lm_loss(model(x), y)
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < 1e-5
-    assert_same_grads(model, split)
-    events = pipe.events()
+    events = _step_equals_one_device(model, split, name, 4, x, y)
     assert sum(e.kind == "forward" for e in events) == 4 * layout.stages
     weights = sum(a.kind == "W" for actions in make_schedule(name, 2, 4) for a in actions)
     assert sum(e.kind == "weight" for e in events) == weights
