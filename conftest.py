@@ -54,6 +54,23 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+def _stop_kernels_as_jupyterlab_does() -> None:
+    """nbval kills each notebook's kernel (`shutdown_kernel(now=True)`: SIGKILL), so the kernel's exit handlers never
+    run and its scratch folders stay. JupyterLab asks a kernel to shut down (closing or restarting a notebook); the
+    tests do the same, so a kernel that would not exit cleanly for a learner is seen here too."""
+    from nbval.kernel import RunningKernel
+
+    def stop(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+        del self.km
+
+    RunningKernel.stop = stop
+
+
+_stop_kernels_as_jupyterlab_does()
+
+
 def _is_notebook(item) -> bool:
     path = getattr(item, "path", None)
     return path is not None and path.suffix == ".ipynb"
