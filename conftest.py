@@ -37,7 +37,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: runs only with --full (the full tier)")
     config.addinivalue_line("markers", "repeat: the full tier's stress test (notebooks 04-07 five times in a row, about "
-                                       "20 minutes); CI leaves it out to keep its run under 30 minutes")
+                                       "17 minutes); CI leaves it out to keep its run under 30 minutes")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,6 +1,7 @@
-"""The notebooks whose checks once hung on timing, sampling or the allocator's state (nbval of 04-06 failed 1 of 50
-cells once on a quiet machine, then passed) run five times in a row, every cell, with no failure. Full tier, marked
-`repeat`: about 20 minutes on 2 cores, which CI leaves out (`pytest --full -m repeat` runs it alone)."""
+"""Notebooks 04-07, whose checks once failed now and then on timing, sampling or the allocator's state (nbval of
+04-06 failed 1 of 50 cells once on a quiet machine, then passed), run five times in a row, every cell, with no
+failure. Full tier, marked `repeat`: about 17 minutes on 2 cores, which CI leaves out (`pytest --full -m repeat`
+runs it alone)."""
 import copy
 from pathlib import Path
 
