@@ -1,7 +1,7 @@
 """Correctness first: every strategy is compared with one device (same loss, gradients within 1e-5 in fp32)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -20,13 +20,25 @@ def _grads(source: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [g.detach().cpu() for g in source]
 
 
+def matching_pairs(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensors of two runs, paired in order, refused unless they can be compared: a run that returned no
+    gradients, fewer than the reference, or tensors of another shape would otherwise compare as "no difference"
+    (zip stops at the shorter list; broadcasting hides a missing dimension)."""
+    if len(reference) == 0:
+        raise ValueError("nothing to compare: the reference holds no tensors")
+    if len(reference) != len(other):
+        raise ValueError(f"{len(reference)} reference tensors but {len(other)} to compare")
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a.shape != b.shape:
+            raise ValueError(f"tensor {i}: shape {tuple(b.shape)}, the reference's is {tuple(a.shape)}")
+    return list(zip(reference, other))
+
+
 def max_grad_diff(reference: nn.Module | Iterable[torch.Tensor], other: nn.Module | Iterable[torch.Tensor]) -> float:
     """Largest absolute difference between matching gradients (parameters in the same order). Each side is a
-    module (its parameters' .grad) or a list of gradient tensors."""
-    ref, oth = _grads(reference), _grads(other)
-    if len(ref) != len(oth):
-        raise ValueError(f"{len(ref)} reference parameters but {len(oth)} to compare")
-    return max((a - b).abs().max().item() for a, b in zip(ref, oth))
+    module (its parameters' .grad) or a list of gradient tensors; different counts, shapes or no gradients at all
+    are refused (`matching_pairs`)."""
+    return max((a - b).abs().max().item() for a, b in matching_pairs(_grads(reference), _grads(other)))
 
 
 def assert_same_grads(reference, other, atol: float = 1e-5) -> float:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from helpers.check import matching_pairs
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 NAMES = {v: k for k, v in DTYPES.items()}
 AUTOCAST = ("bf16", "fp16")
@@ -116,9 +118,8 @@ def make_scaler(precision: Precision, device: torch.device, group=None):
 
 
 def max_relative_diff(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
-    """Largest |a - b| / max|a| over matching tensors: how 16-bit results are compared with fp32 ones."""
-    worst = 0.0
-    for a, b in zip(reference, other):
-        a, b = a.double(), b.double()
-        worst = max(worst, ((a - b).abs().max() / a.abs().max().clamp(min=1e-12)).item())
-    return worst
+    """Largest |a - b| / max|a| over matching tensors: how 16-bit results are compared with fp32 ones. Different
+    counts, shapes or no tensors at all are refused (`helpers.check.matching_pairs`): a run that returned no
+    gradients must not compare as "no difference"."""
+    return max(((a.double() - b.double()).abs().max() / a.double().abs().max().clamp(min=1e-12)).item()
+               for a, b in matching_pairs(reference, other))

@@ -155,9 +155,12 @@ def _counts(requests: Sequence[Request], tokens: Sequence[torch.Tensor]) -> tupl
 
 
 def same_tokens(a: Generation | Sequence[torch.Tensor], b: Generation | Sequence[torch.Tensor]) -> bool:
-    """True when two runs produced exactly the same tokens for every request."""
+    """True when two runs produced exactly the same tokens for every request. Two runs of no requests are refused,
+    not "the same": a run that generated nothing must not pass a comparison."""
     ta = a.tokens if isinstance(a, Generation) else a
     tb = b.tokens if isinstance(b, Generation) else b
+    if len(ta) == 0 and len(tb) == 0:
+        raise ValueError("nothing to compare: neither run generated any tokens")
     return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in zip(ta, tb))
 
 
