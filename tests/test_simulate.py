@@ -234,7 +234,8 @@ def test_timeline_is_the_measured_format_and_plots_unchanged():
     assert sum(e.kind == "forward" for e in sim.events) == 8
     ax = plot_timeline(sim.events)
     assert len(ax.patches) == len(sim.events)
-    assert sim.plot() is not None
+    drawn = sim.plot()  # the same bars, under the simulated job's title
+    assert len(drawn.patches) == len(sim.events) and drawn.get_title() == f"simulated: {sim.job.label()}"
 
 
 # --- data parallelism -----------------------------------------------------------------------------------------------
@@ -547,6 +548,17 @@ def test_predictions_next_to_published_results_run():
         assert row["error"] == pytest.approx(row["predicted"] / row["published"] - 1)
     assert load_data("published")["lambda_2x3090_data_parallel"]["speedup"]["BERT-large"] in \
         [r["published"] for r in rows]
+
+
+PUBLISHED_TARGET = 0.15  # notebook 10 and issue 37: every published row predicted within 15%
+
+
+@pytest.mark.xfail(strict=True, reason="issue 37: 9 of 22 published rows are outside 15% on today's simulator (e.g. "
+                                       "one-GPU ResNet-50 on an RTX 4090 +127%); remove this mark when it lands")
+def test_every_published_row_is_predicted_within_the_target():
+    outside = [f"{r['check']} on {r['rig simulated']}: {r['error']:+.0%}" for r in predictions_vs_published()
+               if not abs(r["error"]) <= PUBLISHED_TARGET]
+    assert not outside, f"{len(outside)} published rows outside {PUBLISHED_TARGET:.0%}:\n" + "\n".join(outside)
 
 
 def test_recipes_are_the_memory_modules():

@@ -15,8 +15,14 @@ def test_recorder_spans_and_busy_fraction():
     rec = Recorder(0)
     with rec.span("forward", 3):
         sum(range(10000))
-    (e,) = rec.events()
-    assert e.kind == "forward" and e.microbatch == 3 and e.end >= e.start
+    sum(range(10000))  # between the spans the device waits: not work
+    with rec.span("backward", 3):
+        sum(range(10000))
+    f, b = rec.events()
+    assert (f.kind, f.microbatch, b.kind, b.microbatch) == ("forward", 3, "backward", 3)
+    assert f.start < f.end < b.start < b.end  # in the order they ran, each of positive length, the wait between
+    busy = busy_fraction([f, b])[0]
+    assert busy == pytest.approx((f.end - f.start + b.end - b.start) / (b.end - f.start), rel=1e-9) and busy < 1
 
 
 def test_busy_fraction_merges_overlaps():
