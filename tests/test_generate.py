@@ -4,7 +4,7 @@ lengths (left padding); end-of-sequence stops as generate stops; refusals before
 plumbing (medians, counts, tables, timelines), never timings."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.inference.generate import (Generation, LayerSplit, OneDevice, Pipelined, Request, StageSpec, Stopping,
                                         Throughput, left_pad, load_hf, make_requests, measure, merge, plan_for_rig,
@@ -258,8 +258,17 @@ def test_decode_bounds_follow_the_bandwidth():
     from helpers.inference.generate import decode_bounds
 
     b = decode_bounds("llama-3-8b", "fp16", context=512)
+    # the bytes a token reads, from Hugging Face's own model of that config (built on the meta device, 8,030,261,248
+    # parameters): every weight but the embedding table (one row of it), and the KV cache of 512 tokens, in fp16
+    config = AutoConfig.for_model(**load_data("inference")["models"]["llama-3-8b"]["config"])
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for p in hf.parameters()) - hf.get_input_embeddings().weight.numel() + config.hidden_size
+    kv_cache = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 512
+    read = 2 * (weights + kv_cache)
+    assert b["read_bytes_per_token"] == pytest.approx(read, rel=1e-6)
     bandwidth = load_data("hardware")["gpus"]["RTX 3090"]["memory_bandwidth_gb_s"] * 1e9
-    assert b["tok_s"]["one GPU"] == pytest.approx(bandwidth / b["read_bytes_per_token"])
+    assert b["tok_s"]["one GPU"] == pytest.approx(bandwidth / read, rel=1e-6)
     assert b["tok_s"]["layer split"] < b["tok_s"]["one GPU"] < b["tok_s"]["tensor parallel"] < 2 * b["tok_s"]["one GPU"]
     assert b["tok_s"]["pipelined (2 requests, total)"] == pytest.approx(2 * b["tok_s"]["layer split"])
     assert b["allreduces_per_token"] == 64

@@ -22,7 +22,26 @@ from tests import workers as bad
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_no_frontend_under_tests():
+def test_a_frontend_is_a_jupyter_kernel_unless_static_drawing_is_asked(monkeypatch):
+    """What decides between a live panel (a thread redrawing) and printed snapshots (nbval, scripts, this suite)."""
+    class ZMQInteractiveShell:  # the shell class of a Jupyter kernel, by name as frontend_attached reads it
+        pass
+
+    class TerminalInteractiveShell:  # plain IPython in a terminal: nothing displays widgets
+        pass
+
+    shell = ZMQInteractiveShell()
+    monkeypatch.setitem(sys.modules, "IPython", type(sys)("IPython"))
+    sys.modules["IPython"].get_ipython = lambda: shell
+    monkeypatch.delenv("LAB_STATIC_WIDGETS", raising=False)
+    assert frontend_attached()
+    for forced in ("1", "true", "yes"):
+        monkeypatch.setenv("LAB_STATIC_WIDGETS", forced)
+        assert not frontend_attached()
+    monkeypatch.delenv("LAB_STATIC_WIDGETS")
+    shell = TerminalInteractiveShell()
+    assert not frontend_attached()
+    monkeypatch.delitem(sys.modules, "IPython")
     assert not frontend_attached()
 
 
@@ -151,30 +170,40 @@ def test_a_killed_reporter_reads_as_stopped(tmp_path):
     assert [r.status for r in live.read_reports(tmp_path / "panel")] == ["stopped"]
 
 
-def _poll_while(thread, monitor):
-    """Every reading the panel makes while `thread` runs: (label, status, activations) per row."""
+def _poll_while(thread, monitor, shown: Path):
+    """Every reading the panel makes while `thread` runs: (label, status, activations) per row. The largest
+    activations shown for a running rank go to `shown/rank{N}`, where the rank waits for them before growing again."""
     seen = []
     while thread.is_alive():
-        seen += [(r.label, r.status, r.parts.get("activations")) for r in monitor.readings()]
+        readings = monitor.readings()
+        seen += [(r.label, r.status, r.parts.get("activations")) for r in readings]
+        for r in readings:
+            if r.status == "running" and r.parts.get("activations"):
+                rank = r.label.rsplit(":", 1)[1]
+                (shown / "next").write_text(str(r.parts["activations"]))
+                os.replace(shown / "next", shown / f"rank{rank}")  # whole, never half-written
         time.sleep(0.05)
     return seen
 
 
-def test_panel_sees_ranks_ledgers_grow_while_they_run(capsys):
+def test_panel_sees_ranks_ledgers_grow_while_they_run(capsys, tmp_path):
     """Two ranks publish ledgers whose activations grow step by step: the panel, reading all the while, sees each
-    rank grow while it runs, the ranks finish and return undisturbed, and each row ends at the rank's peak."""
+    rank grow while it runs, the ranks finish and return undisturbed, and each row ends at the rank's peak. A rank
+    grows only once the panel has shown its size (no fixed pause that two busy cores may outrun)."""
     rig = cpu_rig()
     monitor = MemoryMonitor(rig, ranks=True).start()
-    out = {}
-    job = threading.Thread(target=lambda: out.update(r=run(bad.growing_ledger, 4, 0.4, rig=rig, timeout=60)))
+    out, steps = {}, 4
+    job = threading.Thread(target=lambda: out.update(
+        r=run(bad.growing_ledger, steps, 0.0, None, str(tmp_path), rig=rig, timeout=120)))
     job.start()
-    seen = _poll_while(job, monitor)
+    seen = _poll_while(job, monitor, tmp_path)
     job.join()
     monitor.stop()
     assert out["r"][0] == out["r"][1] > 0
     for label in ("growing · cpu:0", "growing · cpu:1"):
-        running = [a for lb, status, a in seen if lb == label and status == "running"]
-        assert len(set(running)) >= 3 and running == sorted(running), running  # seen growing, mid-run
+        running = [a for lb, status, a in seen if lb == label and status == "running" and a]
+        assert len(set(running)) == steps and running == sorted(running), running  # every size, growing, mid-run
+        assert running[-1] == out["r"][0]
     final = monitor.readings()
     assert [(r.label, r.status) for r in final] == [("growing · cpu:0", "finished"), ("growing · cpu:1", "finished")]
     assert all(r.parts["activations"] == out["r"][0] for r in final)  # the row keeps the rank's peak

@@ -178,7 +178,11 @@ def test_70b_in_fp16_points_to_4_bit_and_cpu_offload():
         plan("llama-2-70b", "fp16", 4096, 1)
     alt = info.value.alternatives
     assert alt.context == 0 and alt.four_bit is not None and alt.four_bit.fits
-    layer = model_shape("llama-2-70b", "fp16").decoder_layers[0].weight_bytes
+    # a decoder layer's fp16 weights, from Hugging Face's own Llama-2-70B built on the meta device (855,654,400 each)
+    with torch.device("meta"):
+        config = LlamaConfig(**{**inference_data()["models"]["llama-2-70b"]["config"], "num_hidden_layers": 1})
+        hf = AutoModelForCausalLM.from_config(config)
+    layer = 2 * sum(p.numel() for p in hf.model.layers[0].parameters())
     assert 0 < alt.offload_layers < 80 and alt.offload_bytes == alt.offload_layers * layer
     assert "4-bit weights (nf4): fits" in str(info.value) and "CPU RAM" in str(info.value)
 

@@ -54,7 +54,10 @@ def test_geforce_advice_names_nccl_p2p_disable():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpu_rig():
     rig = detect_rig()
-    assert rig.kind == "two_gpus" and rig.backend == "nccl" and rig.peer_access in (True, False)
+    assert rig.kind == "two_gpus" and rig.backend == "nccl" and rig.devices == (torch.device("cuda:0"),
+                                                                               torch.device("cuda:1"))
+    assert rig.peer_access is torch.cuda.can_device_access_peer(0, 1)  # the driver's answer, not a guess by name
+    assert rig.advice == p2p_advice(rig.names, rig.peer_access)  # GeForce without P2P: NCCL_P2P_DISABLE advised
 
 
 @pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA device")

@@ -105,9 +105,20 @@ def tensor_parallel_shards(path: str) -> dict:
             "q": local["model.layers.0.self_attn.q_proj.weight"].detach().cpu().clone()}
 
 
-def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None) -> int:
+def _wait_until_shown(folder: str, rank: int, size: int, timeout_s: float = 60.0) -> None:
+    """Poll `folder/rank{N}` (the largest size the panel has shown for this rank, written by the test) until it
+    reaches `size`; a panel that never shows it fails the rank after `timeout_s`, far beyond a few report intervals."""
+    path, deadline = os.path.join(folder, f"rank{rank}"), time.monotonic() + timeout_s
+    while not (os.path.exists(path) and int(open(path).read() or 0) >= size):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the panel never showed rank {rank} at {size} bytes of activations")
+        time.sleep(0.02)
+
+
+def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None, shown: str | None = None) -> int:
     """Publish a ledger to the memory panel and keep more activations alive at each step, pausing between steps so
-    a panel can see every size; rank `die_on_rank` exits hard after the first step (no final report)."""
+    a panel can see every size: for `pause_s`, or, with `shown` (a folder), until the panel has shown the size;
+    rank `die_on_rank` exits hard after the first step (no final report)."""
     import torch
     from torch import nn
 
@@ -124,7 +135,10 @@ def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None) -
     for step in range(steps):
         with ledger.track_activations("device"):
             kept.append(torch.tanh(layer(x) * (step + 1)))  # its graph keeps the saved tensors alive
-        time.sleep(pause_s)
+        if shown is None:
+            time.sleep(pause_s)
+        else:
+            _wait_until_shown(shown, dist.get_rank(), ledger.live_activations("device"))
         if step == 0 and dist.get_rank() == die_on_rank:
             os._exit(3)
     return ledger.live_activations("device")
