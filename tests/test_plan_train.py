@@ -183,15 +183,45 @@ def test_cli_json_has_every_part_per_gpu_and_host_ram(capsys):
               "activations_without_checkpointing_bytes", "workspace_bytes", "reserve_bytes", "peak_bytes",
               "free_bytes", "host_ram_bytes"}
     assert len(result["devices"]) == 2 and all(wanted <= set(d) for d in result["devices"])
-    assert result["host_ram_bytes"] > 0 and result["params"]["trainable"] > 0
+    # Llama-2-70B: 68,976,648,192 parameters (its config on the meta device) frozen; LoRA rank 64 on the seven
+    # projections of 80 layers trains 64 x (d_in + d_out) each: 64 x 80 x (2 x (8192 + 8192) + 2 x (8192 + 1024)
+    # + 3 x (8192 + 28672)) = 828,375,040
+    assert result["params"] == {"frozen": 68_976_648_192, "trainable": 828_375_040,
+                                "total": 68_976_648_192 + 828_375_040}
+    for d in result["devices"]:  # the peak is its parts; what is left is the card's capacity less the peak
+        parts = ("frozen_weights_bytes", "trainable_weights_bytes", "gradients_bytes", "optimizer_state_bytes",
+                 "activations_bytes", "workspace_bytes", "reserve_bytes")
+        assert d["peak_bytes"] == sum(d[k] for k in parts) and d["free_bytes"] == d["capacity_bytes"] - d["peak_bytes"]
+        assert d["free_bytes"] >= 0 and d["capacity_bytes"] == 25_446_842_368  # an RTX 3090's 24 GiB less NVIDIA's
+    assert result["host_ram_bytes"] == sum(d["host_ram_bytes"] for d in result["devices"]) > 0  # offload: per rank
 
 
-def test_cli_table_says_whether_it_fits(capsys):
-    plan_main(["--train", "--model", "llama-2-7b", "--method", "qlora", "--context", "2048", "--batch", "8"])
+@pytest.mark.parametrize("request_, verdict", [
+    (["--model", "llama-2-7b", "--method", "qlora", "--context", "2048", "--batch", "8"], ": fits"),
+    (["--model", "llama-2-70b", "--method", "qlora", "--context", "2048", "--batch", "2"], ": does NOT fit"),
+], ids=["fits", "does not fit"])
+def test_cli_table_says_whether_it_fits(capsys, request_, verdict):
+    """The verdict on the request's line, and on each suggestion's, agrees with the per-GPU free bytes the JSON of the
+    same request reports (a suggestion used to be able to say 'fits, ... left' of a plan that did not)."""
+    try:
+        plan_main(["--train", *request_])
+    except SystemExit:  # a request that does not fit ends with an error status, after the table
+        pass
     out = capsys.readouterr().out
-    for word in ("fits", "frozen", "trainable", "grads", "optimizer", "activations", "workspace", "reserve",
+    assert out.splitlines()[1].endswith(verdict)
+    for word in ("frozen", "trainable", "grads", "optimizer", "activations", "workspace", "reserve",
                  "with checkpointing", "cuda:1 RTX 3090"):
         assert word in out
+    try:
+        plan_main(["--train", *request_, "--json"])
+    except SystemExit:
+        pass
+    result, _ = json.JSONDecoder().raw_decode(capsys.readouterr().out)
+    assert result["fits"] == (verdict == ": fits") and bool(result["suggestions"]) != result["fits"]
+    for s in result["suggestions"]:
+        (line,) = [line for line in out.splitlines() if line.startswith(f"  - {s['change']} [")]
+        fits = min(s["free_bytes_per_gpu"]) >= 0  # and host RAM: none asked here, so none short
+        assert line.split("]: ", 1)[1].startswith("fits, " if fits else "does not fit ("), line
 
 
 def test_inference_cli_is_unchanged_by_the_training_flags(capsys):

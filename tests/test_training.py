@@ -213,9 +213,17 @@ def test_every_rig_strategy_engine_works_or_says_why():
     rigs = {"cpu": _two_core_rig(), "one GPU": _gpu_rig("one_gpu", 1), "two GPUs": _gpu_rig("two_gpus", 2)}
     rows = support_rows(rigs)
     assert len(rows) == sum(len(engines_for(s)) for s in STRATEGIES)
+    refused = {name: {(r["strategy"], r["engine"]) for r in rows if r[name].startswith("no: ")} for name in rigs}
+    torch_pipelines = {(s, "torch") for s in ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")}
+    four_ranks = {("dp_x_pp", "processes"), ("dp_x_pp", "torch")}
+    assert refused == {"cpu": set(), "one GPU": torch_pipelines | {("zero2", "processes"), ("fsdp2", "processes")}
+                       | four_ranks, "two GPUs": four_ranks}
     for row in rows:
         for name in rigs:
-            assert row[name].startswith("yes") or len(row[name]) > 20, row  # a refusal carries its reason
+            verdict, _, reason = row[name].partition(": ")
+            assert verdict in ("yes", "yes*", "no") and (verdict == "no") == bool(reason), row
+            assert verdict != "no" or len(reason.split()) >= 5, row  # a refusal says why, in words
+    assert {(r["strategy"], r["engine"]) for r in rows if r["cpu"] == "yes*"} == four_ranks  # 4 ranks on 2 cores
     assert not support(rigs["one GPU"], "gpipe", "torch").ok
     assert "stages them through host memory" in support(rigs["one GPU"], "gpipe", "torch").reason
     assert not support(rigs["one GPU"], "fsdp2", "processes").ok
