@@ -30,8 +30,9 @@ def llama_dir(tmp_path_factory):
     return path
 
 
-def _one_device_first_loss(model_dir: Path, model=None) -> float:
-    """The first batch the scripts draw, on one device with the original weights (or `model`)."""
+def _one_device_first_loss(model_dir: Path, model=None, autocast: torch.dtype | None = None) -> float:
+    """The first batch the scripts draw, on one device with the original weights in fp32 (or `model`), under
+    `autocast` if given."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         from transformers import AutoModelForCausalLM
@@ -43,9 +44,9 @@ def _one_device_first_loss(model_dir: Path, model=None) -> float:
     class Flags:
         data, text, batch, seq_len, seed = None, None, 8, 16, 0
 
-    model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir)
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     x, y = batches(Flags, model.config.vocab_size, 0)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         return (token_loss_sum(model(input_ids=x).logits, y) / y.numel()).item()
 
 
@@ -119,6 +120,10 @@ def test_master_weights_are_fp32_whatever_the_checkpoint_dtype(tmp_path, script,
     model.to(torch.float16).save_pretrained(half)
     losses = _run(script, nproc, half, tmp_path / "out", "--autocast", "fp16")
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    # one device: the fp16 checkpoint's values as fp32 weights, computing under fp16 autocast (fp16 rounds every
+    # product: within 1e-3 of the loss, as the parity tests allow 16-bit runs)
+    reference = _one_device_first_loss(half, autocast=torch.float16)
+    assert abs(losses[0] - reference) < 1e-3 * reference, (losses[0], reference)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert {p.dtype for p in saved.parameters()} == {torch.float32}
 
