@@ -20,7 +20,8 @@ def _grads(source: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [g.detach().cpu() for g in source]
 
 
-def matching_pairs(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def matching_pairs(reference: Sequence[torch.Tensor],
+                   other: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The tensors of two runs, paired in order, refused unless they can be compared: a run that returned no
     gradients, fewer than the reference, or tensors of another shape would otherwise compare as "no difference"
     (zip stops at the shorter list; broadcasting hides a missing dimension)."""

@@ -84,7 +84,8 @@ def notebook_cells(path: Path) -> list[tuple[str, int, str, ast.Module]]:
 
 def sources() -> list[tuple[str, ast.Module]]:
     out = [(str(path.relative_to(ROOT)), ast.parse(path.read_text())) for path in TESTS]
-    out += [(f"{path.relative_to(ROOT)} cell {i}", tree) for path in NOTEBOOKS for _, i, _, tree in notebook_cells(path)]
+    out += [(f"{path.relative_to(ROOT)} cell {i}", tree)
+            for path in NOTEBOOKS for _, i, _, tree in notebook_cells(path)]
     return out
 
 
