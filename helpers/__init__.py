@@ -8,9 +8,9 @@ Subpackages (each `__init__` says in a line what it holds):
 - `finetune`: LoRA / QLoRA adapters on a frozen (NF4) base, and the training-memory planner;
 - `inference`: the big-model planner and device maps, generation across devices, tensor parallelism;
 - `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions.
-Modules: `memory` (byte accounting), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
+Modules: `units` (MiB, GiB, `fmt_bytes`), `memory` (byte accounting), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
 `checkpointing`, `precision`, `measure`, `check`, `report`, `course` (a notebook's setup); the command lines
-`bench`, `doctor`, `plan`, `wheelhouse` (`python -m helpers.NAME`). Import what you need:
+`bench`, `doctor`, `plan` (`python -m helpers.NAME`). Import what you need:
 `from helpers.runtime.rig import detect_rig`.
 """
 import logging

@@ -16,9 +16,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-GiB = 1024**3
-MiB = 1024**2
-
+from helpers.units import MiB
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes held on this device: for a sharded DTensor (FSDP2), the local shard only; for a tensor subclass that
@@ -49,13 +47,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[tor
             continue
         total += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
     return total
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass

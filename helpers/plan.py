@@ -17,7 +17,8 @@ import sys
 from helpers.finetune.memory_plan import (METHODS, STRATEGIES, default_lora_rank, known_optimizers,
                                          plan_training)
 from helpers.inference.plan import (LOGITS_MODES, DoesNotFit, describe_gpus, known_formats, known_models,
-                                    parse_gpus, parse_size, plan)
+                                    parse_gpus, plan)
+from helpers.units import parse_size
 
 
 def _parser() -> argparse.ArgumentParser:

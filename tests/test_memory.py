@@ -1,8 +1,7 @@
 import torch
 from torch import nn
 
-from helpers.memory import (MemoryLedger, optimizer_state_bytes, training_state_bytes,
-                            transformer_activation_bytes)
+from helpers.memory import MemoryLedger, optimizer_state_bytes, training_state_bytes, transformer_activation_bytes
 
 
 def test_state_bytes_match_hand_count():

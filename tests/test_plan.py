@@ -15,7 +15,7 @@ from helpers.inference.plan import (DoesNotFit, Gpu, activation_workspace_bytes,
                                     known_models, logits_workspace_bytes, meta_model, model_shape, parse_gpus, plan,
                                     plan_shape, weight_format)
 from helpers.inference.widget import FitForm
-from helpers.memory import MiB
+from helpers.units import MiB
 from helpers.plan import main as plan_main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from helpers.finetune.memory_plan import (plan_training, resolve_targets, saved_activation_bytes, training_data,
                                           training_shape)
 from helpers.inference.plan import inference_data, meta_model
-from helpers.memory import GiB, MiB, MemoryLedger
+from helpers.units import GiB, MiB
+from helpers.memory import MemoryLedger
 from helpers.plan import main as plan_main
 
 REPO = Path(__file__).resolve().parent.parent

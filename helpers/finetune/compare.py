@@ -15,7 +15,8 @@ from typing import Mapping
 
 from helpers.finetune.memory_plan import TrainingPlan, plan_training, saved_activation_bytes, training_data
 from helpers.inference.plan import WeightFormat, inference_data, weight_format
-from helpers.memory import DeviceMemory, GiB, MiB
+from helpers.memory import DeviceMemory
+from helpers.units import GiB, MiB, fmt_bytes
 from helpers.precision import DTYPES
 
 ADAPTER_BYTES = 4  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
@@ -97,8 +98,6 @@ def fullest(plan: TrainingPlan):
 def summary_row(name: str, plan: TrainingPlan) -> dict:
     """One line of a plan for a table: sizes, the fullest GPU's parts (formatted), its peak, whether it fits, and the
     host RAM CPU offload takes."""
-    from helpers.memory import fmt_bytes
-
     g, s = fullest(plan), plan.shape
     return {"run": name, "parameters": f"{s.total_params / 1e9:.2f} B", "trainable": f"{s.trainable_params / 1e6:,.1f} M",
             "weights": fmt_bytes(g.frozen_bytes + g.trainable_bytes),

@@ -51,7 +51,7 @@ from helpers.course import load_data
 from helpers.inference.plan import (Gpu, ModelShape, WeightFormat, _check_workload, _largest, _span,
                                     activation_workspace_bytes, check_gpus, describe_gpus, known_formats,
                                     meta_model, model_shape, placement_units, weight_format)
-from helpers.memory import fmt_bytes
+from helpers.units import fmt_bytes
 
 METHODS = ("full", "lora", "qlora")
 STRATEGIES = ("ddp", "fsdp2", "pipeline")

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 from helpers.course import load_data
 from helpers.gpu_sizes.footprint import Footprint
-from helpers.memory import GiB, MiB, fmt_bytes
+from helpers.units import GiB, MiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"

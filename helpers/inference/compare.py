@@ -33,7 +33,7 @@ import torch
 
 from helpers.inference.plan import (DoesNotFit, Gpu, LogitsMode, ModelShape, Placement, check_gpus, evaluate,
                                     meta_model, model_shape, plan_shape)
-from helpers.memory import fmt_bytes
+from helpers.units import fmt_bytes
 
 STRATEGIES = ("balanced", "balanced_low_0", "sequential")
 BNB_MAX_MEMORY_FRACTION = 0.90  # transformers quantizers/quantizer_bnb_*bit.py adjust_max_memory

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from helpers.course import load_data
-from helpers.memory import MiB, fmt_bytes
+from helpers.units import MiB, fmt_bytes, is_size, parse_size
 from helpers.partition import NoFeasibleSplit, Split, optimal_split
 
 LogitsMode = Literal["prompt", "last"]
@@ -309,17 +309,7 @@ def runtime_reserve_bytes() -> int:
     return (reserve["cuda_context"]["mib"] + reserve["allocator_margin"]["mib"]) * MiB
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|MiB|GB|MB)\s*$", re.IGNORECASE)
-_UNITS = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+)$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'24GiB', '24268 MiB', '24GB' -> bytes (GiB = 2**30, GB = 10**9)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"cannot read {text!r} as a memory size: write e.g. '24GiB', '24268MiB' or '24GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def gpu(spec: str) -> Gpu:
@@ -333,7 +323,7 @@ def gpu(spec: str) -> Gpu:
     by_name = {name.lower(): name for name in known}
     name, _, size = spec.partition("=")
     name, size = name.strip(), size.strip()
-    if not size and _SIZE.match(name):
+    if not size and is_size(name):
         name, size = f"GPU ({name})", name
     canonical = by_name.get(name.lower())
     bandwidth = known[canonical]["memory_bandwidth_gb_s"] if canonical else None

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from helpers.memory import GiB, fmt_bytes, transformer_activation_bytes
+from helpers.units import GiB, fmt_bytes
+from helpers.memory import transformer_activation_bytes
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
 from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory

@@ -30,7 +30,7 @@ import math
 
 from dataclasses import dataclass, field
 
-from helpers.memory import DeviceMemory, fmt_bytes
+from helpers.memory import DeviceMemory
 from helpers.partition import optimal_split
 from helpers.pipeline.schedules import (SCHEDULES, Action, dependencies, layout_for, layout_of, make_schedule,
                                        split_backwards)
@@ -38,8 +38,8 @@ from helpers.simulate.events import TaskGraph
 from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
+from helpers.units import MiB, fmt_bytes
 
-MiB = 2**20
 STRATEGIES = {
     "single": "one device",
     "naive": "naive split (GPipe with one micro-batch)",

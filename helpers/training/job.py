@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers.memory import fmt_bytes, training_state_bytes
+from helpers.units import fmt_bytes
+from helpers.memory import training_state_bytes
 from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
