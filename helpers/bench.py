@@ -12,6 +12,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
+from helpers.catalog import BEYOND_1F1B, PIPELINES, names, strategy as catalog_entry
 from helpers.measure import Timings, interleaved_medians, relative_spread
 from helpers.memory import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
@@ -313,7 +314,6 @@ def _caller_seconds(run: PipelineRun) -> float:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
-BEYOND_1F1B = ("interleaved", "zbh1", "zbv", "dualpipev")  # notebook 06b's schedules, ours and torch's
 PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
                 ("1f1b", "torch"), *((s, e) for s in BEYOND_1F1B for e in ("processes", "torch")),
                 ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
@@ -495,19 +495,17 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
 
 def microbatch_size(row: BenchRow, batch: int) -> int:
     """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
-    replicas = 2 if row.strategy in ("ddp", "zero1", "fsdp2", "dp_x_pp") else 1
+    replicas = 2 if row.strategy in names(trained=True) and catalog_entry(row.strategy).data_parallel else 1
     return batch // replicas // (row.microbatches or 1)
 
 
 def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
     """The simulator's Job for a bench row."""
     from helpers.simulate import Job
-    from helpers.simulate.strategies import PIPELINES
-
     m = row.microbatches or 1
     if row.strategy in ("single", "single_adam"):
         return Job("single", batch)
-    if row.strategy in PIPELINES:
+    if row.strategy in PIPELINES:  # helpers.catalog
         return Job(row.strategy, batch, microbatches=m, stages=2, cut=tuple(cut) or None)
     if row.strategy == "dp_x_pp":
         return Job("dp_x_pp", batch, microbatches=m, stages=2, replicas=2, schedule="1f1b", cut=tuple(cut) or None)

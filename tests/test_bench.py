@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
-from helpers.bench import (BEYOND_1F1B, BenchRow, Progress, bench_cut, default_config, display_rows,
+from helpers.bench import (BenchRow, Progress, bench_cut, default_config, display_rows,
                            main as bench_main, microbatch_size, misses, predict_row, simulation_job, timeline_name)
+from helpers.catalog import BEYOND_1F1B
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
 from helpers.simulate.hardware import Collectives

@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 
+from helpers.catalog import BEYOND_1F1B
 from helpers.check import assert_same_grads
 from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan, comm_plan, communication_plan
 from helpers.partition import equal_count_split
@@ -151,7 +152,7 @@ def test_stages_of_different_dtypes_are_refused():
 
 # --- past 1F1B: interleaved 1F1B, ZB-H1, ZB-V, DualPipeV --------------------------------------------------------
 
-BEYOND = ("interleaved", "zbh1", "zbv", "dualpipev")
+BEYOND = BEYOND_1F1B  # notebook 06b's schedules (helpers.catalog)
 
 
 def _fits(name: str, p: int, m: int) -> bool:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL, TRAINED, strategy as catalog_entry
 from helpers.check import grads_of, max_grad_diff
 from helpers.models import StackConfig, StackModel, SyntheticTokens, build_stack, count_params, lm_loss
 from helpers.models.layered import boundary_shapes, is_meta, owned_layers
@@ -10,7 +11,7 @@ from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import run_training
 from helpers.training.strategies import zero_formula
-from helpers.training.support import STRATEGIES, engines_for, support, support_rows
+from helpers.training.support import engines_for, support, support_rows
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
 BATCH = 8
@@ -54,7 +55,7 @@ def test_pipelines_equal_one_device(kw, reference):
 
 @FULL
 @pytest.mark.parametrize("engine", ["ours", "torch"])
-@pytest.mark.parametrize("schedule", ["interleaved", "zbh1", "zbv", "dualpipev"])
+@pytest.mark.parametrize("schedule", BEYOND_1F1B)
 def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
     """Two stages per device (interleaved, the V shapes: four stages of one block stack) or a split backward (ZB-H1,
     ZB-V, DualPipeV's ramps), ours and torch.distributed.pipelining's, one process per device: one device's loss and
@@ -64,7 +65,7 @@ def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
-    chunks = 1 if schedule == "zbh1" else 2
+    chunks = catalog_entry(schedule).chunks
     assert sum(e.kind == "forward" for e in res.events) == 2 * chunks * 4
     assert {e.stage for e in res.events if e.kind == "forward"} == set(range(2 * chunks))
     assert (schedule == "interleaved") == (not any(e.kind == "weight" for e in res.events))
@@ -112,7 +113,7 @@ def test_bf16_wire_trains_close_to_fp32(reference):
     assert 0 < max_grad_diff(grads, res.grads) < 1e-2  # rounded, not exact
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp2"])
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, reference):
     loss, grads, n = reference
     res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, batch=BATCH, steps=1, return_grads=True,
@@ -122,7 +123,7 @@ def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, ref
     formula = zero_formula(strategy, n, 2)
     for mem in res.memory:  # measured at rest, after a step
         assert mem.grads == formula.grads
-        expected_params = n * 4 // 2 if strategy in ("zero2", "fsdp2") else n * 4  # FSDP2 keeps shards at rest
+        expected_params = n * 4 // 2 if catalog_entry(strategy).fully_sharded else n * 4  # FSDP2 keeps shards at rest
         assert mem.params == expected_params
     # ZeroRedundancyOptimizer shards whole tensors: the shards add up to the state, each close to half of it
     world_opt = sum(m.optimizer for m in res.memory)
@@ -212,7 +213,7 @@ def _gpu_rig(kind: str, n: int) -> Rig:
 def test_every_rig_strategy_engine_works_or_says_why():
     rigs = {"cpu": _two_core_rig(), "one GPU": _gpu_rig("one_gpu", 1), "two GPUs": _gpu_rig("two_gpus", 2)}
     rows = support_rows(rigs)
-    assert len(rows) == sum(len(engines_for(s)) for s in STRATEGIES)
+    assert len(rows) == sum(len(engines_for(s)) for s in TRAINED)
     for row in rows:
         for name in rigs:
             assert row[name].startswith("yes") or len(row[name]) > 20, row  # a refusal carries its reason

@@ -20,7 +20,7 @@ from helpers.units import GiB, fmt_bytes
 from helpers.memory import transformer_activation_bytes
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
-from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
+from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
 GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
@@ -115,7 +115,7 @@ class Option:
         return self.simulation.step_s if self.simulation else None
 
     def row(self) -> dict:
-        return {"strategy": STRATEGIES[self.job.strategy], "micro-batches": self.job.microbatches,
+        return {"strategy": LABELS[self.job.strategy], "micro-batches": self.job.microbatches,
                 "checkpointing": self.job.checkpoint, "peak per GPU": fmt_bytes(self.peak_bytes),
                 "fits": self.fits, "step (s)": self.step_s,
                 "samples/s": self.simulation.samples_per_s if self.simulation else None}
@@ -166,7 +166,7 @@ def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, c
             if best is None or sim.step_s < best.step_s:
                 best = Option(job, peak, True, sim)
     if best is None and smallest is None:
-        raise ValueError(f"global batch {batch} cannot be split for {STRATEGIES[strategy]} on {rig.devices} GPUs")
+        raise ValueError(f"global batch {batch} cannot be split for {LABELS[strategy]} on {rig.devices} GPUs")
     return best or smallest
 
 
@@ -205,7 +205,7 @@ def decision_table(rig: str = "2x3090 PCIe", batch: int = 16, seq: int = 1024, a
         rec = recommend_model(name, rig, batch, seq, attention)
         row = {"model": name, "params (B)": rec.n_params / 1e9}
         for option in rec.options:
-            label = STRATEGIES[option.job.strategy]
+            label = LABELS[option.job.strategy]
             row[label] = f"{option.step_s:.2f} s ({option.job.label()})" if option.fits else \
                 f"needs {fmt_bytes(option.peak_bytes)}"
         row["choose"] = rec.choice

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.catalog import strategy as catalog_entry
 from helpers.memory import DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes, param_bytes
 from helpers.checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
@@ -218,11 +219,11 @@ class _Rank:
 
     def _materialise(self, model) -> Stage:
         job = self.job
-        if job.dp > 1 and job.data_parallel in ("zero2", "fsdp2"):
+        if job.fully_sharded:
             meta = Stage(model.meta_layers())
             self._checkpoint(meta)
             return apply_fsdp(meta, model, 0, self.mesh["dp"], self.device,
-                              reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision,
+                              reshard_after_forward=catalog_entry(job.data_parallel).reshard_after_forward, precision=self.precision,
                               offload=job.offload == "cpu")
         layers = owned_layers(model, self.owned, self.device)
         return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
@@ -272,7 +273,7 @@ class _Rank:
         """Forward and backward of this rank's shard, as `job.microbatches` accumulation steps; gradients are
         synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
         job = self.job
-        sharded = job.dp > 1 and job.data_parallel in ("zero2", "fsdp2")
+        sharded = job.fully_sharded
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
             wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
