@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers.catalog import BEYOND_1F1B, PIPELINES, names, strategy as catalog_entry
 from helpers.measure import Timings, interleaved_medians, relative_spread
-from helpers.memory import MemoryLedger, ledger_for
+from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model

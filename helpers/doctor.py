@@ -316,7 +316,7 @@ def _generation(rig: Rig, engine: str, workdir: str) -> str:
 
 def _cuda_paths(rig: Rig) -> str:
     """The pieces that only exist on GPUs: CUDA-event spans, the memory panel's NVML and allocator readings."""
-    from helpers.memory import ledger_for
+    from helpers.sizing.ledger import ledger_for
     from helpers.monitor import MemoryMonitor
     from helpers.timeline import Recorder
 

@@ -232,7 +232,7 @@ def test_the_calibration_and_the_baseline_count_activations_as_the_engines_do():
     """The whole-model timer (both copies) and the one-device step run their forward under a memory ledger, as every
     pipeline and rank does: each counts the same activation peak as `measure_step_memory`."""
     from helpers.bench import one_device_step
-    from helpers.memory import ledger_for, measure_step_memory
+    from helpers.sizing.ledger import ledger_for, measure_step_memory
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
     from helpers.simulate.calibrate import WholeModelTimer
 

@@ -16,7 +16,7 @@ from helpers.check import max_grad_diff
 from helpers.finetune.lora import (LoraModel, LoraSpec, base_for_merge, full_layers, load_adapters, merged_model,
                                    save_adapters)
 from helpers.finetune.quant import is_nf4, nf4_layout
-from helpers.memory import tensor_bytes
+from helpers.sizing.ledger import tensor_bytes
 from helpers.models.data import SyntheticTokens, lm_loss
 from helpers.models.hf import hf_config, save_hf_model
 from helpers.models.layered import Stage

@@ -11,7 +11,7 @@ from helpers.gpu_sizes import (NotebookPlan, check_plan, notebook_constants, pla
                                stage_bytes, training_step, training_step_peak)
 from helpers.gpu_sizes.footprint import HFSpec, layer_bytes
 from helpers.units import GiB
-from helpers.memory import MemoryLedger, measure_step_memory
+from helpers.sizing.ledger import MemoryLedger, measure_step_memory
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.runtime.rig import cpu_rig
 

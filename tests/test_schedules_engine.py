@@ -9,7 +9,7 @@ from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_pla
 from helpers.partition import equal_count_split
 from helpers.pipeline.threaded import ThreadedPipeline, split_batch, stage_devices
 from helpers.precision import Precision, max_relative_diff
-from helpers.memory import ledger_for
+from helpers.sizing.ledger import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
 from helpers.pipeline.schedules import (Schedule, chunks_of, dual_pipe_v, interleaved_1f1b, layout_for, layout_of,

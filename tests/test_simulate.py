@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers.course import load_data  # noqa: E402
-from helpers.memory import BYTES_PER_PARAM, transformer_activation_bytes  # noqa: E402
+from helpers.sizing.state import BYTES_PER_PARAM  # noqa: E402
+from helpers.sizing.activations import transformer_activation_bytes
 from helpers.models import build_hf_model, hf_layers  # noqa: E402
 from helpers.pipeline.schedules import bubble_fraction  # noqa: E402
 from helpers.profile import LayerProfile, Profile  # noqa: E402

@@ -10,7 +10,7 @@ from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import run_training
-from helpers.training.strategies import zero_formula
+from helpers.sizing.state import zero_formula
 from helpers.training.support import engines_for, support, support_rows
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)

@@ -2,7 +2,7 @@
 counts, its plans of real models drawn per GPU, and its peaks beside the published ones (notebook 12).
 
 A run of `helpers.finetune.lora.finetune` (LoRA / QLoRA) or `helpers.training.train(..., "fsdp2")` (full fine-tuning)
-shards a Hugging Face decoder with FSDP2 and reports each rank's memory from `helpers.memory.MemoryLedger`:
+shards a Hugging Face decoder with FSDP2 and reports each rank's memory from `helpers.sizing.ledger.MemoryLedger`:
 parameters (this rank's shards), gradients, optimizer state, and the activations saved by the end of a forward pass.
 `planned_parts` asks the planner (`helpers.finetune.memory_plan.plan_training`) about the same model directory, method,
 weight format, per-rank batch, sequence length and checkpointing, and returns its figures for those four parts. What
@@ -15,7 +15,7 @@ from typing import Mapping
 
 from helpers.finetune.memory_plan import TrainingPlan, plan_training, saved_activation_bytes, training_data
 from helpers.inference.plan import WeightFormat, inference_data, weight_format
-from helpers.memory import DeviceMemory
+from helpers.sizing.ledger import DeviceMemory
 from helpers.units import GiB, MiB, fmt_bytes
 from helpers.precision import DTYPES
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from helpers.units import GiB, fmt_bytes
-from helpers.memory import transformer_activation_bytes
+from helpers.sizing.activations import transformer_activation_bytes
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
@@ -52,7 +52,7 @@ MODELS = {
 
 def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "sdpa", batch: int = 1,
                            bytes_per_value: int = 2) -> int:
-    """Saved activations of one transformer block (`helpers.memory.transformer_activation_bytes` for one layer):
+    """Saved activations of one transformer block (`helpers.sizing.activations.transformer_activation_bytes` for one layer):
     Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit, without the 5*a*s^2*b attention-score term when
     the attention implementation does not store the scores (SDPA's fused kernels, FlashAttention)."""
     return transformer_activation_bytes(batch, seq, hidden, 1, heads, bytes_per_value, attention)

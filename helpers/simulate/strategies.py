@@ -30,7 +30,7 @@ import math
 
 from dataclasses import dataclass, field
 
-from helpers.memory import DeviceMemory
+from helpers.sizing.ledger import DeviceMemory
 from helpers.catalog import CATALOG, strategy as catalog_entry
 from helpers.partition import optimal_split
 from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout_of, make_schedule,

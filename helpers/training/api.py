@@ -43,7 +43,7 @@ class Trained:
     held_out: Path | None = None  # with text=: the held-out windows (helpers.models.text.text_loss measures them)
     tokenizer: object | None = None  # with text=: the tokenizer of the text
     step_times: list[float] = field(default_factory=list)  # engine processes: every timed step (slowest rank)
-    memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.memory ledger)
+    memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.sizing.ledger)
 
 
 def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from helpers.catalog import DATA_PARALLEL, TRAINED, Strategy, strategy as catalog_entry
-from helpers.memory import training_state_bytes
+from helpers.sizing.state import training_state_bytes, zero_formula
 from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
@@ -187,8 +187,6 @@ def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
     if job.fully_sharded and not any(any(True for _ in l.parameters()) for l in layers):
         raise ValueError("FSDP2 shards layer by layer, but the model has no layers with parameters")
     if job.data_parallel in ("ddp", "zero1") and capacity_bytes is not None and job.pp == 1:
-        from helpers.training.strategies import zero_formula
-
         n = sum(p.numel() for l in layers for p in l.parameters())
         need = training_state_bytes(n, "fp32 + Adam") if job.data_parallel == "ddp" else \
             zero_formula("zero1", n, job.dp)

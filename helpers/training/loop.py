@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.catalog import strategy as catalog_entry
-from helpers.memory import DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes, param_bytes
+from helpers.sizing.ledger import (DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes,
+                                   param_bytes)
 from helpers.checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
 from helpers.models.text import batch_rows, load_rows
@@ -33,8 +34,8 @@ from helpers.runtime.live import publish
 from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.job import TrainJob, check_job
-from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
-                                         sum_replica_grads, tied_copies, weights_in)
+from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, sum_replica_grads,
+                                         tied_copies, weights_in)
 
 
 @dataclass

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.catalog import schedule_entry
-from helpers.memory import DeviceMemory
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
@@ -34,18 +33,6 @@ from helpers.timeline import Recorder
 
 PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
 TiedPair = tuple[tuple[int, str], tuple[int, str]]
-
-
-def zero_formula(strategy: str, n_params: int, world: int, weight_bytes: int = 4, grad_bytes: int = 4,
-                 optim_bytes: int = 8) -> DeviceMemory:
-    """Per-device training state from the ZeRO paper (Rajbhandari et al. 2020), fp32 Adam by default:
-    DDP replicates all; ZeRO-1 shards optimizer state; ZeRO-2 also gradients; ZeRO-3 (FSDP) also parameters."""
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "zero2": (1, world, world), "fsdp2": (world, world, world)}
-    if strategy not in shard:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(shard)}")
-    w, g, o = shard[strategy]
-    return DeviceMemory(params=n_params * weight_bytes // w, grads=n_params * grad_bytes // g,
-                        optimizer=n_params * optim_bytes // o)
 
 
 def allreduce_hook(rec: Recorder, group):
