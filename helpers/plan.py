@@ -16,8 +16,9 @@ import sys
 
 from helpers.finetune.memory_plan import (METHODS, STRATEGIES, default_lora_rank, known_optimizers,
                                          plan_training)
-from helpers.inference.plan import (LOGITS_MODES, DoesNotFit, describe_gpus, known_formats, known_models,
-                                    parse_gpus, plan)
+from helpers.inference.plan import LOGITS_MODES, DoesNotFit, plan
+from helpers.sizing.gpus import describe_gpus, parse_gpus
+from helpers.sizing.shape import known_formats, known_models
 from helpers.units import parse_size
 
 

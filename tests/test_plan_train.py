@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from helpers.finetune.memory_plan import (plan_training, resolve_targets, saved_activation_bytes, training_data,
                                           training_shape)
-from helpers.inference.plan import inference_data, meta_model
+from helpers.sizing.shape import inference_data, meta_model
 from helpers.units import GiB, MiB
 from helpers.sizing.ledger import MemoryLedger
 from helpers.plan import main as plan_main

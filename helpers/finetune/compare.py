@@ -14,9 +14,10 @@ import dataclasses
 from typing import Mapping
 
 from helpers.finetune.memory_plan import TrainingPlan, plan_training, saved_activation_bytes, training_data
-from helpers.inference.plan import WeightFormat, inference_data, weight_format
+from helpers.sizing.gpus import runtime_reserve
+from helpers.sizing.shape import WeightFormat, weight_format
 from helpers.sizing.ledger import DeviceMemory
-from helpers.units import GiB, MiB, fmt_bytes
+from helpers.units import GiB, fmt_bytes
 from helpers.precision import DTYPES
 
 ADAPTER_BYTES = 4  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
@@ -141,7 +142,7 @@ def published_comparison() -> list[dict]:
     settings) beside the planner's for the same settings. Their figure is torch.cuda.max_memory_reserved, which leaves
     out the CUDA context, so the planner's fullest GPU is given less the context too (the allocator margin stays, as
     the stand-in for the caching allocator's slack)."""
-    context = inference_data()["runtime_reserve"]["cuda_context"]["mib"] * MiB
+    context = runtime_reserve()["context"]
     rows = []
     for name, run in training_data()["published_runs"]["runs"].items():
         plan = plan_training(**run["settings"])

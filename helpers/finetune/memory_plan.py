@@ -48,9 +48,10 @@ from typing import Sequence
 from torch import nn
 
 from helpers.course import load_data
-from helpers.inference.plan import (Gpu, ModelShape, WeightFormat, _check_workload, _largest, _span,
-                                    activation_workspace_bytes, check_gpus, describe_gpus, known_formats,
-                                    meta_model, model_shape, placement_units, weight_format)
+from helpers.inference.plan import activation_workspace_bytes
+from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
+from helpers.sizing.shape import (ModelShape, WeightFormat, known_formats, meta_model, model_shape, placement_units,
+                                  span, weight_format)
 from helpers.units import fmt_bytes
 
 METHODS = ("full", "lora", "qlora")
@@ -560,7 +561,7 @@ def check_request(request: TrainingRequest) -> TrainingRequest:
     offload = _check_choice("offload", request.offload, OFFLOADS)
     optimizer = _check_choice("optimizer", request.optimizer, known_optimizers())
     precision = _check_choice("precision", request.precision, PRECISIONS)
-    _check_workload(request.context, request.batch, "prompt")
+    check_workload(request.context, request.batch)
     gpus = tuple(check_gpus(list(request.gpus) or None))
     if offload == "cpu" and strategy != "fsdp2":
         raise ValueError(f"CPU offload keeps FSDP2's shards in host RAM: use --strategy fsdp2 with --offload cpu "
@@ -670,7 +671,7 @@ def _gpu(request: TrainingRequest, shape: TrainShape, device: int, units: list[i
     checkpointed, full = with_ckpt.saved * in_flight + with_ckpt.recompute, without.saved * in_flight
 
     held = {"ddp": "all (a replica)", "fsdp2": f"all (1/{shards} of each)"}.get(request.strategy)
-    return GpuTraining(device, request.gpus[device], held or _span([u.name for u in mine]),
+    return GpuTraining(device, request.gpus[device], held or span([u.name for u in mine]),
                        parts["frozen_weights"] + whole, sum(u.constants_bytes for u in mine),
                        parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
                        checkpointed if request.checkpointing else full, checkpointed, full,
@@ -789,7 +790,7 @@ def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
     for method in lighter:
         out.append((f"{method} instead of {plan.shape.method}", f"--method {method}",
                     dataclasses.replace(r, method=method, dtype=None if method == "qlora" else r.dtype)))
-    best = _largest(lambda c: _fits(dataclasses.replace(r, context=c)), r.context - 1)
+    best = largest_fitting(lambda c: _fits(dataclasses.replace(r, context=c)), r.context - 1)
     if best:  # 0: not even one token fits
         out.append((f"context {best} tokens instead of {r.context}", f"--context {best}",
                     dataclasses.replace(r, context=best)))

@@ -31,8 +31,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from helpers.inference.plan import (DoesNotFit, Gpu, LogitsMode, ModelShape, Placement, check_gpus, evaluate,
-                                    meta_model, model_shape, plan_shape)
+from helpers.inference.plan import DoesNotFit, LogitsMode, Placement, evaluate, plan_shape
+from helpers.sizing.gpus import Gpu, check_gpus
+from helpers.sizing.shape import ModelShape, meta_model, model_shape
 from helpers.units import fmt_bytes
 
 STRATEGIES = ("balanced", "balanced_low_0", "sequential")

@@ -25,7 +25,9 @@ from typing import Iterator, Sequence
 import torch
 
 from helpers.inference.compare import CASES, STRATEGIES, Case, accelerate_device_map
-from helpers.inference.plan import Gpu, ModelShape, check_gpus, evaluate, model_shape
+from helpers.sizing.gpus import Gpu, check_gpus
+from helpers.sizing.shape import ModelShape, model_shape
+from helpers.inference.plan import evaluate
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PUBLIC = {"balanced": "auto", "balanced_low_0": "balanced_low_0", "sequential": "sequential"}
@@ -99,7 +101,7 @@ def balanced_budgets(shape: ModelShape, gpus: Sequence[Gpu] | str | None = None,
     from transformers.integrations.accelerate import get_balanced_memory as transformers_balanced
 
     from helpers.inference.compare import accelerate_dtypes
-    from helpers.inference.plan import meta_model
+    from helpers.sizing.shape import meta_model
 
     gpus = check_gpus(gpus)
     usable = {j: g.usable_bytes for j, g in enumerate(gpus)}

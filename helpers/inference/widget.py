@@ -7,7 +7,8 @@ LAB_STATIC_WIDGETS=1) it prints and draws once.
 """
 from __future__ import annotations
 
-from helpers.inference.plan import DoesNotFit, Placement, known_formats, known_models, plan, weight_format
+from helpers.inference.plan import DoesNotFit, Placement, plan
+from helpers.sizing.shape import known_formats, known_models, weight_format
 from helpers.units import GiB
 from helpers.monitor import frontend_attached
 

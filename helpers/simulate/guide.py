@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from helpers.units import GiB, fmt_bytes
+from helpers.units import fmt_bytes
 from helpers.sizing.activations import transformer_activation_bytes
+from helpers.sizing.gpus import runtime_reserve_bytes
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
@@ -25,7 +26,6 @@ from helpers.simulate.workload import LayerCost, Workload
 
 GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
-RESERVE_BYTES = GiB  # CUDA context and allocator slack per GPU: an estimate (llama.cpp's --fit keeps 1024 MiB)
 
 
 @dataclass(frozen=True)
@@ -171,10 +171,11 @@ def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, c
 
 
 def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, model: str = "model",
-              reserve_bytes: int = RESERVE_BYTES, tolerance: float = 0.05) -> Recommendation:
-    """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice."""
+              reserve_bytes: int | None = None, tolerance: float = 0.05) -> Recommendation:
+    """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice. Each GPU keeps
+    `reserve_bytes` for the runtime (default: the CUDA context and allocator margin, helpers.sizing.gpus)."""
     rig = target_rig(rig) if isinstance(rig, str) else rig
-    capacity = rig.gpu.memory_bytes - reserve_bytes
+    capacity = rig.gpu.memory_bytes - (runtime_reserve_bytes() if reserve_bytes is None else reserve_bytes)
     options = tuple(best_option(workload, rig, s, batch, capacity) for s in GUIDE_STRATEGIES)
     fitting = [o for o in options if o.fits]
     if not fitting:
