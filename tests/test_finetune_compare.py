@@ -11,7 +11,8 @@ import torch
 from helpers.checkpointing import checkpoint_in_place
 from helpers.finetune.compare import planned_parts, plot_plans, published_comparison, run_format, summary_row
 from helpers.finetune.lora import LoraModel, LoraSpec, full_layers, small_llama
-from helpers.finetune.memory_plan import plan_training, training_data
+from helpers.finetune.memory_plan import plan_training
+from helpers.sizing.state import training_data
 from helpers.sizing.ledger import MemoryLedger
 from helpers.models.data import SyntheticTokens, lm_loss
 from helpers.models.layered import Stage

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from helpers.finetune.memory_plan import (plan_training, resolve_targets, saved_activation_bytes, training_data,
-                                          training_shape)
+from helpers.finetune.memory_plan import plan_training
+from helpers.sizing.training import resolve_targets, saved_activation_bytes, training_shape
+from helpers.sizing.state import training_data
 from helpers.sizing.shape import inference_data, meta_model
 from helpers.units import GiB, MiB
 from helpers.sizing.ledger import MemoryLedger

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from helpers.finetune.memory_plan import TrainingPlan, plan_training, saved_activation_bytes, training_data
+from helpers.finetune.memory_plan import TrainingPlan, plan_training
+from helpers.sizing.training import saved_activation_bytes
+from helpers.sizing.state import training_data
 from helpers.sizing.gpus import runtime_reserve
 from helpers.sizing.shape import WeightFormat, weight_format
 from helpers.sizing.ledger import DeviceMemory
