@@ -258,7 +258,7 @@ def _processes(rig: Rig, reference, **fields) -> str:
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
-    job = TrainJob(CFG, batch=BATCH, steps=1, return_grads=True, **fields)
+    job = TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields)
     res = run_training(job, rig, oversubscribe=rig.is_cpu)
     return _compare(reference, res.loss, res.grads, job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
 

@@ -108,7 +108,7 @@ def test_every_strategy_and_engine_trains_like_one_device(reference):
 
     loss, grads = reference
     jobs = [job_for(CFG, name, engine, batch=BATCH, microbatches=2 if catalog_entry(name).data_parallel else 4,
-                    steps=1, return_grads=True) for name, engine in PAIRS if engine != "threads"]
+                    timed_steps=1, return_grads=True) for name, engine in PAIRS if engine != "threads"]
     for world in sorted({job.world for job in jobs}):
         batch = [job for job in jobs if job.world == world]
         for job, res in zip(batch, run_trainings(batch, cpu_rig(), oversubscribe=True)):

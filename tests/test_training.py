@@ -39,7 +39,7 @@ PIPELINES = [pytest.param(dict(schedule="gpipe", microbatches=1), marks=FULL),  
 @pytest.mark.parametrize("kw", PIPELINES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_pipelines_equal_one_device(kw, reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), batch=BATCH, steps=1, return_grads=True, **kw),
+    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), batch=BATCH, timed_steps=1, return_grads=True, **kw),
                        cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
@@ -61,7 +61,7 @@ def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
     ZB-V, DualPipeV's ramps), ours and torch.distributed.pipelining's, one process per device: one device's loss and
     gradients; the weight passes on the timeline."""
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, pp=2, schedule=schedule, microbatches=4, batch=BATCH, steps=1, engine=engine,
+    res = run_training(TrainJob(CFG, pp=2, schedule=schedule, microbatches=4, batch=BATCH, timed_steps=1, engine=engine,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
@@ -77,7 +77,7 @@ def test_jobs_launched_together_equal_one_device(reference):
     from helpers.training.loop import run_trainings
 
     loss, grads, _ = reference
-    jobs = [TrainJob(CFG, pp=2, schedule=s, microbatches=4, batch=BATCH, steps=1, engine=e, return_grads=True)
+    jobs = [TrainJob(CFG, pp=2, schedule=s, microbatches=4, batch=BATCH, timed_steps=1, engine=e, return_grads=True)
             for s, e in (("1f1b", "ours"), ("zbv", "torch"))]
     results = run_trainings(jobs, cpu_rig())
     assert [r.loss for r in results] == pytest.approx([loss, loss], abs=1e-5)
@@ -89,7 +89,7 @@ def test_jobs_launched_together_equal_one_device(reference):
 @FULL
 def test_three_stages_on_two_cores_with_oversubscribe(reference):
     loss, grads, _ = reference
-    job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, steps=1,
+    job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, timed_steps=1,
                    return_grads=True)
     with pytest.raises(ValueError, match="oversubscribe=True"):
         run_training(job, _two_core_rig())
@@ -107,7 +107,7 @@ def _two_core_rig() -> Rig:
 @FULL
 def test_bf16_wire_trains_close_to_fp32(reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), microbatches=2, batch=BATCH, wire="bf16", steps=1,
+    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), microbatches=2, batch=BATCH, wire="bf16", timed_steps=1,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-2
     assert 0 < max_grad_diff(grads, res.grads) < 1e-2  # rounded, not exact
@@ -116,7 +116,7 @@ def test_bf16_wire_trains_close_to_fp32(reference):
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, reference):
     loss, grads, n = reference
-    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, batch=BATCH, steps=1, return_grads=True,
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, batch=BATCH, timed_steps=1, return_grads=True,
                                 optimizer="adam"), cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
@@ -137,14 +137,14 @@ def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, ref
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_gradient_accumulation_equals_one_device(strategy, reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, steps=1,
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, timed_steps=1,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
 
 
 def test_dp_x_pp_on_a_2x2_mesh_equals_one_device(reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH, steps=1,
+    res = run_training(TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH, timed_steps=1,
                                 return_grads=True), cpu_rig(), oversubscribe=True)
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
@@ -184,7 +184,7 @@ def test_a_rank_materialises_only_its_own_layers():
     (TrainJob(CFG, dp=2, pp=2, data_parallel="fsdp2"), "DP x PP here averages"),
     (TrainJob(CFG, microbatches=0), "microbatches must be a whole number >= 1"),
     (TrainJob(CFG, batch=0), "batch must be a whole number >= 1"),
-    (TrainJob(CFG, steps=0), "steps must be a whole number >= 1"),
+    (TrainJob(CFG, timed_steps=0), "steps must be a whole number >= 1"),
     (TrainJob(CFG, optimizer="lion"), "unknown optimizer"),
     (TrainJob(CFG, dp=2, pp=2, batch=8), "oversubscribe=True"),
 ])
@@ -250,7 +250,8 @@ def test_padded_batches_give_one_devices_loss(kw):
     """Micro-batches and replicas hold different numbers of real tokens: the loss is weighted by tokens, not by
     micro-batch (a mean of micro-batch means would be off by ~1e-2 here)."""
     loss, grads = _reference_with(Precision(), kw["padding"])
-    res = run_training(TrainJob(CFG, batch=BATCH, steps=1, return_grads=True, **kw), cpu_rig(), oversubscribe=True)
+    res = run_training(TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **kw), cpu_rig(),
+                       oversubscribe=True)
     assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
 
 
@@ -270,7 +271,7 @@ PRECISIONS = [dict(autocast="bf16", pp=2, boundaries=(3,), microbatches=4),
 @FULL
 @pytest.mark.parametrize("kw", PRECISIONS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_mixed_precision_in_every_strategy_stays_close_to_one_device(kw):
-    job = TrainJob(CFG, batch=BATCH, steps=2, return_grads=True, **kw)
+    job = TrainJob(CFG, batch=BATCH, timed_steps=2, return_grads=True, **kw)
     loss, grads = _reference_with(job.precision)
     res = run_training(job, cpu_rig())
     assert abs(res.loss - loss) < 1e-3 * abs(loss)

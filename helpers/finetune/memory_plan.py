@@ -8,8 +8,8 @@ The planner prices a Hugging Face decoder exactly where exactness is possible an
 - gradients and optimizer state: from data/training_memory.json (AdamW's two moments, bitsandbytes' 8-bit AdamW, the
   mixed-precision master copy). Exact for the tensors; allocator rounding is left to the runtime reserve.
 - activations: what autograd saves, derived term by term in `layer_saved_bytes` from what a Llama-style decoder layer
-  saves (measured with `helpers.sizing.ledger.MemoryLedger` on a small model; tests/test_plan_train.py checks the formula
-  against the ledger). With checkpointing, the layer inputs plus one layer recomputed during backward.
+  saves (measured with `helpers.sizing.ledger.MemoryLedger` on a small model; tests/test_plan_train.py checks the
+  formula against the ledger). With checkpointing, the layer inputs plus one layer recomputed during backward.
 - workspace (estimates, each named): the loss's logits and their gradients, one layer's transient tensors, the
   dequantized 4-bit weight, FSDP2's gathered layers and gradient buffers, pipeline boundary buffers.
 - reserve: the CUDA context and an allocator margin per GPU (data/inference.json, as the inference planner uses).

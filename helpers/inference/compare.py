@@ -92,7 +92,8 @@ def accelerate_device_map(shape: ModelShape, strategy: str, gpus: Sequence[Gpu] 
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     if strategy not in DEVICE_MAP_STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(DEVICE_MAP_STRATEGIES)} ('auto' is 'balanced')")
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(DEVICE_MAP_STRATEGIES)} "
+                         "('auto' is 'balanced')")
     gpus = check_gpus(gpus)
     model = meta_model(shape.config)
     no_split = sorted(model._no_split_modules or ())
@@ -119,7 +120,8 @@ def _row(case: Case, placement: Placement) -> dict:
 
 
 def compare_with_accelerate(cases: Sequence[Case] = CASES, gpus: Sequence[Gpu] | str | None = None, batch: int = 1,
-                            logits: LogitsMode = "prompt", strategies: Sequence[str] = DEVICE_MAP_STRATEGIES) -> list[dict]:
+                            logits: LogitsMode = "prompt",
+                            strategies: Sequence[str] = DEVICE_MAP_STRATEGIES) -> list[dict]:
     """For each case: our plan, then accelerate's maps, every one accounted the same way (KV cache, workspace and
     reserve included). Per row: fits, bytes per GPU by kind, room left for the KV cache, bytes offloaded, and the
     slowest stage's bytes and bandwidth-bound milliseconds per decoded token. A case our planner cannot fit gets a

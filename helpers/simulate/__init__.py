@@ -1,8 +1,8 @@
 """Simulate a training step before running it: the engines' schedules over a cost model of layers and links.
 
-- `simulate(workload, job, link)`: one optimizer step of any strategy of `helpers.catalog` (the pipelines, DDP,
-  ZeRO-1, ZeRO-2, FSDP2, DP x PP, and one device) as a discrete-event simulation: step time, per-device busy fraction, peak memory, and a
-  timeline in the format measured timelines use (`helpers.timeline.plot_timeline` draws both).
+- `simulate(workload, job, link)`: one optimizer step of any strategy of `helpers.catalog` (one device, the
+  pipelines, DDP, ZeRO-1, ZeRO-2, FSDP2, DP x PP) as a discrete-event simulation: step time, per-device busy
+  fraction, peak memory, and a timeline in the format measured timelines use (`helpers.timeline.plot_timeline` draws both).
 - `Workload.from_profile(profile)` / `Workload.from_lists(...)`: per-layer costs; `on_gpu(workload, flops, gpu)`
   and `transformer_workload(shape, seq, gpu)`: the same costs on a GPU you do not have (roofline).
 - `target_rig(name)`, `fit_link(sizes, seconds)`, `fit_collective_link(sizes, seconds)`: hardware from

@@ -52,7 +52,7 @@ MODELS = {
 
 def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "sdpa", batch: int = 1,
                            bytes_per_value: int = 2) -> int:
-    """Saved activations of one transformer block (`helpers.sizing.activations.transformer_activation_bytes` for one layer):
+    """Saved activations of one transformer block (`helpers.sizing.activations.transformer_activation_bytes`, one layer):
     Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit, without the 5*a*s^2*b attention-score term when
     the attention implementation does not store the scores (SDPA's fused kernels, FlashAttention)."""
     return transformer_activation_bytes(batch, seq, hidden, 1, heads, bytes_per_value, attention)

@@ -14,10 +14,11 @@ and a W of the weight part, which frees the micro-batch's activations. Data para
 - ZeRO-1 (`ZeroRedundancyOptimizer` over DDP): DDP's all-reduce, the optimizer on this device's shard, then each
   owner broadcasts its updated parameters, tensor by tensor (PyTorch's default, `parameters_as_bucket_view=False`),
   one broadcast after another on one communicator: every parameter byte crosses a link once, one latency per tensor.
-- FSDP2 (`fully_shard` per layer; "zero2" is FSDP2 with `reshard_after_forward=False`, as in helpers.catalog): all-gather a layer's parameters before its forward, prefetching the next
-  layer's while the current one computes (at most two layers gathered); again before its backward when
-  `reshard_after_forward` (the last layer too: FSDP2 keeps only the root unit gathered); reduce-scatter each
-  layer's gradients after its backward, every micro-batch. All-gathers and reduce-scatters have their own streams
+- FSDP2 (`fully_shard` per layer; "zero2" is FSDP2 with `reshard_after_forward=False`, as in helpers.catalog):
+  all-gather a layer's parameters before its forward, prefetching the next layer's while the current one computes
+  (at most two layers gathered); again before its backward when resharding after forward (the last layer too:
+  FSDP2 keeps only the root unit gathered); reduce-scatter each layer's gradients after its backward, every
+  micro-batch. All-gathers and reduce-scatters have their own streams
   but share the link. Before each collective the host does measured work of its own (`Job.fsdp2_host_s`).
 - DP x PP: a pipeline per replica, then one flat all-reduce per stage across replicas (as our engine does).
 Compute and communication overlap freely (separate streams); communication kernels are not modelled as slowing

@@ -255,7 +255,8 @@ def layer_saved_bytes(shape: TrainShape, a: int, c: int, input_needs_grad: bool)
 @dataclass(frozen=True)
 class Activations:
     """Activation bytes of one device for one micro-batch: `saved` is what autograd holds at the end of the forward
-    (what helpers.sizing.ledger.MemoryLedger counts); `recompute` is the layer checkpointing recomputes during backward."""
+    (what helpers.sizing.ledger.MemoryLedger counts); `recompute` is the layer checkpointing recomputes during
+    backward."""
 
     saved: int
     recompute: int = 0

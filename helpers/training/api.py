@@ -75,7 +75,7 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
     scaler = make_scaler(job.precision, rig.devices[-1])
     rows = load_rows(job.data) if job.data is not None else None
     losses = []
-    for step in range(job.steps + 2):
+    for step in range(job.timed_steps + 2):
         x, y, mask = global_batch(job, step, rows)
         optimizer.zero_grad(set_to_none=False)
         seeds = [microbatch_seed(job.data_seed, step, k) for k in range(job.microbatches)]
@@ -139,7 +139,7 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
 
         folder = Path(workdir or scratch_dir("lab-text-"))
         data, held_out, tokenizer = model_text(hf.path, hf.vocab_size, text, seq_len, folder)
-    job = job_for(hf, strategy, engine, steps=steps - 2, return_state=True, batch=batch, seq_len=seq_len,
+    job = job_for(hf, strategy, engine, timed_steps=steps - 2, return_state=True, batch=batch, seq_len=seq_len,
                   microbatches=microbatches, optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast,
                   padding=padding, data_seed=data_seed, data=str(data) if data is not None else None,
                   checkpointing=checkpointing)

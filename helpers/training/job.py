@@ -49,7 +49,8 @@ class TrainJob:
     batch: int = 32  # global batch
     seq_len: int | None = None  # default: the model's
     padding: str = "none"  # none | right | left: seeded lengths, padded positions masked and ignored by the loss
-    steps: int = 3  # timed steps, after one warm-up step whose gradients are the parity check
+    timed_steps: int = 3  # after one warm-up step (the parity check) and before one recorded step: train()'s
+    # `steps` (every optimizer step) is timed_steps + 2
     optimizer: str = "none"
     lr: float = 1e-3
     bucket_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
@@ -144,7 +145,7 @@ def job_for(model: LayeredModel | StackConfig, strategy: str, engine: str = "pro
 
 
 def _positive(job: TrainJob) -> None:
-    for name in ("dp", "pp", "batch", "steps", "microbatches"):
+    for name in ("dp", "pp", "batch", "timed_steps", "microbatches"):
         value = getattr(job, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")

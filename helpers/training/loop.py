@@ -224,8 +224,8 @@ class _Rank:
             meta = Stage(model.meta_layers())
             self._checkpoint(meta)
             return apply_fsdp(meta, model, 0, self.mesh["dp"], self.device,
-                              reshard_after_forward=catalog_entry(job.data_parallel).reshard_after_forward, precision=self.precision,
-                              offload=job.offload == "cpu")
+                              reshard_after_forward=catalog_entry(job.data_parallel).reshard_after_forward,
+                              precision=self.precision, offload=job.offload == "cpu")
         layers = owned_layers(model, self.owned, self.device)
         return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
 
@@ -322,9 +322,9 @@ def train_worker(job: TrainJob) -> dict:
     r = _Rank(job)
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
-    for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
+    for i in range(job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
-        if i == job.steps + 1:
+        if i == job.timed_steps + 1:
             r.ledger.reset_peaks()
             if r.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(r.device)
@@ -337,7 +337,7 @@ def train_worker(job: TrainJob) -> dict:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
         r.optimizer_step()
         _synchronize(r.device)
-        if 0 < i <= job.steps:
+        if 0 < i <= job.timed_steps:
             times.append(time.perf_counter() - t0)
             phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
