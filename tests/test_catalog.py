@@ -6,7 +6,7 @@ from torch.distributed import pipelining
 
 from helpers.catalog import (BEYOND_1F1B, CATALOG, DATA_PARALLEL, PIPELINES, TRAINED, names, schedules,
                              strategy as catalog_entry)
-from helpers.check import grads_of, max_grad_diff
+from helpers.check import max_grad_diff, one_device_grads
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import LAYOUTS, SCHEDULES, layout_for, layout_of, make_schedule, validate
 from helpers.runtime.rig import cpu_rig
@@ -90,23 +90,15 @@ def test_unknown_choices_are_refused_with_the_catalogs_words():
         job_for(CFG, "single")
 
 
-@pytest.fixture(scope="module")
-def reference():
-    model = build_stack(CFG)
-    x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
-    loss = lm_loss(model(x), y)
-    loss.backward()
-    return loss.item(), grads_of(model.parameters())
-
-
 @pytest.mark.full
-def test_every_strategy_and_engine_trains_like_one_device(reference):
+def test_every_strategy_and_engine_trains_like_one_device():
     """Every multi-process entry of the catalog, on every engine it lists, computes one device's loss and gradients
     (jobs of one world size share one launch; the threaded engine runs every schedule in
     tests/test_schedules_engine.py)."""
     from helpers.training.loop import run_trainings
 
-    loss, grads = reference
+    loss, grads = one_device_grads(build_stack(CFG), *SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH),
+                                   lm_loss)
     jobs = [job_for(CFG, name, engine, batch=BATCH, microbatches=2 if catalog_entry(name).data_parallel else 4,
                     timed_steps=1, return_grads=True) for name, engine in PAIRS if engine != "threads"]
     for world in sorted({job.world for job in jobs}):
