@@ -225,6 +225,16 @@ def _unit_kind(module: nn.Module, model: nn.Module) -> str:
     return "norm" if any(True for _ in module.parameters()) else "buffers"
 
 
+def decoder_shape(family: str, layers: int, hidden: int, heads: int, vocab: int, intermediate: int,
+                  dtype: str | WeightFormat = "bf16", seq_len: int = 1024) -> ModelShape:
+    """The shape of a decoder given by its sizes, as in its Hugging Face config (`helpers.models.hf_config`: "gpt2"
+    with learned positions and its embedding tied to the head, "llama", ...), in weight format `dtype`."""
+    from helpers.models.hf import hf_config
+
+    config = hf_config(family, layers, hidden, heads, vocab, seq_len, intermediate, tie_embeddings=family == "gpt2")
+    return model_shape(config, dtype)
+
+
 def reprice(shape: ModelShape, dtype: str | WeightFormat) -> ModelShape:
     """The same model in another weight format."""
     return _shape(shape.name, shape.config.to_json_string(use_diff=False), weight_format(dtype))
