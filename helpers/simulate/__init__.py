@@ -5,7 +5,8 @@
   fraction, peak memory, and a timeline in the format measured timelines use (`helpers.timeline.plot_timeline`
   draws both).
 - `Workload.from_profile(profile)` / `Workload.from_lists(...)`: per-layer costs; `on_gpu(workload, flops, gpu)`
-  and `transformer_workload(shape, seq, gpu)` (a `helpers.sizing.shape.ModelShape`): the same costs on a GPU you do not have (roofline).
+  and `transformer_workload(shape, seq, gpu)` (a `helpers.sizing.shape.ModelShape`): the same costs on a GPU you do
+  not have (roofline).
 - `target_rig(name)`, `fit_link(sizes, seconds)`, `fit_collective_link(sizes, seconds)`: hardware from
   data/hardware.json or your own link benchmark; `SharedCores`: devices sharing a pool of cores (the CPU rig).
 - `recommend_model(name)`, `decision_table()`: which strategy for two GPUs, every strategy treated alike.
