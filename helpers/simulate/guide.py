@@ -169,7 +169,7 @@ def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, c
         if smallest is None or peak < smallest.peak_bytes:
             smallest = Option(job, peak, False, None)
         if peak <= capacity:
-            sim = simulate(workload, job, rig.link, rig.collectives)
+            sim = simulate(workload, job, rig.link)
             if best is None or sim.step_s < best.step_s:
                 best = Option(job, peak, True, sim)
     if best is None and smallest is None:

@@ -107,7 +107,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, recorder, q, k, v):
-        ctx.recorder, ctx.shapes = recorder, (q, k, v)
+        ctx.shapes = (q, k, v)
         flops = 4 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         ctx.flops, ctx.nbytes = flops, _nbytes((q, k, v, out))
@@ -116,7 +116,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.recorder.append(Kernel("attention", 2.5 * ctx.flops, 2 * ctx.nbytes, ctx.nbytes))
+        _AsOnCuda.recording[-1].append(Kernel("attention", 2.5 * ctx.flops, 2 * ctx.nbytes, ctx.nbytes))
         return None, *(t.new_empty(t.shape) for t in ctx.shapes)
 
 
@@ -150,9 +150,19 @@ class _AsOnCuda(TorchFunctionMode):
     SDPA as one fused attention kernel (`_FusedAttention`), dropout as `native_dropout` (one kernel writing the
     output and its mask, instead of bernoulli, divide and multiply)."""
 
+    recording: list[list[Kernel]] = []  # the kernel lists of the modes entered, innermost last (backward's too)
+
     def __init__(self, recorder: list[Kernel]):
         super().__init__()
         self.recorder = recorder
+
+    def __enter__(self):
+        _AsOnCuda.recording.append(self.recorder)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _AsOnCuda.recording.pop()
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
