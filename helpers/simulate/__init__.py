@@ -14,7 +14,8 @@
   GPUs fastest first per model, predicted and published; `fitted_constants()`: the constants fitted on them.
 """
 from helpers.simulate.events import TaskGraph
-from helpers.simulate.guide import (MODELS, ModelShape, Recommendation, block_activation_bytes, decision_table,
+from helpers.simulate.guide import (MODELS, ModelShape, Recommendation, block_activation_bytes, block_tflops,
+                                    decision_table,
                                     recommend, recommend_model, transformer_workload)
 from helpers.simulate.hardware import (FREE_LINK, GPU, Collectives, Link, SharedCores, TargetRig, allgather_s,
                                        allreduce_s, broadcast_s, collective_s, fit_collective_link, fit_collectives,
@@ -30,7 +31,7 @@ from helpers.simulate.workload import LayerCost, Workload
 
 __all__ = ["Collectives", "Efficiency", "FREE_LINK", "GPU", "Job", "Kernel", "Knobs", "LayerCost", "Link", "MODELS", "ModelShape",
            "Playground", "Recommendation", "STRATEGIES", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
-           "Workload", "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "broadcast_s", "collective_s",
+           "Workload", "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s", "collective_s",
            "decision_table", "efficiency", "fit_collective_link", "fit_collectives", "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops",
            "link_named", "on_gpu", "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s",
            "resnet50_workload", "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs",

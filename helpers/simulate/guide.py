@@ -18,7 +18,7 @@ import torch
 
 from helpers.memory import GiB, fmt_bytes, transformer_activation_bytes
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
-from helpers.simulate.roofline import VALUE_BYTES, Efficiency, efficiency, optimizer_s, step_s, trace_kernels
+from helpers.simulate.roofline import VALUE_BYTES, Efficiency, kernels_s, optimizer_s, step_s, trace_kernels
 from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
@@ -106,6 +106,15 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf
         layers += [replace(cost, name=f"block {i}") for i in range(shape.layers)] if name == "block" else [cost]
     n_params = sum(layer.params for layer in layers)
     return Workload(tuple(layers), recipe, optimizer_s(n_params, recipe, gpu))
+
+
+def block_tflops(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
+                 batch: int = 8) -> float:
+    """TFLOPS one of the model's blocks sustains forward + backward on `gpu` (its traced kernels' FLOPs over their
+    time): a single figure for back-of-the-envelope compute times, from the same model as `transformer_workload`."""
+    block = _decoder_kernels(shape, seq, batch, dtype, attention)[0][1]
+    kernels = block.forward + block.backward
+    return sum(k.flops for k in kernels) / kernels_s(kernels, gpu, dtype) / 1e12
 
 
 @dataclass(frozen=True)
