@@ -29,10 +29,11 @@ from helpers.simulate.roofline import (Efficiency, Kernel, efficiency, kernels_s
 from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-__all__ = ["Collectives", "Efficiency", "FREE_LINK", "GPU", "Job", "Kernel", "Knobs", "LayerCost", "Link", "MODELS", "ModelShape",
-           "Playground", "Recommendation", "STRATEGIES", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
-           "Workload", "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s", "collective_s",
-           "decision_table", "efficiency", "fit_collective_link", "fit_collectives", "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops",
+__all__ = ["Collectives", "Efficiency", "FREE_LINK", "GPU", "Job", "Kernel", "Knobs", "LayerCost", "Link", "MODELS",
+           "ModelShape", "Playground", "Recommendation", "STRATEGIES", "SharedCores", "Simulation", "TargetRig",
+           "TaskGraph", "Workload", "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes",
+           "block_tflops", "broadcast_s", "collective_s", "decision_table", "efficiency", "fit_collective_link",
+           "fit_collectives", "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops",
            "link_named", "on_gpu", "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s",
            "resnet50_workload", "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs",
            "trace_kernels", "transformer_workload"]

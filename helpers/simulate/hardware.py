@@ -208,8 +208,8 @@ def link_named(name: str) -> Link:
 @dataclass(frozen=True)
 class GPU:
     """What the roofline needs of a GPU: its sustained matmul rate per dtype (a large matmul, measured), the memory
-    bandwidth element-wise kernels sustain, and capacity. Real layers reach less than the matmul rate: `helpers.simulate.roofline` times each of
-    their kernels against these two roofs."""
+    bandwidth element-wise kernels sustain, and capacity. Real layers reach less than the matmul rate:
+    `helpers.simulate.roofline` times each of their kernels against these two roofs."""
 
     name: str
     memory_bytes: int

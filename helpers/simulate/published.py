@@ -4,9 +4,11 @@ Each check rebuilds the published setup as a workload (its layers traced kernel 
 `helpers.simulate.roofline`) on the rig in data/hardware.json that ran it, or the nearest one: where the published
 hardware is not one of ours the row says which rig stands in for it, and the error then includes that difference.
 
-One constant of the roofline is fitted here on one published figure (`FITTED`): the convolution efficiency on
-Lambda's RTX 3090 ResNet-50 throughput. Every other row is validation: no other published figure is used to set
-anything.
+Four constants are fitted here, each on one published figure of a different GPU (`FITTED`, `fitted_constants()`):
+the share of a training step spent in traced kernels on Lambda's RTX 3090 BERT-large throughput, the convolution
+efficiency on its RTX 4090 ResNet-50, the A100's own convolution efficiency on its A100 ResNet-50, and the all-reduce
+bus bandwidth of two GeForce cards without peer-to-peer on Hugging Face's TITAN RTX NVLink / no-P2P ratio. Every
+other row is validation: no other published figure sets anything.
 """
 from __future__ import annotations
 
