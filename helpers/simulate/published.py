@@ -19,15 +19,16 @@ import torch
 from torch import nn
 
 from helpers.course import load_data
-from helpers.simulate.guide import ModelShape, transformer_workload
+from helpers.simulate.guide import transformer_workload
 from helpers.simulate.hardware import GPU, Link, allreduce_link, gpu_named, link_named, target_rig
 from helpers.simulate.roofline import Efficiency, efficiency, kernels_s, trace_kernels, workload_from_traces
+from helpers.sizing.shape import decoder_shape
 from helpers.simulate.strategies import Job, simulate
 from helpers.simulate.workload import Workload
 
 BERT = {"BERT-base": (12, 768, 12), "BERT-large": (24, 1024, 16)}  # layers, hidden, heads (intermediate 4 x hidden)
 BERT_SEQ = 384  # Lambda's run_squad.py max_seq_length (its logs: pytorch/results/*/PyTorch_bert_*_squad_FP16)
-GPT2_SMALL = ModelShape("gpt2", 12, 768, 12, 50257, 3072)
+GPT2_SMALL = ("gpt2", 12, 768, 12, 50257, 3072)  # decoder_shape arguments
 RESNET50_STAGES = (("layer1", 3, 64, 1), ("layer2", 4, 128, 2), ("layer3", 6, 256, 2), ("layer4", 3, 512, 2))
 LAMBDA_RIGS = (("2x3090 PCIe", "lambda_2x3090_data_parallel"), ("2x4090", "lambda_2x4090_data_parallel"),
                ("2xA100", "lambda_2xa100_sxm4_data_parallel"))
@@ -205,7 +206,8 @@ def nvlink_rows(no_p2p: Link | None = None) -> list[dict]:
     published = load_data("published")
     times, setup = published["hf_nvlink_ddp"], published["hf_nvlink_ddp_setup"]
     gpu, batch = gpu_named("RTX 3090"), setup["per_device_batch"]
-    workload = transformer_workload(GPT2_SMALL, setup["seq"], gpu, setup["dtype"], "eager", "fp32 + Adam", batch)
+    workload = transformer_workload(decoder_shape(*GPT2_SMALL), setup["seq"], gpu, setup["dtype"], "eager",
+                                    "fp32 + Adam", batch=batch)
     nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), Job("ddp", 2 * batch)
     ratio = (simulate(workload, job, link_named(NO_P2P), no_p2p or allreduce_link(NO_P2P)).step_s
              / simulate(workload, job, nvlink, nvlink).step_s)
