@@ -6,23 +6,11 @@ import pytest
 import torch
 
 from helpers.course import load_data
-from helpers.simulate import (efficiency, fitted_constants, gpu_named, gpu_orders, kernels_s, predictions_vs_published,
-                              target_rig, trace_kernels)
+from helpers.simulate import (efficiency, excused_rows, fitted_constants, gpu_named, gpu_orders, kernels_s,
+                              predictions_vs_published, target_rig, trace_kernels)
 from helpers.simulate.published import FITTED
 
 TOLERANCE = 0.15
-
-
-def _excused() -> set[tuple[str, str]]:
-    """(source key's model or GPU, check) pairs data/published.json excuses, as (row label, GPU or rig) keys."""
-    published = load_data("published")
-    excused = set(published["lambda_2xa100_sxm4_data_parallel"].get("outside_15_percent", {}))
-    excused = {(f"Lambda DDP speed-up, {model} (x)", "2xA100") for model in excused}
-    layer = published["mli_bert_layer_tflops"]
-    setup = layer["setup"]
-    excused |= {(f"BERT-large layer fwd+bwd, seq {setup['seq']}, batch {setup['batch']} (TFLOPS)", gpu)
-                for gpu in layer.get("outside_15_percent", {})}
-    return excused
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +21,7 @@ def rows():
 def test_every_published_row_within_15_percent(rows):
     assert len(rows) >= 25 and all(r["source"] for r in rows)
     missing = {(r["check"], r["rig simulated"]) for r in rows if abs(r["error"]) > TOLERANCE}
-    assert missing == _excused(), [(r["check"], r["rig simulated"], f"{r['error']:+.1%}") for r in rows
+    assert missing == excused_rows(), [(r["check"], r["rig simulated"], f"{r['error']:+.1%}") for r in rows
                                    if abs(r["error"]) > TOLERANCE]
     # the row about the seed's own question: what an NVLink bridge buys DDP on two GeForce cards
     nvlink = next(r for r in rows if r["check"].startswith("HF GPT-2 DDP"))

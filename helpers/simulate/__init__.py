@@ -23,8 +23,8 @@ from helpers.simulate.hardware import (FREE_LINK, GPU, Collectives, Link, Shared
                                        fit_link, gpu_named, link_named, reducescatter_s,
                                        target_rig, target_rigs)
 from helpers.simulate.playground import Knobs, Playground
-from helpers.simulate.published import (bert_workload, fitted_constants, gpu_orders, predictions_vs_published,
-                                        resnet50_workload)
+from helpers.simulate.published import (bert_workload, excused_rows, fitted_constants, gpu_orders,
+                                        predictions_vs_published, resnet50_workload)
 from helpers.simulate.roofline import (Efficiency, Kernel, efficiency, kernels_s, layer_flops, on_gpu, roofline_s,
                                        trace_kernels)
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
@@ -33,8 +33,8 @@ from helpers.simulate.workload import LayerCost, Workload
 __all__ = ["Collectives", "Efficiency", "FREE_LINK", "GPU", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
            "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
            "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s",
-           "collective_s", "decision_table", "efficiency", "fit_collective_link", "fit_collectives", "fit_link",
-           "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named", "on_gpu",
+           "collective_s", "decision_table", "efficiency", "excused_rows", "fit_collective_link", "fit_collectives",
+           "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named", "on_gpu",
            "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s", "resnet50_workload",
            "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs", "trace_kernels",
            "transformer_workload"]
