@@ -7,7 +7,8 @@ Subpackages (each `__init__` says in a line what it holds):
 - `training`: a job, the strategies over one DeviceMesh, the one training loop, what runs where, `train()`;
 - `finetune`: LoRA / QLoRA adapters on a frozen (NF4) base, and the training-memory planner;
 - `inference`: the big-model planner and device maps, generation across devices, tensor parallelism;
-- `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions.
+- `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions;
+- `bench`: strategies measured side by side (what notebooks import apart from the command line's rows and report).
 Modules: `memory` (byte accounting), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
 `checkpointing`, `precision`, `measure`, `check`, `report`, `course` (a notebook's setup); the command lines
 `bench`, `doctor`, `plan`, `wheelhouse` (`python -m helpers.NAME`). Import what you need:

@@ -3,8 +3,11 @@ import json
 import pytest
 import torch
 
-from helpers.bench import (BEYOND_1F1B, BenchRow, Progress, bench_cut, default_config, display_rows,
-                           main as bench_main, microbatch_size, misses, predict_row, simulation_job, timeline_name)
+from helpers.bench import bench_cut
+from helpers.bench.cli import main as bench_main
+from helpers.bench.predict import microbatch_size, predict_row, simulation_job
+from helpers.bench.report import display_rows, misses, timeline_name
+from helpers.bench.rows import BEYOND_1F1B, BenchRow, Progress, default_config
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
 from helpers.simulate.hardware import Collectives
@@ -180,7 +183,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
-    from helpers.bench import compute_drift
+    from helpers.bench.rows import compute_drift
     from helpers.timeline import Event, median_phases, phase_seconds
 
     work = Workload.from_lists([F] * 4, [B] * 4)
@@ -278,7 +281,7 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
 def test_the_bench_leaves_out_what_the_rig_refuses():
     """On one GPU the bench queued torch's pipelining and FSDP2 unconditionally; the support check refused them
     there and the whole run stopped with nothing written. It now leaves them out, with the reason."""
-    from helpers.bench import PROCESS_ROWS, bench_refusals
+    from helpers.bench.rows import PROCESS_ROWS, bench_refusals
     from helpers.training.support import reference_rigs
 
     rigs = reference_rigs()
@@ -305,7 +308,7 @@ def test_one_gpu_calibration_measures_only_what_gloo_carries_for_cuda():
 def test_jobs_of_one_schedule_share_a_launch():
     """ours and torch's run of one schedule start their processes once (run_trainings): the default run's 15
     pipeline jobs in 9 launches."""
-    from helpers.bench import by_launch
+    from helpers.bench.rows import by_launch
 
     jobs = [("naive", "ours", "gpipe", 1, False), ("gpipe", "ours", "gpipe", 8, True), ("1f1b", "ours", "1f1b", 8, True),
             ("gpipe", "torch", "gpipe", 8, True), ("1f1b", "torch", "1f1b", 8, True)]

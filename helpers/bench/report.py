@@ -1,0 +1,145 @@
+"""What the bench prints and writes: the table's columns and legend, bench.json with a timeline PNG and Perfetto trace
+per row, and the lines that name each row outside the target."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from helpers.bench.predict import TARGET
+from helpers.bench.rows import BenchConfig, BenchRow, bench_refusals
+from helpers.timeline import PHASES, chrome_trace
+
+
+BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "spread", "predicted", "error",
+                 "forward", "backward", "speedup", "peak_activation_bytes"]
+
+
+LEGEND = f"""\
+strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), past 1F1B (notebook 06b:
+             ZB-H1; interleaved 1F1B, ZB-V, DualPipeV with 2 stages per device), DDP, ZeRO-1, FSDP2, DP x PP
+engine       ours = the course's schedule interpreter; torch = PyTorch's engine (torch.distributed.pipelining,
+             DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard); none = plain autograd
+runner       one thread; threads = one thread per device in this process; processes = one process per device (gloo
+             on the CPU rig, NCCL on GPUs)
+m            micro-batches per step (pipelines; DP x PP: per replica); '-' = the whole batch at once
+optimizer    what the timed step includes after backward: none, or Adam (compare with single_adam)
+samples/s    measured: global batch / median step time over interleaved repeats (threads) or launches (processes)
+spread       the noise of that median: half the interquartile range of the step times over their median (processes:
+             pooled over every launch); an error not much larger than it is within what the machine's jitter allows
+             one run to show. With one launch per job (--quick) it cannot show how launches a minute apart differ:
+             up to 26% on the 2-core CPU rig (the same DDP job, three launches in a row)
+predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
+             at the row's micro-batch size rescaled to the whole model's time per micro-batch measured with that row
+             (same interleaved rounds; multi-process rows: just before and after each launch), the measured
+             optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
+             reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
+             compute when both are busy (threads and processes share the cores fairly: processor sharing; for
+             threads, two copies of the model timed at once in the rows' own rounds)
+error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
+forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
+             simulator's, summed over devices, in the median timed step (every launch's, for processes): how fast
+             the machine computed during that row against the calibration. An error close to them is that speed; an
+             error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
+             the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
+             backward
+speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
+peak_activation_bytes  saved activations at their peak, per device (rank)"""
+
+
+EXTRA_COLUMNS = {
+    "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "forward",
+               "backward", "speedup", "busy", "predicted slowest/mean"],
+    "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
+                      "step vs none", "activations"],
+}
+EXTRA_LEGEND = """\
+splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
+             threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
+             per device; predicted slowest/mean = the slowest stage's profiled cost over the mean
+checkpointing  notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline (m=4, threads); step vs
+             none = step time / the unchecked pipeline's; activations = peak saved activations per device
+             (predicted and error as above)"""
+
+
+def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
+                  extras: dict[str, list[dict]] | None = None, calibration: dict | None = None) -> list[dict]:
+    """bench.json (rig, rows, any extra tables, the calibration) and per row one timeline PNG and the same timeline
+    as a Chrome / Perfetto trace (timeline_*.json) in `out_dir`; returns the rows."""
+    import json
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from helpers.timeline import plot_timeline
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
+    dicts = [r.as_dict(config.batch, reference[r.reference]) for r in rows]
+    refused = {f"{s} ({e})": why for (s, e), why in bench_refusals(rig).items()}
+    (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
+                                                "model": repr(config.cfg), "rows": dicts, **(extras or {}),
+                                                "calibration": calibration or {}, "not_run_here": refused}, indent=2))
+    for r in rows:
+        m = f", m={r.microbatches}" if r.microbatches else ""
+        ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}{m})")
+        ax.figure.savefig(out / timeline_name(r), dpi=90, bbox_inches="tight")
+        plt.close(ax.figure)
+        chrome_trace(r.events, (out / timeline_name(r)).with_suffix(".json"))  # for ui.perfetto.dev
+    return dicts
+
+
+def timeline_name(row: BenchRow) -> str:
+    """timeline_<strategy>_<engine>_<runner>[_m<m>].png, with only letters, digits, '-' and '_'."""
+    import re
+
+    parts = [row.strategy, row.engine, row.runner] + ([f"m{row.microbatches}"] if row.microbatches else [])
+    return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
+
+
+def _signed(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:+.0%}"
+
+
+def _percent(error: float | None, excluded: str | None = None) -> str:
+    if error is None:
+        return "-"
+    return f"{error:+.1%}" + ("*" if excluded or abs(error) > TARGET else "")
+
+
+def _plus_minus(spread: float | None) -> str:
+    return "-" if spread is None else f"±{spread:.0%}"
+
+
+def display_rows(dicts: Sequence[dict]) -> list[dict]:
+    """The printed table's rows: measured, predicted and the error side by side."""
+    return [{"strategy": d["strategy"], "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
+             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "spread": _plus_minus(d.get("spread")),
+             "predicted": d["predicted_samples_per_s"],
+             "error": _percent(d["error"], d["excluded_from_target"]),
+             "forward": _signed(d.get("forward_vs_predicted")), "backward": _signed(d.get("backward_vs_predicted")),
+             "speedup": d["speedup"],
+             "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+
+
+def _drift_said(d: dict) -> str:
+    """'; in its median step its forward passes took 4% longer ... than simulated', or ''."""
+    said = [f"{phase} passes took {abs(x):.0%} {'longer' if x >= 0 else 'less time'}" for phase in PHASES
+            if (x := d.get(f"{phase}_vs_predicted")) is not None]
+    return f"; in its median step its {' and '.join(said)} than simulated" if said else ""
+
+
+def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
+    """One line per row whose prediction is outside the target or excluded from it, with the reason."""
+    out = []
+    for d in dicts:
+        label = " ".join(str(d[k]) for k in (name_key, "engine", "runner", "microbatches") if d.get(k) is not None)
+        if d.get("excluded_from_target"):
+            out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
+        elif d.get("error") is not None and abs(d["error"]) > TARGET:
+            spread = d.get("spread")
+            noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
+            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
+    return out
