@@ -32,6 +32,9 @@ class Event:
     end: float
     microbatch: int | None = None
     stage: int | None = None  # the pipeline stage that ran it (a device may hold several)
+    # CPU seconds the recording thread itself used during the span (CPU spans recorded with `Recorder.span`): unlike
+    # the wall time, other processes on the cores do not stretch it, so it shows the work a span did
+    cpu: float | None = None
 
     @property
     def duration(self) -> float:
@@ -78,9 +81,16 @@ class Recorder:
 
     @contextmanager
     def span(self, kind: str, microbatch: int | None = None, stage: int | None = None) -> Iterator[None]:
-        mark = self.start()
+        """Record the enclosed code as a span; on CPU also the thread's CPU time during it (`Event.cpu`)."""
+        if self._cuda:
+            mark = self.start()
+            yield
+            self.finish(mark, kind, microbatch, stage)
+            return
+        cpu, start = time.thread_time(), time.perf_counter()
         yield
-        self.finish(mark, kind, microbatch, stage)
+        end = time.perf_counter()
+        self._events.append(Event(self.device_index, kind, start, end, microbatch, stage, time.thread_time() - cpu))
 
     def add(self, kind: str, start: float, end: float, microbatch: int | None = None,
             stage: int | None = None) -> None:
