@@ -305,12 +305,27 @@ def test_one_gpu_calibration_measures_only_what_gloo_carries_for_cuda():
                for k in ("allgather", "reducescatter", "broadcast", "allreduce"))
 
 
-def test_jobs_of_one_schedule_share_a_launch():
-    """ours and torch's run of one schedule start their processes once (run_trainings): the default run's 15
-    pipeline jobs in 9 launches."""
-    from helpers.bench.rows import by_launch
+def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
+    """The default run's repeatability by design: every two-rank job (pipelines, DDP, ZeRO-1, FSDP2) in one launch
+    per round, 2 rounds, the second in reverse order, so each row pools steps of two launches and no job is always
+    first; its timed steps, phases and CPU seconds pooled over the launches."""
+    from types import SimpleNamespace
 
-    jobs = [("naive", "ours", "gpipe", 1, False), ("gpipe", "ours", "gpipe", 8, True), ("1f1b", "ours", "1f1b", 8, True),
-            ("gpipe", "torch", "gpipe", 8, True), ("1f1b", "torch", "1f1b", 8, True)]
-    assert by_launch(jobs, lambda j: (j[2], j[3], j[4])) == [
-        (jobs[0],), (jobs[1], jobs[3]), (jobs[2], jobs[4])]
+    from helpers.bench.rows import run_in_rounds, two_rank_jobs
+    from helpers.training.support import reference_rigs
+
+    config = default_config("default", reference_rigs()["CPU (2 cores)"])
+    assert config.rounds == 2 and config.steps == 3 and config.thread_repeats == 5
+    keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
+    assert len(keys) == 16 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    orders, seen = [], []
+
+    def launch(order):
+        orders.append(list(order))
+        return [SimpleNamespace(step_times=[1.0 + len(orders)], phase_times=[{"forward": 1.0, "backward": 2.0}],
+                                thread_cpu_s=[0.5, 0.25 * len(orders)]) for _ in order]
+
+    pooled = run_in_rounds({tuple(keys): launch}, config.rounds, "test", progress=False,
+                           around=lambda k: seen.append(k))
+    assert orders == [keys, keys[::-1]] and len(seen) == 4 * len(keys)
+    assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]

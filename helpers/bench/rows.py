@@ -1,6 +1,6 @@
 """The bench's rows: what a run measures (`BenchConfig`, `default_config`), one device and every pipeline on threads
-(`_single_row`, `run_bench`), every multi-process job launched in interleaved rounds (`run_in_rounds`), and the data-
-parallel rows (`data_parallel_rows`); each kept as a `BenchRow`."""
+(`_single_row`, `run_bench`), every two-rank job (pipelines, DDP, ZeRO-1, FSDP2) in one launch per round
+(`process_rows`, `run_in_rounds`) and DP x PP (`dp_x_pp_rows`); each kept as a `BenchRow`."""
 from __future__ import annotations
 
 import copy
@@ -55,6 +55,7 @@ class BenchRow:
     calibration_key: Hashable | None = None
     whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
     core_slowdown: float | None = None  # threaded rows: the busy-core slowdown their prediction used
+    cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -65,7 +66,8 @@ class BenchRow:
                 "excluded_from_target": self.excluded, "spread": self.spread,
                 **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
                                                           self.predicted_phase_s) for phase in PHASES},
-                "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown,
+                "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown, "cpu_s": self.cpu_s,
+                "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
                 "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
@@ -76,13 +78,14 @@ class BenchConfig:
 
     cfg: StackConfig
     batch: int
-    steps: int
+    steps: int  # timed steps of each multi-process job per launch
     gpipe_microbatches: tuple[int, ...]
     onefoneb_microbatches: int
     torch_microbatches: tuple[int, ...]
     rounds: int = 1  # launches of each multi-process job, interleaved across jobs
     extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
+    thread_repeats: int = 3  # interleaved rounds of one device and the threaded pipelines
 
 
 MODES = ("quick", "default", "precise")
@@ -90,8 +93,11 @@ MODES = ("quick", "default", "precise")
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
-    model. default: every row once, 3 timed steps, one launch of each multi-process job. precise: the same rows,
-    6 steps and 3 launches of each job interleaved, 6 repeats of the extras: medians a noisy minute moves less."""
+    model. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch count
+    (m=8) per pipeline, 5 interleaved rounds of the threaded rows, and every two-rank job in one launch per round,
+    2 rounds in opposite orders (6 timed steps of each job from two launches a minute or more apart: one
+    disturbed launch or step no longer decides a row). precise: GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
+    launches of 6 steps, 6 repeats of the extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
@@ -100,10 +106,12 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=3,
                            gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
                            link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)), extra_repeats=2)
-    precise = mode == "precise"
-    return BenchConfig(StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32), batch=32, steps=6 if precise else 3,
-                       gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, torch_microbatches=(8,),
-                       rounds=3 if precise else 1, extra_repeats=6 if precise else 2)
+    cfg = StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32)
+    if mode == "precise":
+        return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
+                           torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
+    return BenchConfig(cfg, batch=32, steps=3, gpipe_microbatches=(8,), onefoneb_microbatches=8,
+                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5)
 
 
 class Progress:
@@ -192,8 +200,6 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     micro-batch size in the same interleaved rounds (threads) and around each launch (processes), each row's samples
     kept under its `calibration_key`, for the predictions."""
     from helpers.models import SyntheticTokens, build_stack
-    from helpers.training.job import TrainJob
-    from helpers.training.loop import run_trainings
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     if rig.is_cpu:
@@ -205,43 +211,77 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
     runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
             for s, m in threaded]
-    progress.phase(f"one device and {len(runs)} threaded pipelines, {config.steps} interleaved repeats")
+    progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
     sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
     samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
                 if timer else {})
     if timer and rig.is_cpu:
         samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
                                                                                                        THREADS_KEY)
-    times, rows = _single_row(model, x, y, lm_loss, config.steps, runs, progress, samplers)
+    times, rows = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
                              spread=times.spread(r.name), measured_phase_s=median_phases(r.phases)))
     for row in rows:  # one device and the threaded pipelines: timed in the same rounds as the samplers
         row.calibration_key = THREADS_KEY
-    jobs = [("naive", "ours", "gpipe", 1, False)]
-    jobs += [("gpipe", "ours", "gpipe", m, True) for m in config.gpipe_microbatches]
-    jobs += [("1f1b", "ours", "1f1b", config.onefoneb_microbatches, True)]
-    jobs += [(s, "torch", s, m, True) for m in config.torch_microbatches for s in ("gpipe", "1f1b")]
-    jobs += [(s, engine, s, config.onefoneb_microbatches, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
-    refused = bench_refusals(rig)
-    jobs = [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
-    def job(j) -> TrainJob:
-        return TrainJob(config.cfg, pp=2, boundaries=bench_cut(j[2], len(model)), schedule=j[2], microbatches=j[3],
-                        batch=config.batch, engine=j[1], overlap=j[4], steps=config.steps)
+    return rows + process_rows(config, rig, progress, timer)
 
-    # ours and torch's run of one schedule share a launch (one start of the processes for the two)
-    results = run_in_rounds(
-        {group: (lambda group=group: run_trainings([job(j) for j in group], rig))
-         for group in by_launch(jobs, lambda j: (j[2], j[3], j[4]))},
-        config.rounds, "process pipelines", progress,
-        around=(lambda j: timer.sample(config.batch // j[3], j)) if timer else None)
-    for j, got in results.items():
-        strategy, engine, _, m, _ = j
-        rows.append(BenchRow(strategy, engine, "processes", m, got.step_s, got.last.events,
-                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key=j))
-    return rows + data_parallel_rows(config, rig, progress, timer)
+
+def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
+    """The keys of the bench's two-rank jobs this rig runs: pipelines as (strategy, engine, schedule, m, overlap),
+    data parallelism as (strategy, "dp")."""
+    m = config.onefoneb_microbatches
+    jobs = [("naive", "ours", "gpipe", 1, False)]
+    jobs += [("gpipe", "ours", "gpipe", k, True) for k in config.gpipe_microbatches]
+    jobs += [("1f1b", "ours", "1f1b", m, True)]
+    jobs += [(s, "torch", s, k, True) for k in config.torch_microbatches for s in ("gpipe", "1f1b")]
+    jobs += [(s, engine, s, m, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
+    jobs += [(s, "dp") for s in ("ddp", "zero1", "fsdp2")]
+    refused = bench_refusals(rig)
+    return [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
+
+
+def train_job(key: tuple, config: BenchConfig):
+    """The `TrainJob` of a `two_rank_jobs` key."""
+    from helpers.training.job import TrainJob
+
+    if key[1] == "dp":
+        return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, steps=config.steps,
+                        optimizer="adam")
+    strategy, engine, schedule, m, overlap = key
+    return TrainJob(config.cfg, pp=2, boundaries=bench_cut(schedule, config.cfg.n_blocks + 2), schedule=schedule,
+                    microbatches=m, batch=config.batch, engine=engine, overlap=overlap, steps=config.steps)
+
+
+def key_microbatch(key: tuple, config: BenchConfig) -> int:
+    """Samples one rank computes at a time in the job of `key`."""
+    return config.batch // 2 if key[1] == "dp" else config.batch // key[3]
+
+
+def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
+    rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
+    then DP x PP (4 ranks). With `timer`, the whole model timed at each job's micro-batch size just before and
+    after the launch that ran it (`calibration_key`: the job's key)."""
+    from helpers.training.loop import run_trainings
+
+    jobs = two_rank_jobs(config, rig)
+    results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
+                            config.rounds, "multi-process jobs", progress,
+                            around=(lambda k: timer.sample(key_microbatch(k, config), k)) if timer else None)
+    rows = []
+    for key, got in results.items():
+        if key[1] == "dp":
+            rows.append(BenchRow(key[0], "torch", "processes", None, got.step_s, got.last.events,
+                                 got.last.peak_activations, optimizer="adam", reference="single_adam",
+                                 spread=got.spread, measured_phase_s=got.phase_s, calibration_key=key,
+                                 cpu_s=got.cpu_s))
+        else:
+            rows.append(BenchRow(key[0], key[1], "processes", key[3], got.step_s, got.last.events,
+                                 got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
+                                 calibration_key=key, cpu_s=got.cpu_s))
+    return rows + dp_x_pp_rows(config, rig, progress, timer)
 
 
 @dataclass(frozen=True)
@@ -254,15 +294,17 @@ class Pooled:
     spread: float
     phase_s: dict[str, float]
     last: object
+    cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   around: Callable | None = None) -> dict:
     """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
-    them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch returning one `TrainResult`
-    per key (jobs launched together share one start of the processes: `run_trainings`). `around(key)` runs for
-    each job just before and just after its launch (the bench times its calibration there, so each row's
-    calibration sees the minutes it ran)."""
+    them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch that runs the keys it is
+    given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
+    processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always the
+    first or the last of its launch. `around(key)` runs for each job just before and just after its launch (the
+    bench times its calibration there, so each row's calibration sees the minutes it ran)."""
     import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
@@ -270,62 +312,47 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     progress.phase(f"{desc}: {len(jobs)} jobs in {len(launches)} launches x {rounds} round(s)")
     steps: dict = {k: [] for k in jobs}
     phases: dict = {k: [] for k in jobs}
+    cpu: dict = {k: [] for k in jobs}  # per launch, per rank: the median step's thread CPU seconds
     last: dict = {}
     bar = progress.bar(rounds * len(launches), desc)
-    for _ in range(rounds):
+    for r in range(rounds):
         for group, launch in launches.items():
-            for key in group if around is not None else ():
+            order = group if r % 2 == 0 else group[::-1]
+            for key in order if around is not None else ():
                 around(key)
-            for key, got in zip(group, launch()):
+            for key, got in zip(order, launch(order)):
                 last[key] = got
                 steps[key].extend(got.step_times)
                 phases[key].extend(got.phase_times)
+                cpu[key].append(got.thread_cpu_s)
             for key in group if around is not None else ():
                 around(key)
             bar.update()
     bar.close()
-    return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k])
+    return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k],
+                      [statistics.median(c) for c in zip(*cpu[k])] if all(cpu[k]) else None)
             for k in jobs}
-
-
-def by_launch(keys: Sequence, share: Callable) -> list[tuple]:
-    """The job keys grouped into launches: keys with the same `share(key)` together (in order of first appearance)."""
-    groups: dict = {}
-    for key in keys:
-        groups.setdefault(share(key), []).append(key)
-    return [tuple(group) for group in groups.values()]
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
 
 
-def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
-    """DDP, ZeRO-1 and FSDP2 (Adam step included, compared with one device doing the same), and DP x PP; with
-    `timer`, the whole model timed at each job's micro-batch size around its launches."""
+def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds;
+    with `timer`, the whole model timed at its micro-batch size around them."""
     from helpers.training.job import TrainJob
-    from helpers.training.loop import run_training, run_trainings
+    from helpers.training.loop import run_training
 
     rows = []
-    dp_job = lambda s: TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch, steps=config.steps,  # noqa: E731
-                                optimizer="adam")
     refused = bench_refusals(rig)
-    strategies = [s for s in ("ddp", "zero1", "fsdp2") if (s, "processes") not in refused]
-    results = run_in_rounds({tuple(strategies): lambda: run_trainings([dp_job(s) for s in strategies], rig)}
-                            if strategies else {},
-                            config.rounds, "data parallel", progress,
-                            around=(lambda s: timer.sample(config.batch // 2, s)) if timer else None)
-    for strategy, got in results.items():
-        rows.append(BenchRow(strategy, "torch", "processes", None, got.step_s, got.last.events,
-                             [m.activations for m in got.last.memory], optimizer="adam", reference="single_adam",
-                             spread=got.spread, measured_phase_s=got.phase_s, calibration_key=strategy))
     if ("dp_x_pp", "processes") not in refused:
         m = DP_X_PP_MICROBATCHES(config)
-        results = run_in_rounds({("dp_x_pp",): lambda: [run_training(
+        results = run_in_rounds({("dp_x_pp",): lambda keys: [run_training(
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
             rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
             around=(lambda k: timer.sample(config.batch // 2 // m, k)) if timer else None)
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
                              got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key="dp_x_pp"))
+                             calibration_key="dp_x_pp", cpu_s=got.cpu_s))
     return rows
