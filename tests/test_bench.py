@@ -329,3 +329,69 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
                            around=lambda k: seen.append(k))
     assert orders == [keys, keys[::-1]] and len(seen) == 4 * len(keys)
     assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]
+
+
+def _bench_json(speedups: dict[str, float], errors: dict[str, float | None] | None = None) -> dict:
+    errors = errors or {}
+    rows = [{"strategy": s, "engine": "ours", "runner": "threads", "microbatches": 8, "speedup": v,
+             "error": 0.5 if s in errors and errors[s] is None else errors.get(s, 0.0),
+             "excluded_from_target": "4 ranks" if s in errors and errors[s] is None else None}
+            for s, v in speedups.items()]
+    return {"rows": rows, "splits": [{"split": "optimal time", "speedup": 1.3, "error": 0.02}],
+            "checkpointing": [{"split": "every 2", "step vs none": 1.2, "error": -0.03}]}
+
+
+def test_against_a_previous_run_every_ratio_is_compared_and_the_verdict_said():
+    from helpers.bench.report import compare_runs, describe_comparison
+
+    before = _bench_json({"1f1b": 1.30, "zbh1": 1.30, "gone": 1.0})
+    now = _bench_json({"1f1b": 1.33, "zbh1": 1.40, "new": 1.1})
+    compared = {c["row"]: c for c in compare_runs(now, before)}
+    assert set(compared) == {"1f1b ours threads m=8", "zbh1 ours threads m=8", "splits: optimal time",
+                             "checkpointing: every 2"}  # rows in both runs only
+    assert compared["1f1b ours threads m=8"]["difference"] == pytest.approx(1.33 / 1.30 - 1)
+    assert compared["1f1b ours threads m=8"]["within"] and not compared["zbh1 ours threads m=8"]["within"]
+    text = describe_comparison(list(compared.values()), "old/bench.json")
+    assert "1 of 4 rows outside 5%" in text and "+7.7%*" in text and "largest difference +7.7% (zbh1" in text
+    assert "all 5 rows within 5%" in describe_comparison(compare_runs(before, before), "x")
+
+
+def test_against_refuses_a_path_without_a_bench_json_before_anything_runs(tmp_path):
+    from helpers.bench.cli import read_previous
+
+    with pytest.raises(SystemExit, match="no bench.json there"):
+        bench_main(["--against", str(tmp_path / "missing.json")])
+    (tmp_path / "bench.json").write_text(json.dumps(_bench_json({"1f1b": 1.3})))
+    assert read_previous(str(tmp_path))["rows"][0]["speedup"] == 1.3  # a folder holding one will do
+    (tmp_path / "bench.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no rows"):
+        read_previous(str(tmp_path))
+
+
+def test_prediction_errors_of_every_row_for_a_bound_check():
+    from helpers.bench.report import prediction_errors
+
+    errors = prediction_errors(_bench_json({"1f1b": 1.3, "dp_x_pp": 1.1}, {"1f1b": 0.04, "dp_x_pp": None}))
+    assert errors == {"1f1b ours threads m=8": 0.04, "dp_x_pp ours threads m=8": None,
+                      "splits: optimal time": 0.02, "checkpointing: every 2": -0.03}
+
+
+def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine():
+    """Per engine and device: ZB-H1's median input pass + weight pass over 1F1B's median backward, in the spans'
+    CPU seconds (wall time beside it); engines without both rows are left out."""
+    from helpers.bench.extras import split_backward_rows
+    from helpers.timeline import Event
+
+    def spans(kind, device, wall, cpu, n=3):
+        return [Event(device, kind, k, k + wall, k, cpu=cpu) for k in range(n)]
+
+    plain = BenchRow("1f1b", "ours", "processes", 8, 1.0, spans("backward", 0, 0.05, 0.04)
+                     + spans("backward", 1, 0.05, 0.04), [0, 0])
+    split = BenchRow("zbh1", "ours", "processes", 8, 1.0, spans("backward", 0, 0.0, 0.0)
+                     + spans("weight", 0, 0.07, 0.042) + spans("backward", 1, 0.03, 0.02)
+                     + spans("weight", 1, 0.03, 0.022), [0, 0])
+    lone = BenchRow("zbh1", "torch", "processes", 8, 1.0, spans("weight", 0, 0.05, 0.05), [0, 0])
+    out = split_backward_rows([plain, split, lone])
+    assert [(r["engine"], r["device"]) for r in out] == [("ours", 0), ("ours", 1)]
+    assert out[0]["split / plain"] == pytest.approx(1.05) and out[0]["wall: split / plain"] == pytest.approx(1.4)
+    assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)

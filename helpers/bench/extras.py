@@ -109,3 +109,41 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
         _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()),
                           list(variants.values()))
     return rows
+
+
+SPLIT_TARGET = 1.1  # a split backward (input pass + weight pass) costs at most 1.1x a plain backward
+
+
+def _median_span_s(events, device: int, kind: str, cpu: bool) -> float:
+    """Median seconds of `device`'s spans of `kind` in a recorded step: the thread's CPU seconds where recorded
+    (`cpu`; CUDA spans have none: their GPU time), else the wall time; 0 where there are none."""
+    import statistics
+
+    spans = [e for e in events if e.device == device and e.kind == kind]
+    if not spans:
+        return 0.0
+    return statistics.median(e.cpu if cpu and e.cpu is not None else e.duration for e in spans)
+
+
+def split_backward_rows(rows: Sequence) -> list[dict]:
+    """What the split backward costs, per engine and device: in each engine's ZB-H1 row, the median input pass
+    ("backward" spans) plus the median weight pass ("weight"), over the median backward of the same engine's 1F1B
+    row (the same stages, the same micro-batches), from the rows' recorded steps; in CPU seconds of the thread that
+    ran them (not stretched by other processes on the cores) and, beside it, in wall time. The first stage's input
+    needs no gradient: its input pass is empty and its weight pass is its whole backward."""
+    out = []
+    by_key = {(r.strategy, r.engine, r.runner): r for r in rows}
+    for (strategy, engine, runner), split in by_key.items():
+        plain = by_key.get(("1f1b", engine, runner))
+        if strategy != "zbh1" or plain is None:
+            continue
+        for device in sorted({e.device for e in split.events if e.kind == "weight"}):
+            cost = {how: (_median_span_s(plain.events, device, "backward", how == "cpu"),
+                          _median_span_s(split.events, device, "backward", how == "cpu"),
+                          _median_span_s(split.events, device, "weight", how == "cpu")) for how in ("cpu", "wall")}
+            b, i, w = cost["cpu"]
+            out.append({"engine": engine, "runner": runner, "device": device, "plain backward (ms)": b * 1e3,
+                        "input pass (ms)": i * 1e3, "weight pass (ms)": w * 1e3,
+                        "split / plain": (i + w) / b if b else None,
+                        "wall: split / plain": sum(cost["wall"][1:]) / cost["wall"][0] if cost["wall"][0] else None})
+    return out

@@ -46,12 +46,19 @@ peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 
 EXTRA_COLUMNS = {
+    "split backward": ["engine", "runner", "device", "plain backward (ms)", "input pass (ms)", "weight pass (ms)",
+                       "split / plain", "wall: split / plain"],
     "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "forward",
                "backward", "speedup", "busy", "predicted slowest/mean"],
     "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
                       "step vs none", "activations"],
 }
 EXTRA_LEGEND = """\
+split backward  what ZB-H1's split backward costs on each engine: per device, the median input-gradient pass and
+             weight pass of the ZB-H1 row's recorded step against the median backward of the same engine's 1F1B row
+             (same stages, same micro-batches), in CPU seconds of the thread that ran them (other processes on the
+             cores do not stretch them; target at most 1.1x) and in wall time. The first stage's input needs no
+             gradient: its input pass is empty and its weight pass is the whole backward
 splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
              threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
              per device; predicted slowest/mean = the slowest stage's profiled cost over the mean
@@ -60,10 +67,18 @@ checkpointing  notebook 03's sweep: checkpoint every k-th block of a 2-stage GPi
              (predicted and error as above)"""
 
 
+def row_dicts(rows: Sequence[BenchRow], batch: int) -> list[dict]:
+    """The rows as bench.json holds them, each speed-up taken against its one-device row."""
+    reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
+    return [r.as_dict(batch, reference[r.reference]) for r in rows]
+
+
 def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
-                  extras: dict[str, list[dict]] | None = None, calibration: dict | None = None) -> list[dict]:
-    """bench.json (rig, rows, any extra tables, the calibration) and per row one timeline PNG and the same timeline
-    as a Chrome / Perfetto trace (timeline_*.json) in `out_dir`; returns the rows."""
+                  extras: dict[str, list[dict]] | None = None, calibration: dict | None = None,
+                  against: list[dict] | None = None) -> list[dict]:
+    """bench.json (rig, rows, any extra tables, the calibration, the comparison with a previous run `against`) and
+    per row one timeline PNG and the same timeline as a Chrome / Perfetto trace (timeline_*.json) in `out_dir`;
+    returns the rows."""
     import json
     from pathlib import Path
 
@@ -76,12 +91,12 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
-    dicts = [r.as_dict(config.batch, reference[r.reference]) for r in rows]
+    dicts = row_dicts(rows, config.batch)
     refused = {f"{s} ({e})": why for (s, e), why in bench_refusals(rig).items()}
     (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
                                                 "model": repr(config.cfg), "rows": dicts, **(extras or {}),
-                                                "calibration": calibration or {}, "not_run_here": refused}, indent=2))
+                                                "calibration": calibration or {}, "not_run_here": refused,
+                                                **({"against": against} if against is not None else {})}, indent=2))
     for r in rows:
         m = f", m={r.microbatches}" if r.microbatches else ""
         ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}{m})")
@@ -143,3 +158,57 @@ def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
             noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
             out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
     return out
+
+
+REPEAT_TOLERANCE = 0.05  # two runs in a row agree within 5% on every row's speed-up
+EXTRA_SPEEDUPS = {"splits": "speedup", "checkpointing": "step vs none"}  # each extra table's ratio within the run
+
+
+def row_label(d: dict) -> str:
+    """A row's name across runs: strategy (or split), engine, runner and micro-batches."""
+    m = d.get("microbatches")
+    parts = [d.get("strategy") or d.get("split"), d.get("engine"), d.get("runner"), f"m={m}" if m else None]
+    return " ".join(str(p) for p in parts if p)
+
+
+def prediction_errors(data: dict) -> dict[str, float | None]:
+    """Every predicted row of a bench.json (`data`: its rows and the extras' rows, by `row_label`, extras prefixed
+    with their table): predicted / measured - 1, None where the row is excluded from the target with a reason.
+    The hook a check of the predictions' bound reads (e.g. every |error| <= TARGET, their mean <= 7%)."""
+    tables = {"": data.get("rows", []), **{f"{name}: ": data.get(name, []) for name in EXTRA_SPEEDUPS}}
+    return {prefix + row_label(d): (None if d.get("excluded_from_target") else d["error"])
+            for prefix, dicts in tables.items() for d in dicts if d.get("error") is not None}
+
+
+def _ratios(data: dict) -> dict[str, float]:
+    """Each row's ratio within its run: the rows' speed-ups and the extras' (`EXTRA_SPEEDUPS`), by label."""
+    out = {row_label(d): d["speedup"] for d in data.get("rows", []) if d.get("speedup") is not None}
+    for name, key in EXTRA_SPEEDUPS.items():
+        out.update({f"{name}: {row_label(d)}": d[key] for d in data.get(name, []) if d.get(key) is not None})
+    return out
+
+
+def compare_runs(now: dict, then: dict, tolerance: float = REPEAT_TOLERANCE) -> list[dict]:
+    """This run's ratios (speed-ups, and the extras' ratios) beside a previous run's (`then`, its bench.json), row by
+    row: now / then - 1 and whether it is within `tolerance`. Ratios within one run, not samples/s: the machine's
+    speed may differ between the runs, the ratios should not."""
+    before = _ratios(then)
+    return [{"row": label, "now": ratio, "before": before[label], "difference": ratio / before[label] - 1,
+             "within": abs(ratio / before[label] - 1) <= tolerance}
+            for label, ratio in _ratios(now).items() if label in before]
+
+
+def describe_comparison(compared: list[dict], path: str, tolerance: float = REPEAT_TOLERANCE) -> str:
+    """The comparison's table and its verdict."""
+    from helpers.report import table
+
+    if not compared:
+        return f"against {path}: no row in common"
+    shown = [{**c, "difference": f"{c['difference']:+.1%}" + ("" if c["within"] else "*")} for c in compared]
+    worst = max(compared, key=lambda c: abs(c["difference"]))
+    outside = [c for c in compared if not c["within"]]
+    verdict = (f"all {len(compared)} rows within {tolerance:.0%}" if not outside else
+               f"{len(outside)} of {len(compared)} rows outside {tolerance:.0%}")
+    return (f"against {path} (speed-ups and the extras' ratios, this run vs that one):\n"
+            + table(shown, ["row", "now", "before", "difference"])
+            + f"\n{verdict}; largest difference {worst['difference']:+.1%} ({worst['row']})")
