@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m helpers.bench",
                                      description="Every strategy side by side on this rig, in one run, each with the "
-                                                 "simulator's prediction calibrated in the same run.")
+                                                 "simulator's prediction calibrated in the same run. The default run: "
+                                                 "5 interleaved rounds of the threaded rows, every two-rank job in one "
+                                                 "launch per round, 2 rounds of 3 steps in opposite orders.")
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true",
@@ -30,8 +32,9 @@ def main(argv: list[str] | None = None) -> None:
                              "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
                              "is predicted")
     length.add_argument("--precise", action="store_true",
-                        help="the same rows as the default run, timed longer: 6 steps and 3 launches of each "
-                             "multi-process job interleaved, 6 repeats of the split comparison and checkpoint sweep")
+                        help="the default run's rows and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
+                             "the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats of the "
+                             "split comparison and checkpoint sweep")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
     parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
