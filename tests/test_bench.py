@@ -133,6 +133,9 @@ def test_a_miss_is_printed_with_the_noise_of_its_measurement():
     assert "spread ±8%" in misses([d])[0]
     bad.spread = 0.0  # steady to the last sample: still said
     assert "spread ±0%" in misses([bad.as_dict(BATCH, 2.0)])[0]
+    bad.cpu_s, bad.predicted_busy = [0.6, 0.7], 0.9  # ranks' threads ran 0.65 s of the 1 s step
+    assert "threads ran 65% of the step (CPU seconds over wall: the rest they waited), the simulated devices " \
+           "computed 90%" in misses([bad.as_dict(BATCH, 2.0)])[0]
 
 
 def test_the_median_round_sets_the_slowdown():

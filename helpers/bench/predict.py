@@ -53,6 +53,7 @@ def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[in
     sim = rig_model.simulate(workload, simulation_job(row, batch, cut), engine)
     row.predicted_s = sim.step_s + row.caller_s
     row.predicted_phase_s = phase_seconds(sim.events)
+    row.predicted_busy = sum(sim.busy.values()) / len(sim.busy) if sim.busy else None
     return sim
 
 

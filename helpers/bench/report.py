@@ -140,10 +140,15 @@ def display_rows(dicts: Sequence[dict]) -> list[dict]:
 
 
 def _drift_said(d: dict) -> str:
-    """'; in its median step its forward passes took 4% longer ... than simulated', or ''."""
+    """'; in its median step its forward passes took 4% longer ... than simulated', and for multi-process rows how
+    much of the step the ranks' threads ran against how much the simulated devices computed (ran less: they waited
+    longer than simulated; as much but the step is longer: each pass cost more CPU than calibrated), or ''."""
     said = [f"{phase} passes took {abs(x):.0%} {'longer' if x >= 0 else 'less time'}" for phase in PHASES
             if (x := d.get(f"{phase}_vs_predicted")) is not None]
-    return f"; in its median step its {' and '.join(said)} than simulated" if said else ""
+    cpu = (f"; its ranks' threads ran {d['cpu_share']:.0%} of the step (CPU seconds over wall: the rest they "
+           f"waited), the simulated devices computed {d['predicted_busy']:.0%}" if d.get("cpu_share") is not None and d.get("predicted_busy") is not None
+           else "")
+    return (f"; in its median step its {' and '.join(said)} than simulated" if said else "") + cpu
 
 
 def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:

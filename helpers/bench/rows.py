@@ -56,6 +56,7 @@ class BenchRow:
     whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
     core_slowdown: float | None = None  # threaded rows: the busy-core slowdown their prediction used
     cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
+    predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         predicted = batch / self.predicted_s if self.predicted_s else None
@@ -68,6 +69,7 @@ class BenchRow:
                                                           self.predicted_phase_s) for phase in PHASES},
                 "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown, "cpu_s": self.cpu_s,
                 "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
+                "predicted_busy": self.predicted_busy,
                 "speedup": reference_s / self.step_s,
                 "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
 
