@@ -357,10 +357,13 @@ def test_fsdp2_host_work_adds_to_every_collective_where_the_host_computes():
 def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():
     work = replace(ddp_workload(), copy_bandwidth=MiB / 0.125)  # copying 1 MiB takes 0.125 s
     link = Link(0.0, 1e15)
+    copies = simulate(work, Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100, bucket_views=False), link)
+    # PyTorch's default DDP: each layer's backward copies its 1 MiB of gradients into the bucket and divides it (2
+    # passes); after the all-reduce the bucket is copied back into the gradients (1 pass over all of them)
+    assert copies.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 2 * 0.125 + LAYERS * 0.125, rel=1e-9)
+    # apply_ddp's gradients are views of the buckets: only the hook's division is left
     ddp = simulate(work, Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100), link)
-    # each layer's backward copies its 1 MiB of gradients into the bucket and divides it (2 passes); after the
-    # all-reduce the bucket is copied back into the gradients (1 pass over all of them)
-    assert ddp.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 2 * 0.125 + LAYERS * 0.125, rel=1e-9)
+    assert ddp.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 0.125, rel=1e-9)
     free = simulate(ddp_workload(), Job("fsdp2", batch=2, reshard_after_forward=False), link)
     fsdp = simulate(work, Job("fsdp2", batch=2, reshard_after_forward=False), link)
     # per layer: shard in (half a MiB) and parameters out (1 MiB) before its forward, gradients in (1 MiB) after its
