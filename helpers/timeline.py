@@ -250,8 +250,8 @@ def plot_timelines(panels: dict[str, Iterable[Event]], device_names: dict[int, s
 
 def chrome_trace(events: Iterable[Event], path=None, device_names: dict[int, str] | None = None) -> dict:
     """The events as a Chrome / Perfetto trace (the JSON `torch.profiler`'s `export_chrome_trace` writes: one
-    complete event, "ph": "X", per span, times in microseconds from the first span), one process row per device;
-    written to `path` if given. Open it at ui.perfetto.dev or chrome://tracing."""
+    complete event, "ph": "X", per span, times in microseconds from the first span, its CPU milliseconds among its
+    args where recorded), one process row per device; written to `path` if given. Open it at ui.perfetto.dev or chrome://tracing."""
     import json
 
     events = normalise(events)
@@ -260,7 +260,8 @@ def chrome_trace(events: Iterable[Event], path=None, device_names: dict[int, str
              for d in sorted({e.device for e in events})]
     for e in events:
         label = e.kind if e.microbatch is None else f"{e.kind} {e.microbatch}"
-        args = {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage)) if v is not None}
+        args = {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage),
+                                  ("cpu_ms", None if e.cpu is None else e.cpu * 1e3)) if v is not None}
         trace.append({"name": label, "cat": e.kind, "ph": "X", "ts": e.start * 1e6, "dur": e.duration * 1e6,
                       "pid": e.device, "tid": 0, "args": args})
     out = {"traceEvents": trace, "displayTimeUnit": "ms"}
