@@ -91,6 +91,30 @@ def test_the_first_stage_defers_its_whole_backward_and_local_messages_are_free()
     assert len(sends) == 2 * 4 * 2  # boundaries 0 and 2, each way, each micro-batch
 
 
+def test_a_split_backward_pays_its_measured_overhead_in_the_weight_pass():
+    """Workload.split_overhead (measured by calibrate.split_backward_overhead): every weight pass of a stage whose
+    input needs a gradient costs that share of the stage's backward more; the first stage's weight pass (its whole
+    backward, one autograd call) and every schedule without split backwards cost the same as before."""
+    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+    from helpers.simulate.calibrate import split_backward_overhead
+
+    work = Workload.from_lists([F] * 4, [B] * 4, params=[1] * 4, output=[1.0] * 4)
+    costly = replace(work, split_overhead=0.25)
+    base, split = (simulate(w, Job("zbv", batch=4, microbatches=4, stages=2)) for w in (work, costly))
+    assert {e.duration for e in split.events if e.kind == "weight" and e.stage == 0} == {B}
+    assert {e.duration for e in split.events if e.kind == "weight" and e.stage != 0} == {B / 2 + 0.25 * B}
+    assert split.step_s > base.step_s
+    assert simulate(costly, Job("1f1b", batch=4, microbatches=4)).step_s == \
+        simulate(work, Job("1f1b", batch=4, microbatches=4)).step_s
+    with pytest.raises(ValueError, match="overhead"):
+        replace(work, split_overhead=-0.1)
+    cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8, vocab=32)
+    x, y = SyntheticTokens(2, cfg.seq_len, cfg.vocab).batch(0, 2)
+    model = build_stack(cfg)
+    overhead = split_backward_overhead(model, x, y, lm_loss, rounds=3)
+    assert 0 <= overhead < 10 and all(p.grad is None for p in model.parameters())
+
+
 def test_naive_two_stages_is_twice_one_stage():
     sim = simulate(equal_stages(2), Job("naive", batch=1))
     assert sim.step_s == 2 * (F + B)

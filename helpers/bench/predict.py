@@ -121,6 +121,7 @@ def calibration_record(rig_model, calibrated: dict) -> dict:
                                 getattr(rig_model.collectives, kind).bandwidth]
                          for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}},
             "copy_bandwidth": rig_model.copy_bandwidth, "fsdp2_host_s": rig_model.fsdp2_host_s,
+            "split_overhead": rig_model.split_overhead,
             "slowdown": {"threads": getattr(rig_model.thread_cores, "slowdown", None),
                          "processes": getattr(rig_model.process_cores, "slowdown", None)},
             "whole_model_s": {b: [c.forward_s, c.backward_s] for b, c in calibrated.items()},

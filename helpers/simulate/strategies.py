@@ -282,10 +282,13 @@ class _Builder:
         return self.size * self._sum(a, b, "backward_s" if a == 0 else "weight_s")
 
     def backward_weights(self, dev: int, a: int, b: int, mb: int, after, stage: int) -> int:
-        """The weight gradients a split backward left for later; they free the micro-batch's activations."""
+        """The weight gradients a split backward left for later; they free the micro-batch's activations. Where the
+        stage's input needs a gradient (not the first: its weight pass is its whole backward, one call), the split
+        costs the workload's `split_overhead` of the backward beyond it, paid in the weight pass."""
         self.traces[dev].backward(self.held(a, b), 0.0, (stage, mb), True)
-        return self.graph.add(self.weight_s(a, b), [("compute", dev)], "weight", [dev], after, microbatch=mb,
-                              stage=stage)
+        overhead = self.w.split_overhead * self.size * self._sum(a, b, "backward_s") if a > 0 else 0.0
+        return self.graph.add(self.weight_s(a, b) + overhead, [("compute", dev)], "weight", [dev], after,
+                              microbatch=mb, stage=stage)
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
