@@ -7,7 +7,8 @@ from helpers.bench import bench_cut
 from helpers.bench.cli import main as bench_main
 from helpers.bench.predict import microbatch_size, predict_row, simulation_job
 from helpers.bench.report import display_rows, misses, timeline_name
-from helpers.bench.rows import BEYOND_1F1B, BenchRow, Progress, default_config
+from helpers.bench.rows import BenchRow, Progress, default_config
+from helpers.catalog import BEYOND_1F1B
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
 from helpers.simulate.hardware import Collectives
@@ -237,7 +238,7 @@ def test_the_calibration_and_the_baseline_count_activations_as_the_engines_do():
     """The whole-model timer (both copies) and the one-device step run their forward under a memory ledger, as every
     pipeline and rank does: each counts the same activation peak as `measure_step_memory`."""
     from helpers.bench import one_device_step
-    from helpers.memory import ledger_for, measure_step_memory
+    from helpers.sizing.ledger import ledger_for, measure_step_memory
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
     from helpers.simulate.calibrate import WholeModelTimer
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from helpers.measure import Timings, interleaved_medians
-from helpers.memory import MemoryLedger, ledger_for
+from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.models import lm_loss
 from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model

@@ -9,6 +9,7 @@ from torch import nn
 
 from helpers.bench.blocks import bench_cut
 from helpers.bench.rows import BenchConfig, BenchRow, Progress
+from helpers.catalog import strategy as catalog_entry
 from helpers.models import lm_loss
 from helpers.timeline import phase_seconds
 
@@ -18,25 +19,26 @@ TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded
 
 # --- predictions: the simulator, calibrated in the same run ------------------------------------------------------
 
+def row_strategy(row: BenchRow):
+    """The catalog's entry of a bench row (helpers.catalog; "single_adam" is one device with Adam)."""
+    return catalog_entry("single" if row.strategy == "single_adam" else row.strategy)
+
+
 def microbatch_size(row: BenchRow, batch: int) -> int:
     """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
-    replicas = 2 if row.strategy in ("ddp", "zero1", "fsdp2", "dp_x_pp") else 1
+    replicas = 2 if row_strategy(row).data_parallel else 1
     return batch // replicas // (row.microbatches or 1)
 
 
 def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
-    """The simulator's Job for a bench row."""
+    """The simulator's Job for a bench row: the same strategy on two devices per dimension (DP x PP: 2 x 2, 1F1B)."""
     from helpers.simulate import Job
-    from helpers.simulate.strategies import PIPELINES
 
-    m = row.microbatches or 1
-    if row.strategy in ("single", "single_adam"):
+    entry = row_strategy(row)
+    if entry.kind == "single":
         return Job("single", batch)
-    if row.strategy in PIPELINES:
-        return Job(row.strategy, batch, microbatches=m, stages=2, cut=tuple(cut) or None)
-    if row.strategy == "dp_x_pp":
-        return Job("dp_x_pp", batch, microbatches=m, stages=2, replicas=2, schedule="1f1b", cut=tuple(cut) or None)
-    return Job(row.strategy, batch, microbatches=m, replicas=2)
+    cut = tuple(cut) or None if entry.pipeline else None
+    return Job(entry.name, batch, microbatches=row.microbatches or 1, cut=cut)
 
 
 def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[int] = (), adam_s: float = 0.0,

@@ -145,9 +145,9 @@ def _drift_said(d: dict) -> str:
     longer than simulated; as much but the step is longer: each pass cost more CPU than calibrated), or ''."""
     said = [f"{phase} passes took {abs(x):.0%} {'longer' if x >= 0 else 'less time'}" for phase in PHASES
             if (x := d.get(f"{phase}_vs_predicted")) is not None]
+    known = d.get("cpu_share") is not None and d.get("predicted_busy") is not None
     cpu = (f"; its ranks' threads ran {d['cpu_share']:.0%} of the step (CPU seconds over wall: the rest they "
-           f"waited), the simulated devices computed {d['predicted_busy']:.0%}" if d.get("cpu_share") is not None and d.get("predicted_busy") is not None
-           else "")
+           f"waited), the simulated devices computed {d['predicted_busy']:.0%}" if known else "")
     return (f"; in its median step its {' and '.join(said)} than simulated" if said else "") + cpu
 
 

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from helpers.bench.blocks import PipelineRun, bench_cut, make_pipeline_run, one_device_step, time_pipeline_runs
+from helpers.catalog import BEYOND_1F1B
 from helpers.measure import relative_spread
-from helpers.memory import ledger_for
+from helpers.sizing.ledger import ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.runtime.rig import claim_cpu_device
 from helpers.timeline import PHASES, Event, Recorder, median_phases, phase_seconds
@@ -176,7 +177,6 @@ def _caller_seconds(run: PipelineRun) -> float:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
-BEYOND_1F1B = ("interleaved", "zbh1", "zbv", "dualpipev")  # notebook 06b's schedules, ours and torch's
 PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
                 ("1f1b", "torch"), *((s, e) for s in BEYOND_1F1B for e in ("processes", "torch")),
                 ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
@@ -249,11 +249,11 @@ def train_job(key: tuple, config: BenchConfig):
     from helpers.training.job import TrainJob
 
     if key[1] == "dp":
-        return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, steps=config.steps,
+        return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, timed_steps=config.steps,
                         optimizer="adam")
     strategy, engine, schedule, m, overlap = key
     return TrainJob(config.cfg, pp=2, boundaries=bench_cut(schedule, config.cfg.n_blocks + 2), schedule=schedule,
-                    microbatches=m, batch=config.batch, engine=engine, overlap=overlap, steps=config.steps)
+                    microbatches=m, batch=config.batch, engine=engine, overlap=overlap, timed_steps=config.steps)
 
 
 def key_microbatch(key: tuple, config: BenchConfig) -> int:
@@ -350,7 +350,8 @@ def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
     if ("dp_x_pp", "processes") not in refused:
         m = DP_X_PP_MICROBATCHES(config)
         results = run_in_rounds({("dp_x_pp",): lambda keys: [run_training(
-            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
+            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
+                     timed_steps=config.steps),
             rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
             around=(lambda k: timer.sample(config.batch // 2 // m, k)) if timer else None)
         got = results["dp_x_pp"]

@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from helpers.memory import MemoryLedger, ledger_for
+from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.profile import Profile, profile_layers
 from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.simulate.workload import Workload
@@ -233,10 +233,11 @@ def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
                             rounds: int = 7) -> float:
     """What splitting a backward costs beyond a plain one (`Workload.split_overhead`): on the second half of `model`'s
     layers, a pipeline's last stage (its input, the first half's output, needs a gradient, as every stage's but the
-    first does), for one micro-batch (`x`, `y`), each round times (on a CPU in CPU seconds) a plain backward and then the
-    zero-bubble engines' input pass plus weight pass (`helpers.pipeline.split_backward`), each after its own forward; the median of the rounds'
-    ratios, minus 1, never below 0 (the two halves compute exactly a plain backward's FLOPs: what is left is one
-    autograd call per group of forks and each weight gradient reading its saved tensors a second time)."""
+    first does), for one micro-batch (`x`, `y`), each round times (on a CPU in CPU seconds) a plain backward and
+    then the zero-bubble engines' input pass plus weight pass (`helpers.pipeline.split_backward`), each after its
+    own forward; the median of the rounds' ratios, minus 1, never below 0 (the two halves compute exactly a plain
+    backward's FLOPs: what is left is one autograd call per group of forks and each weight gradient reading its
+    saved tensors a second time)."""
     from helpers.pipeline.split_backward import backward_input
     from helpers.pipeline.stages import as_layers
 
