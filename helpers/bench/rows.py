@@ -77,7 +77,7 @@ class BenchRow:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What the bench runs. Defaults: 8 blocks of hidden 384 (14.4 M parameters) and batch 32, sized for a 2-core CPU."""
+    """What the bench runs. Defaults: 8 blocks of hidden 384 (14.4 M parameters), batch 32: sized for a 2-core CPU."""
 
     cfg: StackConfig
     batch: int

@@ -274,10 +274,10 @@ def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     ratios = []
     for r in range(1 + rounds):  # the first round warms both up
         plain_s, split_s = timed(lambda inp, loss: loss.backward()), timed(split)
-        if r:
+        if r and plain_s > 0:
             ratios.append(split_s / plain_s)
     model.zero_grad(set_to_none=True)
-    return max(0.0, statistics.median(ratios) - 1)
+    return max(0.0, statistics.median(ratios) - 1) if ratios else 0.0
 
 
 # --- the rig ---------------------------------------------------------------------------------------------------------
