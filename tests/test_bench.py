@@ -226,6 +226,8 @@ def test_a_rows_calibration_is_the_whole_model_timed_with_that_row():
     assert timer.seconds(2) is None
     timer.sample(2, key="ddp")
     timer.sample(2)
+    timer.sample(2, keys=["gpipe", "1f1b"])  # one sample kept for every job of a launch at that size
+    assert len(timer.keyed[("gpipe", 2)]) == len(timer.keyed[("1f1b", 2)]) == 1
     timer.samples[2][:] = [(1.0, 2.0), (3.0, 6.0)]  # the clock's readings, made exact
     timer.keyed[("ddp", 2)][:] = [(1.0, 2.0)]
     assert timer.seconds(2, "ddp") == (1.0, 2.0)
@@ -331,7 +333,7 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
 
     pooled = run_in_rounds({tuple(keys): launch}, config.rounds, "test", progress=False,
                            around=lambda k: seen.append(k))
-    assert orders == [keys, keys[::-1]] and len(seen) == 4 * len(keys)
+    assert orders == [keys, keys[::-1]] and seen == [tuple(keys)] * 2 + [tuple(keys[::-1])] * 2
     assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]
 
 

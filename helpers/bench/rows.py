@@ -261,6 +261,13 @@ def key_microbatch(key: tuple, config: BenchConfig) -> int:
     return config.batch // 2 if key[1] == "dp" else config.batch // key[3]
 
 
+def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
+    """The whole model timed once at each micro-batch size a launch's jobs use, each time kept for every job of that
+    size (they ran in the same minutes)."""
+    for size in sorted({key_microbatch(k, config) for k in keys}):
+        timer.sample(size, keys=[k for k in keys if key_microbatch(k, config) == size])
+
+
 def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
     """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
     rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
@@ -271,7 +278,7 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
     jobs = two_rank_jobs(config, rig)
     results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
                             config.rounds, "multi-process jobs", progress,
-                            around=(lambda k: timer.sample(key_microbatch(k, config), k)) if timer else None)
+                            around=(lambda keys: sample_launch(timer, keys, config)) if timer else None)
     rows = []
     for key, got in results.items():
         if key[1] == "dp":
@@ -305,7 +312,7 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch that runs the keys it is
     given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
     processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always the
-    first or the last of its launch. `around(key)` runs for each job just before and just after its launch (the
+    first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
     bench times its calibration there, so each row's calibration sees the minutes it ran)."""
     import statistics
 
@@ -320,15 +327,15 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     for r in range(rounds):
         for group, launch in launches.items():
             order = group if r % 2 == 0 else group[::-1]
-            for key in order if around is not None else ():
-                around(key)
+            if around is not None:
+                around(order)
             for key, got in zip(order, launch(order)):
                 last[key] = got
                 steps[key].extend(got.step_times)
                 phases[key].extend(got.phase_times)
                 cpu[key].append(got.thread_cpu_s)
-            for key in group if around is not None else ():
-                around(key)
+            if around is not None:
+                around(order)
             bar.update()
     bar.close()
     return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k],
@@ -353,7 +360,7 @@ def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
                      timed_steps=config.steps),
             rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
-            around=(lambda k: timer.sample(config.batch // 2 // m, k)) if timer else None)
+            around=(lambda keys: timer.sample(config.batch // 2 // m, keys=keys)) if timer else None)
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
                              got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,

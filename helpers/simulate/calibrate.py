@@ -121,9 +121,9 @@ class WholeModelTimer:
         with self.ledgers[id(model)].track_activations("model"):
             return self.loss_fn(model(x), y)
 
-    def sample(self, microbatch: int, key: Hashable | None = None) -> None:
+    def sample(self, microbatch: int, key: Hashable | None = None, keys: Sequence[Hashable] = ()) -> None:
         """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
-        with `key`, also kept as one of that key's samples."""
+        with `key` (or `keys`: jobs of one launch at this size), also kept as one of that key's samples."""
         xb, yb, device = *self._microbatch(microbatch), self.x.device
         if microbatch not in self.samples:  # the first call at a size warms up, untimed
             self.samples[microbatch] = []
@@ -137,8 +137,8 @@ class WholeModelTimer:
         _sync(device)
         timed = (t1 - t0, time.perf_counter() - t1)
         self.samples[microbatch].append(timed)
-        if key is not None:
-            self.keyed.setdefault((key, microbatch), []).append(timed)
+        for k in ([key] if key is not None else []) + list(keys):
+            self.keyed.setdefault((k, microbatch), []).append(timed)
 
     def sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
         return lambda: self.sample(microbatch, key)
