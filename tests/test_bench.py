@@ -171,7 +171,7 @@ def assert_predictions_within_target(data: dict, out: str) -> None:
     is within 15% of its prediction once the machine's own measured speed during that row is taken out. A row or
     two that the shared cores disturbed moves no median; a simulator that gets a schedule or a collective wrong
     moves every row of it."""
-    from helpers.bench import TARGET
+    from helpers.bench.predict import TARGET
 
     assert TARGET == 0.15  # README: "The target is every row within 15% of what was measured"
     rows = data["rows"] + data["splits"] + data["checkpointing"]
