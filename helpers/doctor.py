@@ -208,6 +208,8 @@ def links(rig: Rig, sizes: list[int], repeats: int) -> list[dict]:
     from helpers.pipeline.comm import link_benchmark
     from helpers.simulate.hardware import fit_link
 
+    from helpers.simulate.calibrate import fit_small_messages
+
     samples = link_benchmark(rig, sizes, repeats)
     small = [s for s in samples if "all-reduce" in s.path and s.bytes <= SMALL_MESSAGE_BYTES]
     if len({s.bytes for s in small}) >= 2:
@@ -215,7 +217,8 @@ def links(rig: Rig, sizes: list[int], repeats: int) -> list[dict]:
     out = []
     for path in dict.fromkeys(s.path for s in samples):
         pts = [s for s in samples if s.path == path]
-        link = fit_link([s.bytes for s in pts], [s.seconds for s in pts], path)
+        fit = fit_small_messages if path.endswith("hidden-state sizes") else fit_link
+        link = fit([s.bytes for s in pts], [s.seconds for s in pts], path)
         out.append({"path": path, "latency_us": link.latency_s * 1e6, "GB/s": link.bandwidth / 1e9,
                     "largest message GB/s": pts[-1].gb_per_s,
                     "samples": [{"bytes": s.bytes, "seconds": s.seconds} for s in pts]})

@@ -220,7 +220,7 @@ def save_model(directory: str, hidden: int, layers: int, vocab: int, dtype: torc
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=11 * hidden // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64),
                          num_key_value_heads=max(2, hidden // 256), max_position_embeddings=4096,
                          bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)

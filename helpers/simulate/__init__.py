@@ -10,6 +10,9 @@
 - `recommend_model(name)`, `decision_table()`: which strategy for two GPUs, every strategy treated alike.
 - `Playground().show()`: the pipeline playground widget.
 - `predictions_vs_published()`: predictions beside published results, with the error.
+- `predict_speed(model, dtype, rig, batch, context)`, `speed_rig(name)`, `crossovers(...)`: inference, prefill and
+  decode tokens/s of the layer split, pipelined requests and tensor parallelism (`helpers.inference.speed`, loaded
+  on first use).
 """
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.guide import (MODELS, ModelShape, Recommendation, block_activation_bytes, decision_table,
@@ -24,10 +27,22 @@ from helpers.simulate.roofline import layer_flops, on_gpu, roofline_s
 from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
+INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "crossovers", "predict_speed", "speed_rig", "speed_rigs")
+
 __all__ = ["Collectives", "FREE_LINK", "GPU", "Job", "Knobs", "LayerCost", "Link", "MODELS", "ModelShape",
            "Playground", "Recommendation", "STRATEGIES", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
            "Workload", "allgather_s", "allreduce_s", "block_activation_bytes", "broadcast_s", "collective_s",
            "decision_table", "fit_collective_link", "fit_collectives", "fit_link", "gpu_named", "layer_flops",
            "link_named", "on_gpu", "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s",
            "resnet50_workload", "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs",
-           "transformer_workload"]
+           "transformer_workload", *INFERENCE_SPEED]
+
+
+def __getattr__(name: str):
+    """The inference speed model lives with the inference engines; it is loaded on first use (it imports this
+    package's hardware module, so importing it here eagerly would be circular)."""
+    if name in INFERENCE_SPEED:
+        from helpers.inference import speed
+
+        return getattr(speed, name)
+    raise AttributeError(f"module 'helpers.simulate' has no attribute {name!r}")

@@ -336,10 +336,16 @@ def small_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.devic
     for n in sizes:
         buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
         seconds.append(timed_across_ranks(lambda: dist.all_reduce(buf), repeats, device))
+    return fit_small_messages(sizes, seconds, "all-reduce, hidden-state sizes")
+
+
+def fit_small_messages(sizes: Sequence[float], seconds: Sequence[float], name: str) -> Link:
+    """`fit_link` for small messages, whose bytes can be lost in the latency's noise (the times need not grow with
+    the size): then the link is all latency, the median time."""
     try:
-        return fit_link(sizes, seconds, "all-reduce, hidden-state sizes")
-    except ValueError:  # the bytes are lost in the latency's noise: all latency
-        return Link(statistics.median(seconds), float("inf"), "all-reduce, hidden-state sizes (latency only)")
+        return fit_link(sizes, seconds, name)
+    except ValueError:
+        return Link(statistics.median(seconds), float("inf"), f"{name} (latency only)")
 
 
 def fsdp2_units(model: nn.Module) -> list[int]:
