@@ -284,8 +284,10 @@ def _stage_seconds(shape: ModelShape, phase: Phase, rig: SpeedRig, devices: list
                    ops: OpCounts) -> list[float]:
     """Each stage's seconds; the second stage also builds its masks and rotary embedding (the ops outside layers)."""
     stages = [0.0, 0.0]
-    for layer, d in zip(shape.layers, devices):
-        stages[d] += unit_seconds(layer, shape, phase, rig.devices[d], rig, _unit_ops(layer, ops), busy=busy)
+    for d in (0, 1):
+        mine = [layer for layer, where in zip(shape.layers, devices) if where == d]
+        stages[d] = sum(n * unit_seconds(layer, shape, phase, rig.devices[d], rig, _unit_ops(layer, ops), busy=busy)
+                        for layer, n in _distinct(mine))
     stages[1] += ops.outside * rig.devices[1].host_s_per_op
     return stages
 
@@ -295,9 +297,19 @@ def _hops(shape: ModelShape, phase: Phase, rig: SpeedRig) -> float:
     return rig.hop.seconds(phase.rows * shape.hidden * shape.format.activation_bytes) + rig.hop.seconds(8 * phase.batch)
 
 
+def _distinct(layers: Sequence[Layer]) -> list[tuple[Layer, int]]:
+    """The units with equal costs counted once (a model's decoder layers are alike): (one of them, how many)."""
+    groups: dict[tuple, list] = {}
+    for layer in layers:
+        key = (layer.kind, layer.params, layer.streamed_bytes, layer.row_bytes, layer.kv_bytes_per_token, layer.window)
+        groups.setdefault(key, [layer, 0])[1] += 1
+    return [(layer, n) for layer, n in groups.values()]
+
+
 def one_device(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts) -> EngineSpeed:
     device = rig.devices[0]
-    t = sum(unit_seconds(layer, shape, phase, device, rig, _unit_ops(layer, ops)) for layer in shape.layers)
+    t = sum(n * unit_seconds(layer, shape, phase, device, rig, _unit_ops(layer, ops))
+            for layer, n in _distinct(shape.layers))
     return EngineSpeed("one device", phase.name, t, _tokens(phase) / t, {device.name: t})
 
 
@@ -331,12 +343,12 @@ def tensor_parallel(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCount
     device, then for the collectives: two all-reduces of the hidden state per layer, an all-gather of the logits."""
     halves = [0.0, 0.0]
     for d, device in enumerate(rig.devices):
-        for layer in shape.layers:
+        for layer, n in _distinct(shape.layers):
             sharded = layer.kind == "decoder" or (layer.kind == "head" and not shape.tied)
             extra = rig.sharded_linear_s * SHARDED_LINEARS_PER_LAYER if layer.kind == "decoder" else 0.0
             launched = _unit_ops(layer, ops) + (COLLECTIVES_PER_LAYER if layer.kind == "decoder" else 0)
-            halves[d] += unit_seconds(layer, shape, phase, device, rig, launched, 0.5 if sharded else 1.0,
-                                      busy=True, extra_host_s=extra)
+            halves[d] += n * unit_seconds(layer, shape, phase, device, rig, launched, 0.5 if sharded else 1.0,
+                                          busy=True, extra_host_s=extra)
     hidden_bytes = phase.rows * shape.hidden * shape.format.activation_bytes
     link = len(shape.decoder_layers) * COLLECTIVES_PER_LAYER * rig.allreduce.seconds(hidden_bytes)
     if not shape.tied:  # ColwiseParallel head with replicated output: gather the other half of the vocabulary

@@ -179,18 +179,29 @@ def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequen
     return rows
 
 
-def predicted(shape: ModelShape, rig: SpeedRig, engine: str, phase: str, batch: int, prompt: int,
-              new_tokens: int) -> float:
-    """The prediction for one measured row: prefill of the prompt; decode at the mean context of its steps (a step's
-    time grows linearly with the context, so the mean step is the step at the mean context)."""
-    ops = op_counts(shape.config.model_type)
+def _phase(phase: str, batch: int, prompt: int, new_tokens: int) -> Phase:
+    """Prefill of the prompt; decode at the mean context of its steps (a step's time grows linearly with the
+    context, so the mean step is the step at the mean context)."""
     if phase == "prefill":
-        p = Phase("prefill", batch, prompt, prompt)
-    else:
-        p = Phase("decode", batch, 1, prompt + max(new_tokens - 1, 1) // 2 + 1)
+        return Phase("prefill", batch, prompt, prompt)
+    return Phase("decode", batch, 1, prompt + max(new_tokens - 1, 1) // 2 + 1)
+
+
+def predicted(shape: ModelShape, rig: SpeedRig, engine: str, phase: str, batch: int, prompt: int | Sequence[int],
+              new_tokens: int) -> float:
+    """tokens/s of `engine` in `phase` as the engines count them, for requests of `batch` prompts each of the given
+    length(s): one request after another (layer split, tensor parallel: their times add), or all in flight at once
+    (pipelined, at the mean length)."""
+    ops = op_counts(shape.config.model_type)
+    prompts = [prompt] if isinstance(prompt, int) else list(prompt)
     if engine == "pipelined":
-        return pipelined(shape, p, rig, ops, REQUESTS).tok_s
-    return {"layer split": layer_split, "tensor parallel": tensor_parallel}[engine](shape, p, rig, ops).tok_s
+        p = _phase(phase, batch, round(statistics.mean(prompts)), new_tokens)
+        return pipelined(shape, p, rig, ops, len(prompts) if len(prompts) > 1 else REQUESTS).tok_s
+    run = {"layer split": layer_split, "tensor parallel": tensor_parallel}[engine]
+    speeds = [run(shape, _phase(phase, batch, n, new_tokens), rig, ops) for n in prompts]
+    tokens = [batch * n if phase == "prefill" else batch for n in prompts]
+    steps = [1 if phase == "prefill" else new_tokens - 1 for _ in prompts]
+    return sum(t * k for t, k in zip(tokens, steps)) / sum(s.seconds * k for s, k in zip(speeds, steps))
 
 
 def compare(measured: Sequence[dict], rig: SpeedRig, shape: ModelShape) -> list[dict]:
