@@ -185,6 +185,6 @@ def test_doctor_fits_the_all_reduce_over_hidden_state_sizes():
     from helpers.doctor import links
     from helpers.runtime.rig import cpu_rig
 
-    rows = links(cpu_rig(threads=1), [2**12, 2**14, 2**16, 2**20], 1)
+    rows = links(cpu_rig(threads=1), [2**12, 2**14, 2**16, 2**23], 3)  # one large message: the whole sweep fits
     small = [r for r in rows if r["path"].endswith("hidden-state sizes")]
     assert len(small) == 1 and [s["bytes"] for s in small[0]["samples"]] == [2**12, 2**14, 2**16]

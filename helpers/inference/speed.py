@@ -162,18 +162,23 @@ class OpCounts(NamedTuple):
     outside: int
 
 
+def tiny_model(model_type: str, layers: int) -> torch.nn.Module:
+    """A causal LM of the family with hidden size 64 (random weights, eval mode): its ops without the arithmetic."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 @lru_cache(maxsize=16)
 def op_counts(model_type: str) -> OpCounts:
     """Ops of a decode step of Hugging Face's eager forward, counted on tiny models of the same family: a two-layer
     model's step minus a one-layer model's is one layer; the rest of the one-layer step is outside the layers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     counts = []
     for layers in (1, 2):
-        config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = tiny_model(model_type, layers)
         ids = torch.ones(1, 4, dtype=torch.long)
         with torch.no_grad():
             cache = model(ids, use_cache=True).cache

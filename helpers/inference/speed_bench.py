@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from helpers.inference.plan import ModelShape, model_shape
 from helpers.inference.speed import (Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer, pipelined,
-                                     tensor_parallel)
+                                     tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
 from helpers.simulate.hardware import FREE_LINK
 
@@ -84,13 +84,9 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     """Host time of one dispatched op: a decode step of a tiny model of the family (hidden 64, where the arithmetic
     is nothing) with 4 layers against 1, per layer, divided by the ops a layer dispatches."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     steps = {}
     for layers in (1, 4):
-        config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = tiny_model(model_type, layers)
         ids = torch.ones(1, 8, dtype=torch.long)
         with torch.no_grad():
             cache = model(ids, use_cache=True).cache
