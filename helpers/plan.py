@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "all-reduces with their small-message latency")
     speed.add_argument("--speed", action="store_true", help="predict tokens/s instead of planning memory")
     speed.add_argument("--rig", default="2x3090 PCIe",
-                       help="a named rig (" + ", ".join(speed_rigs()) + ") or 'all'")
+                       help="a named rig (" + ", ".join(speed_rigs()) + "), 'all', or your GPUs as "
+                            "`python -m helpers.doctor --json doctor.json` measured them: doctor.json")
     speed.add_argument("--prompt", type=int, help="prompt tokens for prefill (default: --context)")
     speed.add_argument("--requests", type=int, default=2, help="requests in flight for the pipelined split")
     _training_arguments(parser)

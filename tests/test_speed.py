@@ -10,8 +10,8 @@ import pytest
 from helpers.course import load_data
 from helpers.inference.plan import model_shape
 from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_link, crossover_table, crossovers,
-                                     layer_cost, op_counts, predict_speed, speed_data, speed_rig, speed_rigs,
-                                     speed_vs_batch, split_layers)
+                                     layer_cost, op_counts, predict_speed, speed_data, speed_rig, speed_rig_from_doctor,
+                                     speed_rigs, speed_vs_batch, split_layers)
 from helpers.plan import main as plan_main
 from helpers.simulate.hardware import FREE_LINK, Link
 
@@ -122,6 +122,22 @@ def test_cli_speed(capsys):
         plan_main(["--speed", "--rig", "nope"])
     with pytest.raises(SystemExit):
         plan_main(["--speed", "--batch", "0"])
+
+
+def test_a_doctor_report_is_a_rig(tmp_path):
+    """Your GPUs by name, the doctor's point-to-point link as the hop, its hidden-state-size all-reduce fit."""
+    report = {"topology": {"gpus": [{"name": "NVIDIA GeForce RTX 3090"}, {"name": "NVIDIA GeForce RTX 4090"}]},
+              "links": [{"path": "processes: point-to-point (nccl)", "latency_us": 20.0, "GB/s": 10.0},
+                        {"path": "processes: all-reduce (nccl)", "latency_us": 30.0, "GB/s": 8.0},
+                        {"path": "processes: all-reduce (nccl), hidden-state sizes", "latency_us": 42.0,
+                         "GB/s": 5.0}]}
+    (tmp_path / "doctor.json").write_text(json.dumps(report))
+    rig = speed_rig(str(tmp_path / "doctor.json"))
+    assert [d.name for d in rig.devices] == ["RTX 3090", "RTX 4090"]
+    assert rig.allreduce.latency_s == pytest.approx(42e-6) and rig.hop.latency_s == pytest.approx(20e-6)
+    assert predict_speed("llama-2-13b", "nf4", rig).tok_s("tensor parallel", "decode") > 0
+    with pytest.raises(ValueError, match="two"):
+        speed_rig_from_doctor({"topology": {}, "links": []})
 
 
 def test_bad_workloads_are_refused():

@@ -18,8 +18,8 @@ when it has more (bitsandbytes' batch-1 kernels; data/inference_speed.json). The
 time; on the CPU rig the same thread computes, so the two add. A collective of n bytes costs its measured or
 published small-message latency + n / bandwidth (`allreduce_link`): at decode's few KiB the latency is the cost.
 
-Rigs: `speed_rig("2x3090 PCIe")` and the others named in data/inference_speed.json, or the rig you measured
-(`helpers.inference.speed_bench.calibrate_cpu_rig`). `predict_speed(model, dtype, rig, batch, context)` gives every
+Rigs: `speed_rig("2x3090 PCIe")` and the others named in data/inference_speed.json, your two GPUs as the doctor
+measured their links (`speed_rig("doctor.json")`), or the CPU rig (`helpers.inference.speed_bench.calibrate_cpu_rig`). `predict_speed(model, dtype, rig, batch, context)` gives every
 engine's tokens per second per phase; `crossovers(...)` says where tensor parallelism stops paying and why;
 `plot_speed_vs_batch` draws tokens per second against batch. The command line is `python -m helpers.plan --speed`.
 """
@@ -122,9 +122,11 @@ def allreduce_link(link: Link) -> Link:
 
 def speed_rig(name: str | SpeedRig) -> SpeedRig:
     """A named rig of data/inference_speed.json ('2x3090 PCIe', '2x3090 PCIe P2P', '2x3090 NVLink', '3090 + 4090'),
-    or a SpeedRig you built or measured (returned as is)."""
+    the path of a doctor's JSON report (`speed_rig_from_doctor`), or a SpeedRig you built or measured (as is)."""
     if isinstance(name, SpeedRig):
         return name
+    if str(name).endswith(".json"):
+        return speed_rig_from_doctor(name)
     rigs = speed_data()["rigs"]
     if name not in rigs:
         raise ValueError(f"unknown rig {name!r}: known rigs are {', '.join(speed_rigs())}, or measure yours with "
@@ -137,6 +139,44 @@ def speed_rig(name: str | SpeedRig) -> SpeedRig:
                **{g: hardware["gpus"][g]["source"] for g in entry["gpus"]}}
     a, b = (_gpu_device(g) for g in entry["gpus"])
     return SpeedRig(name, (a, b), link, allreduce_link(link), True, 0.0, entry["note"], sources)
+
+
+def _known_gpu(reported: str) -> str:
+    """data/hardware.json's name for a GPU as CUDA reports it ('NVIDIA GeForce RTX 3090' -> 'RTX 3090')."""
+    known = sorted(load_data("hardware")["gpus"], key=len, reverse=True)
+    match = next((name for name in known if reported.lower().endswith(name.lower())), None)
+    if match is None:
+        raise ValueError(f"no published rates for {reported!r} in data/hardware.json (known: {', '.join(known)})")
+    return match
+
+
+def speed_rig_from_doctor(report: dict | str) -> SpeedRig:
+    """Your two GPUs as `python -m helpers.doctor --json doctor.json` measured them: each GPU's published rates by
+    name, the hop from the multi-process point-to-point link, the all-reduce from the doctor's fit over hidden-state
+    sizes (its small-message latency, what tensor parallelism pays twice per layer)."""
+    import json
+    from pathlib import Path
+
+    if not isinstance(report, dict):
+        report = json.loads(Path(report).read_text())
+    gpus = [g["name"] for g in report.get("topology", {}).get("gpus", [])]
+    if len(gpus) < 2:
+        raise ValueError(f"the doctor's report lists {len(gpus)} GPU(s): the speed model needs two (run the doctor on "
+                         "the two-GPU machine)")
+    links = {row["path"]: row for row in report.get("links", [])}
+
+    def link(pick) -> Link:
+        row = next((r for path, r in links.items() if pick(path)), None)
+        if row is None:
+            raise ValueError(f"the doctor's report has no link row for this (paths: {', '.join(links) or 'none'})")
+        return Link(row["latency_us"] * 1e-6, row["GB/s"] * 1e9, row["path"])
+
+    hop = link(lambda path: path.startswith("processes: point-to-point"))
+    allreduce = link(lambda path: "all-reduce" in path and path.endswith("hidden-state sizes"))
+    a, b = (_gpu_device(_known_gpu(name)) for name in gpus[:2])
+    return SpeedRig("your rig (doctor)", (a, b), hop, allreduce, True, 0.0,
+                    f"{gpus[0]} + {gpus[1]}, links measured by the doctor",
+                    {"links": "python -m helpers.doctor", "gpus": "data/hardware.json"})
 
 
 # --- what the host launches ---------------------------------------------------------------------------------------
