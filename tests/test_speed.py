@@ -191,7 +191,8 @@ def test_cpu_rig_calibration_and_measurement_run_end_to_end(tmp_path):
     assert speed.devices[0].bandwidth > 0 and speed.allreduce.latency_s > 0 and not speed.host_overlaps
     measured = measure_engines(model, rig, [1, 2], [8], new_tokens=3, repeats=1)
     assert {(r["engine"], r["phase"], r["batch"]) for r in measured} == {
-        (e, p, b) for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode") for b in (1, 2)}
+        (e, p, b) for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")
+        for b in (1, 2)}
     rows = compare(measured, speed, model_shape(model.path, "fp32"))
     assert all(r["predicted tok/s"] > 0 and math.isfinite(r["error"]) for r in rows)
     assert len(error_summary(rows)) == 6

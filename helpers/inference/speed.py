@@ -19,9 +19,10 @@ time; on the CPU rig the same thread computes, so the two add. A collective of n
 published small-message latency + n / bandwidth (`allreduce_link`): at decode's few KiB the latency is the cost.
 
 Rigs: `speed_rig("2x3090 PCIe")` and the others named in data/inference_speed.json, your two GPUs as the doctor
-measured their links (`speed_rig("doctor.json")`), or the CPU rig (`helpers.inference.speed_bench.calibrate_cpu_rig`). `predict_speed(model, dtype, rig, batch, context)` gives every
-engine's tokens per second per phase; `crossovers(...)` says where tensor parallelism stops paying and why;
-`plot_speed_vs_batch` draws tokens per second against batch. The command line is `python -m helpers.plan --speed`.
+measured their links (`speed_rig("doctor.json")`), or the CPU rig (`helpers.inference.speed_bench.calibrate_cpu_rig`).
+`predict_speed(model, dtype, rig, batch, context)` gives every engine's tokens per second per phase;
+`crossovers(...)` says where tensor parallelism stops paying and why; `plot_speed_vs_batch` draws tokens per second
+against batch. The command line is `python -m helpers.plan --speed`.
 """
 from __future__ import annotations
 
@@ -269,7 +270,8 @@ def layer_cost(layer: Layer, shape: ModelShape, phase: Phase, share: float = 1.0
     if layer.kind in ("norm", "buffers"):
         return 0.0, 0.0
     rows = phase.batch if layer.kind == "head" else phase.rows
-    nbytes = _weight_read_bytes(layer, shape, rows) + phase.batch * layer.kv_tokens(phase.context) * layer.kv_bytes_per_token
+    kv = phase.batch * layer.kv_tokens(phase.context) * layer.kv_bytes_per_token
+    nbytes = _weight_read_bytes(layer, shape, rows) + kv
     flops = 2.0 * layer.params * rows
     if layer.kind == "decoder":
         pairs = phase.tokens * layer.kv_tokens(phase.context)
@@ -438,8 +440,9 @@ class SpeedPrediction:
         rows = [{"engine": r.engine, "phase": r.phase, "tok/s": r.tok_s, "ms per forward": r.seconds * 1e3,
                  "dev0 ms": r.parts.get("device 0", r.seconds) * 1e3, "dev1 ms": r.parts.get("device 1", 0.0) * 1e3,
                  "link ms": r.parts.get("link", 0.0) * 1e3} for r in self.rows]
-        head = (f"{self.model} in {self.dtype} on {self.rig.name}: batch {self.batch}, prefill of a {self.prompt}-token "
-                f"prompt, decode at {self.context} tokens of context; pipelined: {self.requests} requests in flight"
+        head = (f"{self.model} in {self.dtype} on {self.rig.name}: batch {self.batch}, prefill of a {self.prompt}-"
+                f"token prompt, decode at {self.context} tokens of context; pipelined: {self.requests} requests in "
+                f"flight"
                 f" (its tok/s is their total); one device: speed only, whether it fits is the planner's question")
         best = (f"fastest: prefill {self.best('prefill')}, decode {self.best('decode')}"
                 f"; all-reduce {self.rig.allreduce.latency_s * 1e6:.1f} us + bytes / "
