@@ -127,6 +127,9 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     from helpers.runtime.launch import run
     from helpers.simulate.hardware import Link
 
+    if not rig.is_cpu:
+        raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
+                         "links: python -m helpers.doctor --json doctor.json, then speed_rig('doctor.json')")
     dtype = model.weights_dtype
     shape = model_shape(model.path, weight_format_name(dtype))
     bandwidth, slowdown = stream_rates(shape, dtype, repeats)
