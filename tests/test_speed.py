@@ -9,9 +9,9 @@ import pytest
 
 from helpers.course import load_data
 from helpers.inference.plan import model_shape
-from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_link, crossover_table, crossovers,
-                                     layer_cost, op_counts, predict_speed, speed_data, speed_rig, speed_rig_from_doctor,
-                                     speed_rigs, speed_vs_batch, split_layers)
+from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_link, breakeven_latency, crossover_table,
+                                     crossovers, layer_cost, op_counts, predict_speed, speed_data, speed_rig,
+                                     speed_rig_from_doctor, speed_rigs, speed_vs_batch, split_layers)
 from helpers.plan import main as plan_main
 from helpers.simulate.hardware import FREE_LINK, Link
 
@@ -104,6 +104,19 @@ def test_crossovers_state_where_and_why():
     assert decode.start_winner == "tensor parallel" and "all-reduces" in decode.reason
     table = crossover_table("llama-2-7b", "nf4", ["2x3090 PCIe"])
     assert len(table) == 4 and all(row["why"] for row in table)
+
+
+def test_the_link_crossover_is_where_the_all_reduces_eat_the_saving():
+    """70B nf4, batch 1 decode on the P2P-less pair: tensor parallelism saves about half of a 42 ms step, spread over
+    160 all-reduces; it stops paying where they cost that much. A 7B at batch 1 is host-bound: no link helps."""
+    latency = breakeven_latency("llama-2-70b", "nf4", "2x3090 PCIe")
+    p = predict_speed("llama-2-70b", "nf4", "2x3090 PCIe", 1, 1024)
+    tp = next(r for r in p.rows if r.engine == "tensor parallel" and r.phase == "decode")
+    split = next(r for r in p.rows if r.engine == "layer split" and r.phase == "decode")
+    per_allreduce_now = speed_rig("2x3090 PCIe").allreduce.latency_s
+    saved = split.seconds - tp.seconds
+    assert latency == pytest.approx(per_allreduce_now + saved / 161, rel=0.05)  # 2 x 80 layers + the logits
+    assert breakeven_latency("llama-2-7b", "nf4", "2x3090 PCIe") is None
 
 
 def test_speed_vs_batch_rows_cover_every_engine_and_phase():

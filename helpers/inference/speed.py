@@ -27,7 +27,7 @@ against batch. The command line is `python -m helpers.plan --speed`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
@@ -572,3 +572,28 @@ def crossover_table(model, dtype: str, rigs: Sequence[str], context: int = 1024)
     """`crossovers` over several rigs (the link axis): one row per rig, phase and axis."""
     return [{"model": model, "dtype": dtype, **c.as_dict()} for rig in rigs for c in crossovers(model, dtype, rig,
                                                                                                context)]
+
+
+def breakeven_latency(model, dtype: str, rig: str | SpeedRig = "2x3090 PCIe", batch: int = 1, context: int = 1024,
+                      phase: str = "decode") -> float | None:
+    """The link axis: the all-reduce latency (seconds, everything else on `rig` kept) above which the layer split
+    overtakes tensor parallelism in `phase`; None when tensor parallelism loses even over a link with no latency
+    (the host or the device, not the link, decides), inf when it wins whatever the latency (up to 1 s)."""
+    shape = model_shape(model, weight_format(dtype))
+    base = speed_rig(rig)
+
+    def tp_wins(latency: float) -> bool:
+        on = replace(base, allreduce=Link(latency, base.allreduce.bandwidth, base.allreduce.name))
+        p = predict_speed(shape.name, shape.format.name, on, batch, context, shape=shape)
+        return _winner(p, phase) == "tensor parallel"
+
+    lo, hi = 0.0, 1.0
+    if not tp_wins(lo):
+        return None
+    if tp_wins(hi):
+        return math.inf
+    for _ in range(40):  # bisection to well under a microsecond
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tp_wins(mid) else (lo, mid)
+    return lo
+

@@ -27,7 +27,8 @@ from helpers.simulate.roofline import layer_flops, on_gpu, roofline_s
 from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "crossovers", "predict_speed", "speed_rig", "speed_rigs")
+INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "breakeven_latency", "crossovers", "predict_speed", "speed_rig",
+                   "speed_rigs")
 
 __all__ = ["Collectives", "FREE_LINK", "GPU", "Job", "Knobs", "LayerCost", "Link", "MODELS", "ModelShape",
            "Playground", "Recommendation", "STRATEGIES", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
