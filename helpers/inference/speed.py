@@ -37,7 +37,8 @@ from helpers.course import load_data
 from helpers.inference.plan import Layer, ModelShape, model_shape, weight_format
 from helpers.simulate.hardware import Link, gpu_named, link_named
 
-ENGINES = ("one device", "layer split", "pipelined", "tensor parallel")
+ENGINES = ("one device", "layer split", "pipelined", "tensor parallel")  # the order of every prediction's rows
+SPLITS = ENGINES[1:]  # the engines that use both devices
 PHASES = ("prefill", "decode")
 SHARDED_LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 COLLECTIVES_PER_LAYER = 2  # the row-parallel o and down projections' all-reduces
@@ -130,8 +131,8 @@ def speed_rig(name: str | SpeedRig) -> SpeedRig:
         return speed_rig_from_doctor(name)
     rigs = speed_data()["rigs"]
     if name not in rigs:
-        raise ValueError(f"unknown rig {name!r}: known rigs are {', '.join(speed_rigs())}, or measure yours with "
-                         "helpers.inference.speed_bench.calibrate_cpu_rig")
+        raise ValueError(f"unknown rig {name!r}: known rigs are {', '.join(speed_rigs())}; or give your GPUs' links "
+                         "as measured by `python -m helpers.doctor --json doctor.json` (the path doctor.json)")
     entry = rigs[name]
     link = link_named(entry["link"])
     hardware = load_data("hardware")
@@ -427,7 +428,7 @@ class SpeedPrediction:
     def tok_s(self, engine: str, phase: str) -> float:
         return next(r.tok_s for r in self.rows if r.engine == engine and r.phase == phase)
 
-    def best(self, phase: str, engines: Sequence[str] = ("layer split", "pipelined", "tensor parallel")) -> str:
+    def best(self, phase: str, engines: Sequence[str] = SPLITS) -> str:
         return max(engines, key=lambda e: self.tok_s(e, phase))
 
     def as_dicts(self) -> list[dict]:
@@ -484,8 +485,7 @@ def speed_vs_batch(model, dtype: str, rig: str | SpeedRig, batches: Sequence[int
     return out
 
 
-def plot_speed_vs_batch(panels: dict[str, list[dict]], engines: Sequence[str] = ("layer split", "pipelined",
-                                                                                  "tensor parallel")):
+def plot_speed_vs_batch(panels: dict[str, list[dict]], engines: Sequence[str] = SPLITS):
     """One row of plots per panel (a rig), prefill and decode side by side: tokens/s against batch per engine,
     from `speed_vs_batch` rows (plus measured rows with "measured": True, drawn as points)."""
     import matplotlib.pyplot as plt

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers.inference.plan import ModelShape, model_shape
-from helpers.inference.speed import (Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer, pipelined,
-                                     tensor_parallel, tiny_model)
+from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer,
+                                     pipelined, tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
 from helpers.simulate.hardware import FREE_LINK
 
-ENGINES = ("layer split", "pipelined", "tensor parallel")
+ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
 
 
