@@ -151,6 +151,8 @@ def test_a_doctor_report_is_a_rig(tmp_path):
     assert predict_speed("llama-2-13b", "nf4", rig).tok_s("tensor parallel", "decode") > 0
     with pytest.raises(ValueError, match="two"):
         speed_rig_from_doctor({"topology": {}, "links": []})
+    with pytest.raises(ValueError, match="helpers.doctor --json"):
+        speed_rig(str(tmp_path / "missing.json"))
 
 
 def test_bad_workloads_are_refused():

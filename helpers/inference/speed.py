@@ -160,6 +160,8 @@ def speed_rig_from_doctor(report: dict | str) -> SpeedRig:
     from pathlib import Path
 
     if not isinstance(report, dict):
+        if not Path(report).is_file():
+            raise ValueError(f"no doctor's report at {report}: write one with python -m helpers.doctor --json {report}")
         report = json.loads(Path(report).read_text())
     gpus = [g["name"] for g in report.get("topology", {}).get("gpus", [])]
     if len(gpus) < 2:
