@@ -8,7 +8,7 @@ import math
 import pytest
 
 from helpers.course import load_data
-from helpers.inference.plan import model_shape
+from helpers.sizing.shape import model_shape
 from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_link, breakeven_latency, crossover_table,
                                      crossovers, layer_cost, op_counts, predict_speed, speed_data, speed_rig,
                                      speed_rig_from_doctor, speed_rigs, speed_vs_batch, split_layers)

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from helpers.course import load_data
-from helpers.inference.plan import Layer, ModelShape, model_shape, weight_format
+from helpers.sizing.shape import Layer, ModelShape, model_shape, weight_format
 from helpers.simulate.hardware import Link, gpu_named, link_named
 
 ENGINES = ("one device", "layer split", "pipelined", "tensor parallel")  # the order of every prediction's rows

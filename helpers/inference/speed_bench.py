@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from helpers.inference.plan import ModelShape, model_shape
+from helpers.sizing.shape import ModelShape, model_shape
 from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer,
                                      pipelined, tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
