@@ -18,7 +18,7 @@ from helpers.profile import LayerProfile, Profile  # noqa: E402
 from helpers.simulate import (FREE_LINK, MODELS, Job, Knobs, Link, Playground, SharedCores, Workload,  # noqa: E402
                               allgather_s, allreduce_s, block_activation_bytes, broadcast_s, collective_s,
                               fit_collective_link, fit_collectives, fit_link,
-                              gpu_named, layer_flops, on_gpu,
+                              efficiency, gpu_named, layer_flops, on_gpu,
                               predictions_vs_published, recommend_model, reducescatter_s, resnet50_workload,
                               simulate, simulate_memory, target_rig, target_rigs, transformer_workload)
 from helpers.timeline import Event, plot_timeline  # noqa: E402
@@ -461,7 +461,9 @@ def test_roofline_takes_the_lower_roof():
     work = Workload.from_lists([1.0, 1.0], [1.0, 1.0], activations=[0.0, 4e9], output=[0.0, 0.0])
     scaled = on_gpu(work, [(1e12, 2e12), (1.0, 2.0)], gpu, "bf16")
     compute, memory = scaled.layers
-    assert compute.forward_s == 1e12 / gpu.flops("bf16") and compute.backward_s == 2 * compute.forward_s
+    matmul = efficiency().matmul  # real layers' matmuls reach this share of the sustained large-matmul rate
+    assert compute.forward_s == pytest.approx(1e12 / (gpu.flops("bf16") * matmul))
+    assert compute.backward_s == pytest.approx(2 * compute.forward_s)
     assert memory.activations == 2e9  # fp32 bytes measured here -> bf16 there
     assert memory.forward_s == 2e9 / gpu.memory_bandwidth and memory.backward_s == 2 * memory.forward_s
 

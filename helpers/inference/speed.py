@@ -16,7 +16,7 @@ reads every weight and the whole KV cache for `batch` tokens (bandwidth-bound), 
 when it has more (bitsandbytes' batch-1 kernels; data/inference_speed.json). The host launches every op of a layer
 (Hugging Face's eager generate): on a GPU the launches overlap the kernels, so a layer takes at least the host's
 time; on the CPU rig the same thread computes, so the two add. A collective of n bytes costs its measured or
-published small-message latency + n / bandwidth (`allreduce_link`): at decode's few KiB the latency is the cost.
+published small-message latency + n / bandwidth (`rig_allreduce`): at decode's few KiB the latency is the cost.
 
 Rigs: `speed_rig("2x3090 PCIe")` and the others named in data/inference_speed.json, your two GPUs as the doctor
 measured their links (`speed_rig("doctor.json")`), or the CPU rig (`helpers.inference.speed_bench.calibrate_cpu_rig`).
@@ -36,6 +36,8 @@ import torch
 from helpers.course import load_data
 from helpers.sizing.shape import Layer, ModelShape, model_shape, weight_format
 from helpers.simulate.hardware import Link, gpu_named, link_named
+from helpers.simulate.hardware import allreduce_link as ring_allreduce_link
+from helpers.simulate.roofline import efficiency
 
 ENGINES = ("one device", "layer split", "pipelined", "tensor parallel")  # the order of every prediction's rows
 SPLITS = ENGINES[1:]  # the engines that use both devices
@@ -109,17 +111,29 @@ def speed_rigs() -> list[str]:
 
 
 def _gpu_device(name: str) -> Device:
-    gpu = gpu_named(name)
-    launch = load_data("hardware")["latency"]["kernel_launch_us"]["range"]
-    return Device(name, gpu.memory_bandwidth, ((1, gpu.flops("bf16")),), sum(launch) / 2 * 1e-6)
+    """A GPU as the simulator's roofline sees it (helpers.simulate: data/hardware.json's sustained bandwidth and
+    matmul rate, the `efficiency` a real layer's matmul reaches of it, the CPU's time to launch a kernel)."""
+    gpu, eff = gpu_named(name), efficiency()
+    return Device(name, gpu.memory_bandwidth, ((1, gpu.flops("bf16") * eff.matmul),), eff.launch_s)
 
 
-def allreduce_link(link: Link) -> Link:
-    """The 2-GPU all-reduce of a hidden state on `link`, as seconds = latency + bytes / bandwidth of the whole tensor:
-    latency max(2 x the link's message latency, the NCCL floor), bandwidth the link's (a 2-rank ring sends each
-    rank's half and receives the other's: n bytes each way in two steps; data/inference_speed.json)."""
+def allreduce_over(link: Link) -> Link:
+    """The 2-GPU all-reduce of a hidden state on `link` by this module's rule, as seconds = latency + bytes /
+    bandwidth of the whole tensor: latency max(2 x the link's message latency, the NCCL floor), bandwidth the
+    link's (a 2-rank ring sends each rank's half and receives the other's: n bytes each way in two steps;
+    data/inference_speed.json)."""
     floor = speed_data()["allreduce_small"]["nccl_floor_us"] * 1e-6
     return Link(max(RING_STEPS * link.latency_s, floor), link.bandwidth, f"all-reduce over {link.name}")
+
+
+def rig_allreduce(link_name: str) -> Link:
+    """The all-reduce of a named link: data/hardware.json's own figure where it has one (a ring's per-step latency
+    and bus bandwidth, `helpers.simulate.hardware.allreduce_link`: 2 ranks pay 2 steps and n / busbw), else
+    `allreduce_over` the link's copy figures."""
+    if "allreduce" not in load_data("hardware")["links"][link_name]:
+        return allreduce_over(link_named(link_name))
+    ring = ring_allreduce_link(link_name)
+    return Link(RING_STEPS * ring.latency_s, ring.bandwidth, ring.name)
 
 
 def speed_rig(name: str | SpeedRig) -> SpeedRig:
@@ -136,11 +150,13 @@ def speed_rig(name: str | SpeedRig) -> SpeedRig:
     entry = rigs[name]
     link = link_named(entry["link"])
     hardware = load_data("hardware")
-    sources = {"link": hardware["links"][entry["link"]]["source"],
-               "allreduce": speed_data()["allreduce_small"]["nccl_floor_source"],
+    wire = hardware["links"][entry["link"]]
+    sources = {"link": wire["source"],
+               "allreduce": wire["allreduce"]["source"] if "allreduce" in wire else
+               speed_data()["allreduce_small"]["nccl_floor_source"],
                **{g: hardware["gpus"][g]["source"] for g in entry["gpus"]}}
     a, b = (_gpu_device(g) for g in entry["gpus"])
-    return SpeedRig(name, (a, b), link, allreduce_link(link), True, 0.0, entry["note"], sources)
+    return SpeedRig(name, (a, b), link, rig_allreduce(entry["link"]), True, 0.0, entry["note"], sources)
 
 
 def _known_gpu(reported: str) -> str:
