@@ -2,8 +2,8 @@
 
 - `find_chromium()`: the system's Chromium (Debian's `chromium` package; `LAB_CHROMIUM` names another). Playwright
   drives it through `executable_path`: its own browser download needs the internet.
-- `JupyterLab`: a server on a free loopback port with a token, serving a copy of the notebooks (so a run never
-  writes outputs into the repository's), with the live widgets on (the tests' LAB_STATIC_WIDGETS and
+- `JupyterLab`: a server on a free loopback port with a token, serving the notebooks folder (autosave off: a run
+  writes no output into them, which `changed()` checks), with the live widgets on (the tests' LAB_STATIC_WIDGETS and
   LAB_DEVICE_STRICT are taken out of its environment), its own Jupyter folders and settings in a temporary folder,
   and the notebook's cells all in the page (no windowing: the checks read every cell).
 - `stop_all()`: kernels asked to shut down as JupyterLab does, then the server, then a check that no process the
@@ -36,7 +36,7 @@ CHROMIUM_NAMES = ("chromium", "chromium-browser", "chromium-headless-shell")
 WIDGET_TEST_ENV = ("LAB_STATIC_WIDGETS", "LAB_DEVICE_STRICT")  # conftest's, for nbval: not for a learner's kernels
 START_TIMEOUT_S = 90
 
-# JupyterLab's settings for the test: every cell in the page, no autosave (the copy stays as copied), no news or
+# JupyterLab's settings for the test: every cell in the page, no autosave (the notebooks stay as committed), no news or
 # update checks (no network here, and their notifications would cover the page).
 SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
@@ -92,13 +92,15 @@ def _stop_group(pid: int, timeout_s: float = 30) -> None:
 
 
 class JupyterLab:
-    """`jupyter lab` on 127.0.0.1:<free port> with a token, serving `notebooks` (copied into `workdir`)."""
+    """`jupyter lab` on 127.0.0.1:<free port> with a token, serving the folder `root` as a learner's `jupyter lab
+    notebooks/` does (the notebooks find the repository's scripts and data where they are); its Jupyter folders in
+    `workdir`."""
 
-    def __init__(self, notebooks: list[Path], workdir: Path):
-        self.root = workdir / "notebooks"
-        self.root.mkdir(parents=True)
-        for path in notebooks:
-            shutil.copy2(path, self.root / path.name)
+    def __init__(self, root: Path, workdir: Path):
+        self.root = root
+        self._committed = {path: path.read_bytes() for path in root.glob("*.ipynb")}
+        self._checkpoints = root / ".ipynb_checkpoints"
+        self._had_checkpoints = self._checkpoints.exists()
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k not in WIDGET_TEST_ENV}
@@ -107,8 +109,8 @@ class JupyterLab:
             path = jupyter / "settings" / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
-        env.update(JUPYTER_CONFIG_DIR=str(jupyter / "config"), JUPYTER_RUNTIME_DIR=str(jupyter / "runtime"),
-                   JUPYTERLAB_SETTINGS_DIR=str(jupyter / "settings"),
+        env.update(JUPYTER_CONFIG_DIR=str(jupyter / "config"), JUPYTER_DATA_DIR=str(jupyter / "data"),
+                   JUPYTER_RUNTIME_DIR=str(jupyter / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(jupyter / "settings"),
                    JUPYTERLAB_WORKSPACES_DIR=str(jupyter / "workspaces"))
         self.log = (workdir / "jupyterlab.log").open("w")
         self.process = subprocess.Popen(
@@ -119,6 +121,10 @@ class JupyterLab:
             start_new_session=True, preexec_fn=_terminate_with_parent)
         self._finalizer = weakref.finalize(self, _stop_group, self.process.pid)
         self._wait_ready()
+
+    def changed(self) -> list[str]:
+        """The notebooks whose file differs from before the server started (autosave is off: none should)."""
+        return [p.name for p, text in self._committed.items() if not p.exists() or p.read_bytes() != text]
 
     def api(self, path: str, method: str = "GET"):
         request = urllib.request.Request(f"{self.url}/api/{path}", method=method,
@@ -159,6 +165,8 @@ class JupyterLab:
             pass  # the server is gone already: its group is stopped below all the same
         self._finalizer()
         self.log.close()
+        if not self._had_checkpoints:
+            shutil.rmtree(self._checkpoints, ignore_errors=True)
 
 
 def descendants() -> list[psutil.Process]:
