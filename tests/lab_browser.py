@@ -1,6 +1,6 @@
 """JupyterLab and Chromium for the browser tests (tests/test_browser.py): the course as a learner sees it.
 
-- `find_chromium()`: the system's Chromium (Debian's `chromium` package; `LAB_CHROMIUM` names another). Playwright
+- `find_chromium()`, `browser_available()`: the system's Chromium (Debian's `chromium` package; `LAB_CHROMIUM` names another). Playwright
   drives it through `executable_path`: its own browser download needs the internet.
 - `JupyterLab`: a server on a free loopback port with a token, serving the notebooks folder (autosave off: a run
   writes no output into them, which `changed()` checks), with the live widgets on (the tests' LAB_STATIC_WIDGETS and
@@ -56,6 +56,13 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
+
+
+def browser_available() -> bool:
+    """Playwright for Python and a Chromium are both here."""
+    import importlib.util
+
+    return importlib.util.find_spec("playwright") is not None and find_chromium() is not None
 
 
 def _terminate_with_parent() -> None:
