@@ -311,22 +311,27 @@ def check_panels(nb: Notebook) -> None:
 
 def check_playground(nb: Notebook) -> None:
     """Moving the micro-batches slider (its handle, by keyboard), then the schedule, redraws the timeline."""
-    box = nb.page.locator(".widget-vbox", has=nb.page.locator(".widget-dropdown")).filter(
-        has=nb.page.locator(".widget-output img")).last
+    box = nb.page.locator(".widget-vbox", has=nb.page.locator(".widget-dropdown")).last
+    assert box.locator(".widget-output img").count() > 0, \
+        f"{nb.name}: the playground drew no timeline: {box.locator('.widget-output').first.inner_text()[:200]!r}"
+    redrawn = """([box, before]) => {
+      const img = box.querySelector('.widget-output img');
+      return img && img.src !== before && img.complete && img.naturalWidth > 0;
+    }"""
     image = box.locator(".widget-output img").first
     drawn = image.get_attribute("src")
     handle = box.locator(".widget-slider", has_text="micro-batches").locator(".noUi-handle").first
     handle.focus()
     handle.press("ArrowRight")
-    nb.page.wait_for_function("([box, before]) => { const img = box.querySelector('.widget-output img');"
-                              " return img && img.src !== before; }", arg=[box.element_handle(), drawn],
-                              timeout=60_000)
+    nb.page.wait_for_function(redrawn, arg=[box.element_handle(), drawn], timeout=60_000)
     moved = image.get_attribute("src")
     schedule = box.locator(".widget-dropdown select")
     schedule.select_option(index=schedule.evaluate("s => (s.selectedIndex + s.options.length - 1) % s.options.length"))
-    nb.page.wait_for_function("([box, before]) => { const img = box.querySelector('.widget-output img');"
-                              " return img && img.src !== before; }", arg=[box.element_handle(), moved],
-                              timeout=60_000)
+    nb.page.wait_for_function(redrawn, arg=[box.element_handle(), moved], timeout=60_000)
+    chosen = schedule.evaluate("s => s.options[s.selectedIndex].text")
+    described = box.locator(".widget-output").first
+    nb.page.wait_for_function("([out, name]) => out.textContent.toLowerCase().includes(name)",
+                              arg=[described.element_handle(), chosen.lower()], timeout=60_000)
     nb.screenshot(box, "playground")
 
 
