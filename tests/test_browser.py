@@ -82,7 +82,8 @@ def source_headings(path: Path) -> int:
 # --- the page's side ----------------------------------------------------------------------------------------------
 
 NOTEBOOK = "window.jupyterapp.shell.currentWidget"
-KERNEL_IDLE = f"() => {NOTEBOOK}?.sessionContext?.session?.kernel?.status === 'idle'"
+KERNEL_IDLE = ("() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel?.status"
+               " === 'idle'")  # the app may not be exposed yet when the page has just loaded
 PROMPTS = "Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')).map(e => e.textContent)"
 
 # Every 100 ms, each panel's text when it changed, and when its cell was first seen finished (its prompt no longer
