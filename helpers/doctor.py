@@ -484,22 +484,22 @@ def calibration_check(rig: Rig) -> str:
 # --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
 
 def notebook_plan_checks(rig: Rig, wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
-    """Each notebook's GPU constants against the memory model (`helpers.gpu_sizes`): on this rig's GPUs, or on the
-    CPU rig for two RTX 3090s and for one. FAIL names the notebook, the device and what to lower."""
+    """Each notebook's plan at its GPU sizes (`helpers.gpu_sizes`, as every notebook declares it and
+    data/gpu_plans.json records it for all of them): against this rig's GPUs, or on the CPU rig against two RTX
+    3090s and one. FAIL names the notebook, the device and what to lower."""
     from helpers.gpu_sizes import notebook_plans
-    from helpers.gpu_sizes.plans import inventories
 
     targets = [rig] if rig.is_cuda else ["two_gpus", "one_gpu"]
-    names = [f"notebook {nb}: GPU sizes" for nb in inventories()]
-    if not any(wanted(n) for n in names):
-        return []
     plans = [notebook_plans(target) for target in targets]
     checks = []
-    for name, per_target in zip(names, zip(*plans)):
+    for per_target in zip(*plans):
+        name = f"notebook {per_target[0].notebook}: GPU sizes"
+        if not wanted(name):
+            continue
         said = "; ".join(f"{p.describe()} of {p.budget / 2**30:.1f} GiB allowed" for p in per_target)
         bad = [p for p in per_target if not p.fits]
         if bad:
-            said += "; over: lower " + bad[0].knob_text()
+            said += "; over: lower " + bad[0].knobs
         checks.append(Check(name, "FAIL" if bad else "PASS", said))
     return checks
 
