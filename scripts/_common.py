@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers.runtime.strict import strict_requested  # LAB_DEVICE_STRICT, parsed as the library parses it
+
 IGNORE_INDEX = -100
 
 
@@ -115,7 +117,7 @@ def init() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         backend = "gloo"
-        if os.environ.get("LAB_DEVICE_STRICT") == "1":  # the course's CI: fail here where NCCL would fail on GPUs
+        if strict_requested():  # the course's CI: fail here where NCCL would fail on GPUs
             from helpers.runtime.strict import enter_device_strict_mode, strict_backend
 
             enter_device_strict_mode()

@@ -153,3 +153,10 @@ def test_qlora_on_one_process_trains_without_fsdp2_and_refuses_offload(llama_dir
     assert len(losses) == 4 and losses[-1] < losses[0]
     with pytest.raises(AssertionError, match="needs FSDP2 over 2 or more processes"):
         _run("finetune_lora.py", 1, llama_dir, tmp_path / "x", "--method", "qlora", "--offload", "cpu")
+
+
+@pytest.mark.full
+def test_finetune_lora_refuses_fp16_instead_of_training_fp32(llama_dir, tmp_path):
+    """--autocast fp16 kept the base in fp32 and computed nothing in fp16, without a word: refused with the reason."""
+    with pytest.raises(AssertionError, match="fp16 would need a gradient scaler"):
+        _run("finetune_lora.py", 0, llama_dir, tmp_path / "x", "--autocast", "fp16")

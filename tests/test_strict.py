@@ -35,3 +35,21 @@ def test_the_bench_calibration_runs_device_strict():
     out = process_calibration(cpu_rig(), build_stack(cfg), x, y, lm_loss, sizes=[4096], rounds=1, repeats=1)
     assert len(out["ratios"]) == 1 and out["ratios"][0] > 0
     assert torch.get_default_device().type == "cpu"  # the caller itself is not strict
+
+
+@pytest.mark.parametrize("value, strict", [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False),
+                                           ("", False), ("false", False)])
+def test_the_strict_flag_takes_the_usual_truthy_values_in_the_library_and_the_scripts(monkeypatch, value, strict):
+    """scripts/_common.py accepted only "1": LAB_DEVICE_STRICT=true started the scripts' ranks non-strict while the
+    library's ranks were strict. Both now use one parser."""
+    import sys
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import _common
+    finally:
+        sys.path.remove(scripts)
+    monkeypatch.setenv("LAB_DEVICE_STRICT", value)
+    assert _common.strict_requested is strict_requested and strict_requested() is strict

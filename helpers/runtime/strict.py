@@ -28,9 +28,13 @@ STAND_IN = torch.device("meta")  # where a tensor created without device= lands 
 _refusing: list = []  # the torch.library registrations, kept alive (dropping them would restore the meta kernels)
 
 
+TRUTHY = {"1", "true", "yes", "on", "y", "t"}
+
+
 def strict_requested() -> bool:
-    """Whether this process was asked to run its ranks device-strict (LAB_DEVICE_STRICT=1)."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes"}
+    """Whether this process was asked to run its ranks device-strict (LAB_DEVICE_STRICT=1, or true, yes, on, any
+    case): the one parser of the flag, which the take-home scripts share."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in TRUTHY
 
 
 def strict_backend(device: torch.device, backend: str) -> str:
