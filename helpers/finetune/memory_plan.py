@@ -58,7 +58,8 @@ STRATEGIES = ("ddp", "fsdp2", "pipeline")
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("mixed", "pure")
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_DTYPE = {"full": "bf16", "lora": "bf16", "qlora": "nf4"}
+DEFAULT_DTYPE = {"full": "bf16", "lora": "bf16", "qlora": "nf4-torchao"}  # QLoRA as the course's scripts run it
+TORCHAO_NF4 = "nf4-torchao"
 FP32 = 4  # bytes: RMSNorm's upcast input, rsqrt, the attention log-sum-exp, the fp32 loss
 INT64 = 8  # bytes: token ids the embedding saves, labels the loss saves
 
@@ -174,7 +175,8 @@ def training_shape(model="llama-2-7b", method: str = "qlora", dtype: str | Weigh
 
     full: every parameter trains, in the compute dtype `dtype` (default bf16). lora: the base stays frozen in `dtype`
     (default bf16) and each targeted linear of every decoder layer gets A (r x in) and B (out x r). qlora: as lora, on a
-    base whose decoder linears are quantized (`dtype` default nf4: 4 bits plus an fp32 absmax per 64 weights).
+    base whose decoder linears are quantized (`dtype` default nf4-torchao, what the course runs: 4 bits, an 8-bit scale
+    per 64 weights; nf4 and nf4-dq are bitsandbytes').
     """
     method = _check_method(method)
     fmt = weight_format(dtype or DEFAULT_DTYPE[method])
@@ -352,7 +354,7 @@ class TrainingRequest:
     lora_targets: str = "all"
     optimizer: str = "adamw"
     precision: str = "mixed"
-    dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4 (qlora)
+    dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4-torchao (qlora)
     grad_accum: int | None = None  # micro-batches per optimizer step; None: 1, or the number of stages (pipeline)
     host_ram_bytes: int | None = None  # None: host RAM is reported, not checked
 
@@ -683,6 +685,16 @@ def _gathered_bytes(unit: Unit, a: int) -> int:
     return unit.packed_bytes + unit.trainable_params * a
 
 
+def dequantization_bytes(format_name: str, compute_bytes: int) -> float:
+    """Bytes per element held at the peak of dequantizing one quantized weight: torchao's NF4 (nf4-torchao), as
+    measured (data/training_memory.json nf4_dequantization: int64 indices and halves, about 14 in bf16); the
+    bitsandbytes formats dequantize in one CUDA kernel that writes the 16-bit result only."""
+    if format_name.startswith(TORCHAO_NF4):
+        peaks = training_data()["nf4_dequantization"]["peak_bytes_per_element"]
+        return peaks["fp32" if compute_bytes == FP32 else "bf16"]
+    return compute_bytes
+
+
 def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], first_stage: bool,
                last_stage: bool) -> dict:
     """Transient memory beside the saved activations, each an estimate named for what it is."""
@@ -693,7 +705,7 @@ def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: 
         space["logits"] = tokens * b.vocab * (a + 2 * FP32)
     quantized = max((u.largest_quantized for u in mine), default=0)
     if quantized:
-        space["dequantized weight"] = quantized * a
+        space["dequantized weight"] = int(quantized * dequantization_bytes(shape.format.name, a))
     if request.strategy == "fsdp2":
         decoders = [u for u in mine if u.kind == "decoder"]
         per_layer = training_data()["fsdp2"]["decoder_layers_in_flight"]
