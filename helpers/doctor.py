@@ -238,11 +238,25 @@ def _compare(reference, loss: float, grads, precision: Precision) -> str:
     return f"loss diff {abs(loss - ref_loss):.1e}, grad diff {diff:.1e}"
 
 
-def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = Precision()) -> str:
-    from helpers.pipeline.stages import split_model
-    from helpers.pipeline.threaded import ThreadedPipeline
+def schedule_cut(schedule: str) -> tuple[int, ...]:
+    """Where the checks cut CFG's six layers for `schedule`: in two (CUT), or in four stages for a schedule with two
+    stages per device (the bench's cut: each device holds as many blocks whichever stages it gets)."""
+    from helpers.bench import bench_cut
 
-    split = split_model(build_stack(CFG).to(precision.weights), list(CUT), rig.devices)
+    return bench_cut(schedule, CFG.n_blocks + 2)
+
+
+def schedule_label(schedule: str) -> str:
+    return {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
+
+
+def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = Precision()) -> str:
+    from helpers.pipeline.schedules import layout_for
+    from helpers.pipeline.stages import split_model
+    from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
+
+    devices = stage_devices(rig.devices, layout_for(schedule, len(rig.devices)))
+    split = split_model(build_stack(CFG).to(precision.weights), list(schedule_cut(schedule)), devices)
     x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
     pipe = ThreadedPipeline(split, schedule, m, precision=precision)
     loss = pipe.step(x.to(rig.devices[0]), y.to(rig.devices[-1])).item()
@@ -336,6 +350,7 @@ def _cuda_paths(rig: Rig) -> str:
 def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[], str]]]:
     """(name, whether this rig can run it, run) for every check (`workdir` holds the models the checks save)."""
     from helpers.inference.tensor_parallel import tensor_parallel_support
+    from helpers.pipeline.schedules import SCHEDULES
     refs: dict[Precision, tuple] = {}
 
     def reference(precision: Precision = Precision()):
@@ -361,6 +376,12 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[],
          lambda: _processes(rig, reference(), microbatches=4, engine="torch", **pipe)),
         ("torch: 1F1B m=4", "1f1b", "torch",
          lambda: _processes(rig, reference(), schedule="1f1b", microbatches=4, engine="torch", **pipe)),
+        # every schedule beyond 1F1B on every engine (two stages per device, split backwards, copy streams)
+        *[(f"{engine}: {schedule_label(s)} m=4", s, engine, (lambda s=s, engine=engine: _threads(
+            rig, s, 4, reference()) if engine == "threads" else _processes(
+            rig, reference(), schedule=s, microbatches=4, pp=2, boundaries=schedule_cut(s),
+            engine="torch" if engine == "torch" else "ours")))
+          for s in SCHEDULES if s not in ("gpipe", "1f1b") for engine in ("threads", "processes", "torch")],
         *[(f"processes: {s}", s, "processes",
            (lambda s=s: _processes(rig, reference(), dp=2, data_parallel=s, optimizer="adam")))
           for s in ("ddp", "zero1", "zero2", "fsdp2")],
