@@ -116,8 +116,10 @@ def test_activation_formula_equals_the_ledger_for_lora(dtype, targets, checkpoin
 # --- the plan's rules ---------------------------------------------------------------------------------------------
 
 def test_strategies_place_state_as_documented():
-    common = dict(model="llama-2-7b", method="qlora", context=1024, batch=2)
+    common = dict(model="llama-2-7b", method="qlora", context=1024, batch=2, dtype="nf4")  # bitsandbytes' NF4
     ddp, fsdp = plan_training(strategy="ddp", **common), plan_training(strategy="fsdp2", **common)
+    torchao = plan_training(strategy="fsdp2", **{**common, "dtype": "nf4-torchao"}).devices[0]
+    assert torchao.constants_bytes == 0, "torchao's NF4 keeps its scales in the tensor FSDP2 shards"
     offload = plan_training(strategy="fsdp2", offload="cpu", **common)
     pipe = plan_training(strategy="pipeline", **common)
     d, f, o = ddp.devices[0], fsdp.devices[0], offload.devices[0]

@@ -18,7 +18,8 @@ Strategies (N GPUs; the assumptions the figures rest on):
 - DDP: a full replica per GPU, each GPU runs `batch` sequences; DistributedDataParallel's gradient buckets are a second
   copy of the gradients (gradient_as_bucket_view=False, its default).
 - FSDP2 (`fully_shard` per decoder layer and on the root): parameters, gradients and optimizer state sharded 1/N per
-  GPU; bitsandbytes' quantization constants are not parameters, so every GPU keeps all of them; two decoder layers
+  GPU; bitsandbytes' quantization constants are not parameters, so every GPU keeps all of them (torchao's NF4, the
+  course's, keeps them inside the sharded tensor: sharded with the codes); two decoder layers
   are all-gathered at once (the running one and the prefetched next) and the root (embedding, final norm, head) stays
   gathered from its forward to its backward. With CPU offload (CPUOffloadPolicy) the shards, gradients and optimizer
   state live in pinned host RAM and the optimizer step runs there; the GPU keeps the gathered layers, activations and
@@ -208,6 +209,8 @@ def _training_shape(base: ModelShape, method: str, rank: int | None, targets: tu
         linears = _linears(module, head) if layer.kind == "decoder" else []
         quantized = [m.weight.shape for _, m in linears] if fmt.quantized else []
         constants = sum(fmt.tensor_bytes(s, True) - math.ceil(math.prod(s) * fmt.weight_bits / 8) for s in quantized)
+        if fmt.name.startswith(TORCHAO_NF4):  # torchao keeps the scales inside the NF4 tensor: FSDP2 shards them too
+            constants = 0
         if method == "full":
             params = [p.numel() for p in module.parameters()] if layer.params else []
             units.append(Unit(layer.name, layer.kind, layer.params, buffers, 0, buffers, tuple(params)))
