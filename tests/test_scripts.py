@@ -63,6 +63,9 @@ def _run(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> li
 @pytest.mark.parametrize("script, nproc, extra", [
     ("train_naive_split.py", 0, []),
     ("train_pipeline.py", 2, ["--schedule", "1f1b", "--microbatches", "4"]),
+    ("train_pipeline.py", 2, ["--schedule", "interleaved", "--microbatches", "4"]),
+    ("train_pipeline.py", 2, ["--schedule", "zbv", "--microbatches", "4"]),
+    ("train_pipeline.py", 2, ["--schedule", "dualpipev", "--microbatches", "4"]),
     ("train_ddp.py", 2, ["--microbatches", "2"]),
     ("train_fsdp2.py", 2, []),
     ("train_dp_x_pp.py", 4, ["--pp", "2", "--microbatches", "2"]),
