@@ -606,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
     parser.add_argument("--cpu", action="store_true", help="check the CPU rig even on a GPU machine")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per message size in the link sweep")
+    parser.add_argument("--gpu-suite", action="store_true",
+                        help="instead of the checks: every notebook's training step at its GPU sizes on one GPU, "
+                             "measured peak beside plan (about 10 minutes; on the CPU rig at small sizes)")
     parser.add_argument("--only", default="", help="comma-separated words: run only the checks whose names contain "
                                                    "one of them, e.g. --only script,fsdp2 after fixing something")
     ns = parser.parse_args(argv)
@@ -613,6 +616,16 @@ def main(argv: list[str] | None = None) -> int:
     if rig.is_cpu:
         claim_cpu_device(rig)
         os.environ.setdefault(STRICT_ENV, "1")  # ranks and scripts fail here where they would under NCCL
+    if ns.gpu_suite:
+        from helpers.gpu_sizes.suite import gpu_suite
+        from helpers.report import table
+
+        rows = gpu_suite(rig.devices[0])
+        print(table(rows))
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     sizes = [2**k for k in range(12, 25, 2)] if rig.is_cpu else [2**k for k in range(12, 29, 2)]
     result = report(rig, sizes, ns.repeats, only=tuple(w.strip() for w in ns.only.split(",") if w.strip()))
     print_report(result)

@@ -186,3 +186,14 @@ def test_the_doctor_checks_every_notebook_that_uses_a_gpu():
     checks = notebook_plan_checks(cpu_rig())
     assert {c.name for c in checks} == {f"notebook {notebook_id(p)}: GPU sizes" for p in GPU_NOTEBOOKS}
     assert all(c.status == "PASS" for c in checks), [c for c in checks if c.status != "PASS"]
+
+
+def test_the_gpu_suite_replays_every_recorded_step_on_the_cpu_rig():
+    """`python -m helpers.doctor --gpu-suite` on a GPU sets each notebook's step at its GPU sizes beside its plan; in
+    CI (no GPU) the same path runs every recorded step at small sizes."""
+    from helpers.gpu_sizes.suite import gpu_suite
+
+    rows = gpu_suite(torch.device("cpu"))
+    recorded = {(nb, what) for nb, per_rig in recorded_plans().items() for what, _ in per_rig["one_gpu"].steps}
+    assert {(r["notebook"], r["step"]) for r in rows} == recorded and len(recorded) >= 12
+    assert all(r["planned GiB"] > 0 and r["measured GiB"] is None for r in rows)

@@ -12,6 +12,8 @@ from typing import Sequence
 
 from helpers.gpu_sizes.footprint import ModelSpec, held, n_layers, stage_bytes, training_step, Footprint
 from helpers.gpu_sizes.plans import NOTEBOOK, Part
+from helpers.gpu_sizes.suite import Replay
+from helpers.models.stack import StackConfig
 from helpers.pipeline.schedules import layout_for, make_schedule, split_backwards
 
 MiB = 2**20
@@ -39,10 +41,12 @@ def keep_split(what: str, spec: ModelSpec, grads: bool = True, optimizer: str | 
 def step(what: str, spec: ModelSpec, batch: int, optimizer: str = "sgd", device: int = 0,
          layers: Sequence[int] | None = None, in_flight: int = 1, keeps_outputs: bool = False, autocast: bool = False,
          process: str = NOTEBOOK, state_shards: int = 1) -> Part:
-    """A model training one step (its weights, grads and state included) at micro-batch `batch`."""
+    """A model training one step (its weights, grads and state included) at micro-batch `batch`. A whole block
+    stack's step is recorded for the GPU suite to rerun alone."""
     stage = stage_bytes(spec, batch, layers, autocast=autocast)
+    alone = isinstance(spec, StackConfig) and layers is None and in_flight == 1 and state_shards == 1
     return Part(what, device, training_step(stage, optimizer, in_flight, keeps_outputs, autocast, state_shards),
-                process)
+                process, Replay(spec, batch, optimizer, autocast) if alone else None)
 
 
 def stage_ranges(spec: ModelSpec, schedule: str, cuts: Sequence[int] | None = None) -> list[range]:

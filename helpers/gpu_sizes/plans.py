@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 from helpers.course import DATA_DIR, load_data
 from helpers.gpu_sizes.footprint import Footprint
+from helpers.gpu_sizes.suite import Replay
 from helpers.memory import GiB, MiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
@@ -39,6 +40,7 @@ class Part:
     device: int
     bytes: Footprint
     process: str = NOTEBOOK
+    replay: Replay | None = None  # a whole-model step the GPU suite can rerun alone (helpers.gpu_sizes.suite)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class PlanRecord:
     rig: str  # "two_gpus" or "one_gpu"
     knobs: str  # "BATCH (now 32) or SEQ (now 512)"
     devices: tuple[DevicePeak, ...]
+    steps: tuple[tuple[str, Replay], ...] = ()  # its whole-model steps, each once, for the GPU suite
     capacity: int = field(default_factory=card_bytes)
 
     def peaks(self) -> dict[str, int]:
@@ -121,12 +124,14 @@ class PlanRecord:
 
     def as_dict(self) -> dict:
         return {"knobs": self.knobs, "devices": [{"device": d.device, "peak": d.peak, "heaviest": d.heaviest,
-                                                  "parts": dict(d.parts)} for d in self.devices]}
+                                                  "parts": dict(d.parts)} for d in self.devices],
+                "steps": [{"what": what, **step.as_dict()} for what, step in self.steps]}
 
     @classmethod
     def from_dict(cls, notebook: str, rig: str, d: Mapping) -> "PlanRecord":
         return cls(notebook, rig, d["knobs"], tuple(DevicePeak(x["device"], x["peak"], x["heaviest"], x["parts"])
-                                                    for x in d["devices"]))
+                                                    for x in d["devices"]),
+                   tuple((s["what"], Replay.from_dict(s)) for s in d.get("steps", ())))
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,9 @@ class NotebookPlan:
             total = sum((p.bytes for p in phase.parts if self._on(p) == d), Footprint())
             devices.append(DevicePeak(d, self.peak(d), phase.name,
                                       {k: v for k, v in total.as_dict().items() if k != "total"}))
-        return PlanRecord(self.notebook, self.rig.kind, self.knob_text(), tuple(devices), self.capacity)
+        steps = {p.replay: p.what for phase in self.phases for p in phase.parts if p.replay is not None}
+        return PlanRecord(self.notebook, self.rig.kind, self.knob_text(), tuple(devices),
+                          tuple((what, step) for step, what in steps.items()), self.capacity)
 
     @property
     def budget(self) -> int:
