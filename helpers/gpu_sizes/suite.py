@@ -34,12 +34,15 @@ class Replay:
     autocast: bool = False
 
     def as_dict(self) -> dict:
-        return {"model": asdict(self.model), "batch": self.batch, "optimizer": self.optimizer,
-                "autocast": self.autocast}
+        model = asdict(self.model)
+        model["ffn_widths"] = None if self.model.ffn_widths is None else list(self.model.ffn_widths)  # as JSON has it
+        return {"model": model, "batch": self.batch, "optimizer": self.optimizer, "autocast": self.autocast}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Replay":
-        return cls(StackConfig(**d["model"]), d["batch"], d["optimizer"], d["autocast"])
+        widths = d["model"]["ffn_widths"]
+        model = StackConfig(**{**d["model"], "ffn_widths": None if widths is None else tuple(widths)})
+        return cls(model, d["batch"], d["optimizer"], d["autocast"])
 
     def small(self) -> "Replay":
         widths = None if self.model.ffn_widths is None else (4 * SMALL["hidden"],) * SMALL["n_blocks"]
