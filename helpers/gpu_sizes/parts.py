@@ -14,7 +14,7 @@ from helpers.gpu_sizes.footprint import ModelSpec, held, n_layers, stage_bytes, 
 from helpers.gpu_sizes.plans import NOTEBOOK, Part
 from helpers.gpu_sizes.suite import Replay
 from helpers.models.stack import StackConfig
-from helpers.pipeline.schedules import layout_for, make_schedule, split_backwards
+from helpers.pipeline.schedules import layout_for, make_schedule, peak_in_flight
 
 MiB = 2**20
 
@@ -94,14 +94,7 @@ def pipeline(what: str, spec: ModelSpec, batch: int, m: int, schedule: str = "gp
         casts = [c.params // 2 if autocast else 0 for c in chunks]  # autocast's 16-bit weight copies per micro-batch
         held_by = [c.activations + casts[k] + (c.output if layout.stage(d, k) != last else 0)
                    for k, c in enumerate(chunks)]
-        split, alive, peak = split_backwards(actions), set(), 0
-        for a in actions:
-            key = (a.chunk, a.microbatch)
-            if a.kind == "F":
-                alive.add(key)
-            elif a.kind == "W" or key not in split:
-                alive.discard(key)
-            peak = max(peak, sum(held_by[k] for k, _ in alive))
+        peak = peak_in_flight(actions, held_by.__getitem__)
         fp = training_step(stage_bytes(spec, mb, layers, autocast=autocast), optimizer, autocast=autocast,
                            activations_held=peak)
         if torch_engine:
