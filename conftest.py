@@ -27,7 +27,11 @@ os.environ["TMPDIR"] = str(SESSION_TMP)
 tempfile.tempdir = None  # re-read TMPDIR
 
 FAST_NOTEBOOKS = {"00_start_here.ipynb"}
-NOT_STRICT: dict[str, str] = {}  # notebook -> why the ranks it starts run without device-strict mode
+NOT_STRICT = {  # notebook -> why the ranks it starts run without device-strict mode
+    "11_train_your_hf_model.ipynb": "its DDP script (section 3, the learner's own lines) calls from_pretrained inside "
+                                    "each rank, which transformers refuses under a meta default device; on GPUs the "
+                                    "same line is right",
+}
 
 
 def pytest_addoption(parser):
