@@ -13,8 +13,10 @@ device-strict mode a CPU rank is set up the way a GPU rank is:
    kernels of the `c10d` operators (which otherwise return without communicating, for tracing) refuse.
 
 CI and the test suite run every rank in this mode (`LAB_DEVICE_STRICT=1`, set by the tests' conftest and inherited by
-the ranks); `python -m helpers.doctor` on the CPU rig too. Notebooks and the bench run without it: the default-device
-mode costs a little Python work on every torch call, which the bench would time.
+the ranks): the engines', the bench's, the take-home scripts' and those that notebook kernels start (but for the
+notebooks conftest.NOT_STRICT names, each with its reason); `python -m helpers.doctor` on the CPU rig too. The
+kernels themselves never are, nor a notebook or the bench run by hand: the default-device mode costs a little Python
+work on every torch call, which the bench would time.
 """
 from __future__ import annotations
 
