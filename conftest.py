@@ -31,6 +31,8 @@ NOT_STRICT = {  # notebook -> why the ranks it starts run without device-strict 
     "11_train_your_hf_model.ipynb": "its DDP script (section 3, the learner's own lines) calls from_pretrained inside "
                                     "each rank, which transformers refuses under a meta default device; on GPUs the "
                                     "same line is right",
+    "06_1f1b.ipynb": "section 5's allocator probe times GPipe and 1F1B inside one rank: strict mode's default-device "
+                     "hook (Python work on every torch call) slows it past its timeout and into what it measures",
 }
 
 
