@@ -1,7 +1,7 @@
-"""A pipeline with torch.distributed.pipelining, any of its schedules: GPipe and 1F1B (one stage per GPU), and the
-schedules that hold two stages per GPU: ScheduleInterleaved1F1B (interleaved: GPU d holds stages d and d + p),
-ScheduleZBVZeroBubble and ScheduleDualPipeV (the V shapes: GPU d holds stages d and 2p - 1 - d, so GPU 0 holds the
-first and the last); ZB-H1 is ScheduleInterleavedZeroBubble with one stage per GPU. The batch is cut into
+"""A pipeline with torch.distributed.pipelining, any of its schedules (their classes: helpers/catalog.py): GPipe and
+1F1B (one stage per GPU), and the schedules that hold two stages per GPU: ScheduleInterleaved1F1B (interleaved: GPU d
+holds stages d and d + p), ScheduleZBVZeroBubble and ScheduleDualPipeV (the V shapes: GPU d holds stages d and
+2p - 1 - d, so GPU 0 holds the first and the last); ZB-H1 is ScheduleInterleavedZeroBubble with one stage per GPU. The batch is cut into
 micro-batches so all GPUs work at once. Tied embeddings: one copy per end, gradients summed (on one GPU for the V).
 
     torchrun --nproc-per-node 2 scripts/train_pipeline.py --model DIR --schedule zbv --microbatches 4 --steps 100
@@ -16,7 +16,7 @@ from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
 from helpers.pipeline.schedules import layout_for
-from helpers.training.strategies import TORCH_SCHEDULES  # schedule name -> torch.distributed.pipelining class
+from helpers.catalog import schedule_entry  # a schedule's torch.distributed.pipelining class, among the rest
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     ends = {layout.device_of(0), layout.device_of(layout.stages - 1)}
     group = dist.new_group(sorted(ends)) if model.tied and len(ends) > 1 and world > 2 else None  # on every rank
     scale = [1.0]  # this step's 1 / (real tokens of the global batch) x the loss scale
-    cls = getattr(pipelining, TORCH_SCHEDULES[ns.schedule])
+    cls = getattr(pipelining, schedule_entry(ns.schedule).torch_class)
     multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # takes a list of stages
     schedule = cls(stages if multi else stages[0], ns.microbatches, scale_grads=False,
                    loss_fn=lambda out, target: token_loss_sum(out, target) * scale[0])

@@ -22,7 +22,8 @@ from typing import Callable, Mapping, Sequence
 from helpers.course import DATA_DIR, load_data
 from helpers.gpu_sizes.footprint import Footprint
 from helpers.gpu_sizes.suite import Replay
-from helpers.memory import GiB, MiB, fmt_bytes
+from helpers.sizing.gpus import runtime_reserve
+from helpers.units import GiB, MiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
 HEADROOM = 0.15  # the share of each card a plan leaves free: planned peak <= 85% of the card
@@ -54,13 +55,6 @@ class Phase:
 
 
 Phases = Callable[[Rig], Sequence[Phase]]
-
-
-def runtime_reserve() -> dict[str, int]:
-    """Bytes per process (the CUDA context, ollama's figure) and per device (an allocator margin, llama.cpp's
-    --fit margin): data/inference.json's "runtime_reserve", where each figure's source is given."""
-    reserve = load_data("inference")["runtime_reserve"]
-    return {"context": reserve["cuda_context"]["mib"] * MiB, "margin": reserve["allocator_margin"]["mib"] * MiB}
 
 
 def card_bytes(card: str = CARD) -> int:

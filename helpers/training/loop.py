@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.memory import DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes, param_bytes
+from helpers.catalog import strategy as catalog_entry
+from helpers.sizing.ledger import (DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes,
+                                   param_bytes)
 from helpers.checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
 from helpers.models.text import batch_rows, load_rows
@@ -32,8 +34,8 @@ from helpers.runtime.live import publish
 from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.job import TrainJob, check_job
-from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
-                                         sum_replica_grads, tied_copies, weights_in)
+from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, sum_replica_grads,
+                                         tied_copies, weights_in)
 
 
 @dataclass
@@ -218,12 +220,12 @@ class _Rank:
 
     def _materialise(self, model) -> Stage:
         job = self.job
-        if job.dp > 1 and job.data_parallel in ("zero2", "fsdp2"):
+        if job.fully_sharded:
             meta = Stage(model.meta_layers())
             self._checkpoint(meta)
             return apply_fsdp(meta, model, 0, self.mesh["dp"], self.device,
-                              reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision,
-                              offload=job.offload == "cpu")
+                              reshard_after_forward=catalog_entry(job.data_parallel).reshard_after_forward,
+                              precision=self.precision, offload=job.offload == "cpu")
         layers = owned_layers(model, self.owned, self.device)
         return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
 
@@ -272,7 +274,7 @@ class _Rank:
         """Forward and backward of this rank's shard, as `job.microbatches` accumulation steps; gradients are
         synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
         job = self.job
-        sharded = job.dp > 1 and job.data_parallel in ("zero2", "fsdp2")
+        sharded = job.fully_sharded
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
             wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
@@ -320,9 +322,9 @@ def train_worker(job: TrainJob) -> dict:
     r = _Rank(job)
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
-    for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
+    for i in range(job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
-        if i == job.steps + 1:
+        if i == job.timed_steps + 1:
             r.ledger.reset_peaks()
             if r.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(r.device)
@@ -335,7 +337,7 @@ def train_worker(job: TrainJob) -> dict:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
         r.optimizer_step()
         _synchronize(r.device)
-        if 0 < i <= job.steps:
+        if 0 < i <= job.timed_steps:
             times.append(time.perf_counter() - t0)
             phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
