@@ -31,6 +31,7 @@ from helpers.runtime.launch import rank_device, run
 from helpers.runtime.live import publish
 from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
+from helpers.training.checkpoint import rank_checkpointer
 from helpers.training.job import TrainJob, check_job
 from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
                                          sum_replica_grads, tied_copies, weights_in)
@@ -48,6 +49,8 @@ class TrainResult:
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
     losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
     state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
+    first_step: int = 0  # the step the run started from: a checkpoint's when it resumed; losses[k] is step first+k
+    save_blocked: list[float] = field(default_factory=list)  # seconds each checkpoint save blocked the step (rank 0)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -79,14 +82,16 @@ def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
 
 def _combine(parts: list[dict]) -> TrainResult:
     """One job's result from what its ranks returned (`train_worker`)."""
-    per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
+    per_step = [max(p["times"][i] for p in parts) for i in range(min(len(p["times"]) for p in parts))]
     phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
     replica0 = [p for p in parts if p["dp"] == 0]
     by_layer = sorted((i, g) for p in replica0 for i, g in p["grads"])
-    return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
+    return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step) if per_step else float("nan"),
+                       step_times=per_step,
                        phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for _, grads in by_layer for g in grads], cuda_peak=[p["cuda_peak"] for p in parts],
-                       losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()})
+                       losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()},
+                       first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"])
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -320,7 +325,9 @@ def train_worker(job: TrainJob) -> dict:
     r = _Rank(job)
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
-    for i in range(job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
+    checkpoints = rank_checkpointer(job, r.module, r.owned, r.optimizer, r.scaler)
+    first = checkpoints.resume() if checkpoints is not None else 0
+    for i in range(first, job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
         if i == job.steps + 1:
             r.ledger.reset_peaks()
@@ -343,12 +350,17 @@ def train_worker(job: TrainJob) -> dict:
         losses.append(total.item() / r.batch_at(i).normalizer)
         if i == 0:
             memory = _local_state(r.module, r.optimizer)
+        if checkpoints is not None:
+            checkpoints.after_step(i + 1, job.steps + 2)
+    if checkpoints is not None:
+        checkpoints.close()
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
     state = _trained_state(r.module, r.owned) if job.return_state else {}
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
-            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}}
+            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "first_step": first,
+            "save_blocked": checkpoints.blocked if checkpoints is not None else []}
 
 
 def train_workers(jobs: Sequence[TrainJob]) -> list[dict]:
