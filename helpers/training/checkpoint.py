@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -59,6 +60,15 @@ class CheckpointSpec:
     keep: int = 2
     resume: bool = True
     async_save: bool = False
+
+
+def as_checkpoint_spec(checkpoint: str | os.PathLike | CheckpointSpec | None) -> CheckpointSpec | None:
+    """A folder stands for a CheckpointSpec with the defaults."""
+    if checkpoint is None or isinstance(checkpoint, CheckpointSpec):
+        return checkpoint
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return CheckpointSpec(str(checkpoint))
+    raise TypeError(f"checkpoint must be a folder or a CheckpointSpec, got {type(checkpoint).__name__}")
 
 
 def check_spec(spec: CheckpointSpec) -> None:
@@ -197,6 +207,7 @@ class Checkpointer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self._pending = None
+        self._async_error: Exception | None = None
         self._async_group = None
         if self.spec.async_save and self.distributed:  # a group of its own: the background write's collectives
             self._async_group = dist.new_group(backend="gloo")  # never queue behind the training's
@@ -254,7 +265,9 @@ class Checkpointer:
                                                   use_async_staging=False, use_non_blocking_copy=cuda))
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_group,
                                     async_stager=stager, no_dist=not self.distributed)
-            self._pending = (future, path, step, stager)
+            marked = threading.Event()  # the mark is written as soon as the write ends, not at the next save: a
+            future.add_done_callback(lambda f: self._finish_async(f, path, step, stager, marked))  # crash keeps it
+            self._pending = (future, marked)
         else:
             dcp.save(state, checkpoint_id=str(path), no_dist=not self.distributed)
             self._finish(path, step)
@@ -263,16 +276,27 @@ class Checkpointer:
         return seconds
 
     def wait(self) -> None:
-        """Wait for the save in flight (async), then mark it complete."""
+        """Wait for the save in flight (async) to be written and marked; its error, if it failed, is raised here."""
         if self._pending is None:
             return
-        future, path, step, stager = self._pending
+        future, marked = self._pending
         self._pending = None
+        future.result()
+        marked.wait()
+        if self._async_error is not None:
+            error, self._async_error = self._async_error, None
+            raise error
+
+    def _finish_async(self, future, path: Path, step: int, stager, marked: threading.Event) -> None:
+        """The end of a background write (in the writer's thread): mark it complete, unless it failed."""
         try:
-            future.result()
-        finally:
             stager.close()
-        self._finish(path, step)
+            if future.exception() is None:
+                self._finish(path, step)
+        except Exception as exc:  # noqa: BLE001 - raised to the training loop by `wait`
+            self._async_error = exc
+        finally:
+            marked.set()
 
     def _finish(self, path: Path, step: int) -> None:
         """Rank 0 marks the checkpoint complete (every rank's files are written once DCP's save returned on the

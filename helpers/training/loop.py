@@ -57,14 +57,18 @@ class TrainResult:
         return [m.activations for m in self.memory]
 
 
-def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe: bool = False) -> TrainResult:
-    """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return."""
+def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
+                 restarts: int = 0) -> TrainResult:
+    """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return. `restarts`: start all
+    ranks again after a rank fails, up to this many times (with `job.checkpoint`, they resume from the latest
+    checkpoint)."""
     check_job(job, rig, oversubscribe)
-    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe))
+    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe,
+                        restarts=restarts))
 
 
-def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
-                  oversubscribe: bool = False) -> list[TrainResult]:
+def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
+                  restarts: int = 0) -> list[TrainResult]:
     """Several jobs of one world size in one launch, the same ranks running them one after the other: a comparison
     pays one start-up of the processes instead of one per job. Every job is checked before anything starts;
     `timeout` is per job."""
@@ -76,7 +80,7 @@ def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
     for job in jobs:
         check_job(job, rig, oversubscribe)
     parts = run(train_workers, list(jobs), nranks=worlds[0], rig=rig, timeout=timeout * len(jobs),
-                oversubscribe=oversubscribe)
+                oversubscribe=oversubscribe, restarts=restarts)
     return [_combine([rank[i] for rank in parts]) for i in range(len(jobs))]
 
 
