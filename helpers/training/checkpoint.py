@@ -40,8 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 MARK = "complete.json"
-KILL_ENV = "LAB_KILL_AT"  # "RANK:STEP": that rank SIGKILLs itself after step STEP, on the first attempt only
-RESTART_ENV = "LAB_RESTART_COUNT"  # the course's launcher's restart count (torchrun's: TORCHELASTIC_RESTART_COUNT)
+KILL_ENV = "LAB_KILL_AT"  # "RANK:STEP": that rank SIGKILLs itself after step STEP, once
 _STEP_FOLDER = re.compile(r"^step-(\d{8})$")
 
 
@@ -151,6 +150,14 @@ def layer_view(layers: Sequence[nn.Module], owned: Sequence[int]) -> nn.ModuleDi
     return nn.ModuleDict({str(i): layer for i, layer in zip(owned, layers)})
 
 
+def _host_default():
+    """DCP's bookkeeping (plans, shard offsets: small tensors made without device=) on the host, as on a GPU rank,
+    whose default device is the host. A device-strict CPU rank (helpers.runtime.strict) defaults to meta instead,
+    where PyTorch's DTensor offsets (`torch.tensor(offsets)`, then `int()`) would fail: a difference of the stand-in,
+    not a fault a GPU would meet."""
+    return torch.device("cpu")
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -177,12 +184,14 @@ def _flat_tensors(state, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def kill_if_asked(rank: int, step: int) -> None:
+def kill_if_asked(rank: int, step: int, folder: str | Path) -> None:
     """Fault injection for the resume tests and notebook 13: with LAB_KILL_AT="RANK:STEP", that rank dies by SIGKILL
-    after step STEP, on the first attempt only (a restarted run goes on)."""
+    after step STEP, once: it leaves a note in the checkpoint folder first, so the restarted run (whichever node its
+    ranks land on) goes on."""
     target = os.environ.get(KILL_ENV)
-    restarts = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if target and restarts == 0 and target == f"{rank}:{step}":
+    note = Path(folder) / f"killed-at-{step}"
+    if target == f"{rank}:{step}" and not note.exists():
+        note.touch()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -248,10 +257,17 @@ class Checkpointer:
 
     def save(self, step: int) -> float:
         """Save the state after `step` optimizer steps; return (and record) the seconds the caller was blocked."""
-        import torch.distributed.checkpoint as dcp
-
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time: the previous one finishes (and is marked) first
+        with _host_default():
+            self._save(step)
+        seconds = time.perf_counter() - t0
+        self.blocked.append(seconds)
+        return seconds
+
+    def _save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
         path = step_folder(self.spec.folder, step)
         if self.rank == 0 and path.exists():  # a half-written save of this step, from a killed attempt
             shutil.rmtree(path)
@@ -271,9 +287,6 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=str(path), no_dist=not self.distributed)
             self._finish(path, step)
-        seconds = time.perf_counter() - t0
-        self.blocked.append(seconds)
-        return seconds
 
     def wait(self) -> None:
         """Wait for the save in flight (async) to be written and marked; its error, if it failed, is raised here."""
@@ -332,11 +345,14 @@ class Checkpointer:
     def load(self, path: str | Path) -> int:
         """Load the checkpoint at `path` into the model, optimizers, scheduler, scaler and RNG; return its step.
         Refused, naming the file and what differs, when it is incomplete, damaged, or another run's."""
+        with _host_default():
+            return self._load(Path(path))
+
+    def _load(self, path: Path) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        path = Path(path)
         mark = verify_files(path)
         self._check_mark(path, mark)
         state = self.state(0)
@@ -387,7 +403,7 @@ class Checkpointer:
         """Called after every optimizer step (counted from 1): save when due; the fault injection of the tests."""
         if self.due(step, last):
             self.save(step)
-        kill_if_asked(self.rank, step)
+        kill_if_asked(self.rank, step, self.spec.folder)
 
     def close(self) -> None:
         """Finish the save in flight (the run's end)."""

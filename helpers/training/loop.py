@@ -376,14 +376,19 @@ def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:
     """torchrun entry: JSON keyword arguments become TrainJob fields on a small block stack, e.g.
     `torchrun --nproc-per-node 4 -m helpers.runtime.launch helpers.training.loop:torchrun_job
     --kwargs '{"dp": 2, "pp": 2, "batch": 16, "schedule": "1f1b", "microbatches": 2}'`; across machines add
-    --nnodes/--node-rank/--rdzv-endpoint. torchrun already started the processes, so on the CPU rig they may share
-    cores."""
+    --nnodes/--node-rank/--rdzv-endpoint. `"checkpoint": {"folder": DIR, "every": 2}` checkpoints the run and resumes
+    it from DIR (with --max-restarts, after a rank dies). torchrun already started the processes, so on the CPU rig
+    they may share cores. Rank 0 says its first loss, its step time and every loss from the step it started at."""
     from helpers.models.stack import StackConfig
     from helpers.runtime.rig import detect_rig
+    from helpers.training.checkpoint import CheckpointSpec
 
+    if isinstance(fields.get("checkpoint"), dict):
+        fields["checkpoint"] = CheckpointSpec(**fields["checkpoint"])
     job = TrainJob(StackConfig(hidden=hidden, n_blocks=n_blocks, heads=2), **fields)
     rig = detect_rig()
     check_job(job, rig, oversubscribe=rig.is_cpu)
     out = train_worker(job)
-    return (f"rank {dist.get_rank()}: replica {out['dp']}, stage {out['pp']}, loss {out['losses'][0]:.4f}, "
-            f"step {statistics.median(out['times']) * 1e3:.1f} ms")
+    step = f"step {statistics.median(out['times']) * 1e3:.1f} ms" if out["times"] else "no timed step"
+    return (f"rank {dist.get_rank()}: replica {out['dp']}, stage {out['pp']}, loss {out['losses'][0]:.4f}, {step}; "
+            f"losses from step {out['first_step']}: {out['losses']}")
