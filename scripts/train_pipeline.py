@@ -8,9 +8,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
+from _common import (IGNORE_INDEX, autocast, batches, checkpointer, init, parse, report, token_loss_sum,
+                     training_steps, weights_dtype)
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
+from helpers.training.checkpoint import layer_view
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -28,8 +30,10 @@ def main() -> None:
                                         loss_fn=lambda out, target: token_loss_sum(out, target) * scale[0])
     optimizer = torch.optim.AdamW(module.parameters(), lr=ns.lr)
     scaler = ShardedGradScaler(device.type, enabled=ns.autocast == "fp16")  # overflow agreed by every stage
+    checkpoints = checkpointer(ns, layer_view(module.layers, range(first, first + len(module.layers))),
+                               optimizer, scaler)
     scaler.scale(torch.ones((), device=device))
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()
         scale[0] = scaler.get_scale() / real if scaler.is_enabled() else 1.0 / real

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.models import StackConfig
 from helpers.runtime.launch import run_command
@@ -99,6 +100,22 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method)
     saved = FileSystemReader(str(tmp_path / "ckpt" / f"step-{STEPS + 2:08d}")).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.startswith("model.")]
     assert weights and all(".lora_" in k for k in weights), "a LoRA checkpoint holds the adapters alone"
+    # continued on one device, exported merged (a plain model) and as the adapters alone (for peft)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers.finetune.lora import base_for_merge
+    from helpers.training.export import export_hf, load_on_one
+
+    one = load_on_one(job, tmp_path / "ckpt" / f"step-{STEPS + 2:08d}")
+    x = torch.randint(128, (2, 16), device="cpu")
+    ours = _logits(one.layers, lora, x)
+    merged = AutoModelForCausalLM.from_pretrained(export_hf(lora, one.layers, tmp_path / "merged")).eval()
+    adapted = PeftModel.from_pretrained(base_for_merge(lora), str(export_hf(lora, one.layers, tmp_path / "adapters",
+                                                                            merge=False))).eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=x).logits, ours, atol=1e-4)
+        assert torch.allclose(adapted(input_ids=x).logits, ours, atol=1e-5)
 
 
 @FULL
@@ -120,3 +137,78 @@ def test_torchrun_max_restarts_resumes_bit_for_bit(tmp_path):
     first, losses = re.search(r"losses from step (\d+): (\[.*\])", proc.stdout).groups()
     assert int(first) == EVERY
     assert json.loads(losses) == whole.losses[EVERY:]
+
+
+def _logits(layers, model, x):
+    from helpers.models.layered import Stage
+
+    ctx = model.context(x, None)
+    with torch.no_grad():
+        return Stage(layers).eval()(x, ctx) if ctx is not None else Stage(layers).eval()(x)
+
+
+@FULL
+@pytest.mark.parametrize("kw", [dict(dp=2, data_parallel="fsdp2"), dict(pp=2, schedule="1f1b", microbatches=4)],
+                         ids=["fsdp2", "1f1b"])
+def test_two_ranks_checkpoint_continues_on_one_and_exports_to_transformers(tmp_path, kw):
+    """FSDP2's shards, or a pipeline's stages, load into the whole model in one process (DCP reshards): training
+    goes on from the checkpoint's step with the ranks' losses (one device sums in another order: 1e-5), and the
+    result exports as a folder AutoModelForCausalLM loads with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.models.hf import hf_config, save_hf_model
+    from helpers.training.checkpoint import step_folder
+    from helpers.training.export import continue_on_one, export_hf
+
+    hf = save_hf_model(hf_config("llama", n_layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16),
+                       tmp_path / "base")
+    job = TrainJob(hf, batch=8, seq_len=16, steps=STEPS, optimizer="adam", **kw,
+                   checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=EVERY))
+    ranks = run_training(job, cpu_rig(), oversubscribe=True)
+    one = continue_on_one(job, step_folder(tmp_path / "ckpt", STEPS), steps=2)
+    assert one.first_step == STEPS
+    assert max(abs(a - b) for a, b in zip(one.losses, ranks.losses[STEPS:], strict=True)) < 1e-5
+    export_hf(hf, one.layers, tmp_path / "exported")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    x = torch.randint(64, (2, 16), device="cpu")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).logits, _logits(one.layers, hf, x))
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _script_losses(script: str, model_dir: Path, tmp: Path, *extra: str, kill: str | None = None) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "1", str(SCRIPTS / script), "--model", str(model_dir), "--steps", "6", "--batch", "8", "--seq-len", "16",
+           "--lr", "3e-3", "--autocast", "none", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp))
+    if kill:
+        env[KILL_ENV] = kill
+    proc = run_command(cmd, timeout_s=300, cwd=SCRIPTS.parent, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    import json
+
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+
+
+@FULL
+@pytest.mark.parametrize("script, extra", [("finetune_lora.py", ["--method", "qlora"]),
+                                           ("train_fsdp2.py", []),
+                                           ("train_pipeline.py", ["--schedule", "1f1b"])])
+def test_scripts_resume_under_torchrun_max_restarts(tmp_path, script, extra):
+    """The take-home scripts with --checkpoint-dir: a worker killed after step 3, torchrun restarts both, they
+    resume from step 2's checkpoint and print the uninterrupted run's losses."""
+    from helpers.models.hf import hf_config, save_hf_model
+
+    model_dir = tmp_path / "llama"
+    save_hf_model(hf_config("llama", n_layers=2, hidden=64, heads=4, kv_heads=2, vocab=64, seq_len=16), model_dir)
+    whole = _script_losses(script, model_dir, tmp_path, *extra)
+    folder = tmp_path / "ckpt"
+    resumed = _script_losses(script, model_dir, tmp_path, *extra, "--checkpoint-dir", str(folder),
+                             "--checkpoint-every", "2", kill="1:3")
+    assert (folder / "killed-at-3").exists() and complete_steps(folder) == [4, 6]
+    restart = max(i for i in range(1, len(resumed)) if resumed[i]["step"] <= resumed[i - 1]["step"])
+    after = {r["step"]: r["loss"] for r in resumed[restart:]}  # what the restarted workers printed
+    assert min(after) == 2
+    assert after == {r["step"]: r["loss"] for r in whole if r["step"] >= 2}
