@@ -136,3 +136,18 @@ def test_async_save_marks_complete_without_waiting_for_the_next_save(tmp_path):
     assert complete_steps(tmp_path) == [2]
     run.ckpt.close()
     assert len(run.ckpt.blocked) == 1
+
+
+def test_qlora_shards_under_cpu_offload_hold_only_their_share(tmp_path):
+    """With offload="cpu", `_assign_shard` kept each rank's NF4 shard as a view of the whole weight (torchao's chunk
+    returns views, its `.to` to the same device is a no-op): every rank held the whole 4-bit base in host memory
+    (about 36 GB per rank at 70B). Each rank now keeps its share alone."""
+    from helpers.finetune.lora import LoraModel, LoraSpec, small_llama
+    from helpers.runtime.launch import run
+    from helpers.runtime.rig import cpu_rig
+    from tests.shard_workers import nf4_storage_over_share
+
+    base = small_llama(tmp_path / "base", vocab=128, seq_len=16, n_layers=2, hidden=128)
+    ratios = run(nf4_storage_over_share, LoraModel(base, LoraSpec(method="qlora")), True, rig=cpu_rig(),
+                 oversubscribe=True)
+    assert max(ratios) < 1.1, ratios

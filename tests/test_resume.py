@@ -56,7 +56,7 @@ def killed_and_resumed(job: TrainJob, folder: Path, name: str, async_save: bool 
     """`job` checkpointed every EVERY steps with one rank (chosen at random, seeded by the case) killed at a random
     step after the first checkpoint and every rank restarted; the resumed run."""
     chance = random.Random(name)
-    rank, step = chance.randrange(job.world), chance.randrange(EVERY + 1, STEPS + 3)
+    rank, step = chance.randrange(job.world), chance.randrange(EVERY + 1, STEPS + 2)  # a step left to compare
     spec = CheckpointSpec(str(folder), every=EVERY, async_save=async_save)
     os.environ[KILL_ENV] = f"{rank}:{step}"
     try:
@@ -212,3 +212,40 @@ def test_scripts_resume_under_torchrun_max_restarts(tmp_path, script, extra):
     after = {r["step"]: r["loss"] for r in resumed[restart:]}  # what the restarted workers printed
     assert min(after) == 2
     assert after == {r["step"]: r["loss"] for r in whole if r["step"] >= 2}
+
+
+@FULL
+def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path):
+    """Multi-node torchrun on the loopback address: two agents (`--nnodes 2`, c10d rendezvous), one rank each; one
+    agent's worker is killed after a checkpoint, the agents restart both workers together and they resume."""
+    import json
+    import subprocess
+
+    from helpers.runtime.launch import free_port
+
+    fields = dict(dp=2, data_parallel="fsdp2", batch=8, steps=STEPS, optimizer="adam")
+    whole = run_training(TrainJob(StackConfig(hidden=64, n_blocks=4, heads=2), **fields), cpu_rig(),
+                         oversubscribe=True)
+    kwargs = {**fields, "checkpoint": {"folder": str(tmp_path / "ckpt"), "every": EVERY}}
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp_path),
+               **{KILL_ENV: "1:3"})
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                "1", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "-m", "helpers.runtime.launch",
+                                "helpers.training.loop:torchrun_job", "--kwargs", json.dumps(kwargs)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=300) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, 9)
+    for agent, (out, err) in zip(agents, outputs):
+        assert agent.returncode == 0, out[-2000:] + err[-4000:]
+    assert (tmp_path / "ckpt" / "killed-at-3").exists()
+    printed = "".join(out for out, _ in outputs)
+    first, losses = re.search(r"losses from step (\d+): (\[.*\])", printed).groups()
+    assert int(first) == EVERY
+    assert json.loads(losses) == whole.losses[EVERY:]

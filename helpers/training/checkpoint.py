@@ -224,12 +224,13 @@ class Checkpointer:
             Path(self.spec.folder).mkdir(parents=True, exist_ok=True)
 
     # --- what a checkpoint holds ---
-    def _options(self):
+    def _options(self, strict: bool = True):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        # flattened: every optimizer entry named by its parameter ("state.3.w.exp_avg", "param_groups.3.w.lr"), so
+        # strict=False on load: a LoRA model's frozen base is not in its checkpoint (`_check_tensors` has already
+        # checked that every tensor that is saved, and every trainable one, is there). Flattened: every optimizer entry named by its parameter ("state.3.w.exp_avg", "param_groups.3.w.lr"), so
         # ranks holding different parameters (pipeline stages, ZeRO-1 shards) never write one key with two values
-        return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
+        return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=strict)
 
     def state(self, step: int) -> dict[str, Any]:
         """The state to save at `step` (also the template a load fills in place)."""
@@ -366,7 +367,7 @@ class Checkpointer:
         self._check_tensors(path, state, saved)
         dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
         set_state_dict(self.model, list(self.optimizers), model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}), options=self._options())
+                       optim_state_dict=state.get("optim", {}), options=self._options(strict=False))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:

@@ -90,7 +90,8 @@ def _combine(parts: list[dict]) -> TrainResult:
     phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
     replica0 = [p for p in parts if p["dp"] == 0]
     by_layer = sorted((i, g) for p in replica0 for i, g in p["grads"])
-    return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step) if per_step else float("nan"),
+    first_loss = parts[0]["losses"][0] if parts[0]["losses"] else float("nan")  # none: resumed at its last step
+    return TrainResult(loss=first_loss, step_s=statistics.median(per_step) if per_step else float("nan"),
                        step_times=per_step,
                        phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for _, grads in by_layer for g in grads], cuda_peak=[p["cuda_peak"] for p in parts],
