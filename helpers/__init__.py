@@ -4,14 +4,19 @@ Subpackages (each `__init__` says in a line what it holds):
 - `runtime`: which rig this is, ranks started from a notebook or torchrun with no orphans, device-strict ranks;
 - `models`: the block stack, Hugging Face causal LMs built from configs, synthetic tokens and real text offline;
 - `pipeline`: schedules as data, the one interpreter, its transports, the threaded engine, boundary transfers;
-- `training`: a job, the strategies over one DeviceMesh, the one training loop, what runs where, `train()`;
+- `training`: a job in the user's words (`job_for`), the strategies over one DeviceMesh, the one training loop, what
+  runs where, `train()`;
 - `finetune`: LoRA / QLoRA adapters on a frozen (NF4) base, and the training-memory planner;
 - `inference`: the big-model planner and device maps, generation across devices, tensor parallelism;
+- `sizing`: memory measured (the ledger) and planned (bytes per parameter and optimizer state with ZeRO sharding,
+  activations, model shapes, GPUs and the runtime reserve): what every planner builds on;
+- `gpu_sizes`: each notebook's GPU sizes planned against two RTX 3090s;
 - `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions.
-Modules: `memory` (byte accounting), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
-`checkpointing`, `precision`, `measure`, `check`, `report`, `course` (a notebook's setup); the command lines
-`bench`, `doctor`, `plan`, `wheelhouse` (`python -m helpers.NAME`). Import what you need:
-`from helpers.runtime.rig import detect_rig`.
+Modules: `catalog` (every strategy and schedule, named once: every list derives from it), `units` (MiB, GiB,
+`fmt_bytes`), `monitor` (the live memory panel), `timeline`, `profile`, `partition`, `checkpointing`, `precision`,
+`measure`, `check`, `report`, `course` (a notebook's setup); the command lines `bench`, `doctor`, `plan`
+(`python -m helpers.NAME`). Import what you need: `from helpers.runtime.rig import detect_rig`. The offline
+installer for workshops is tooling, outside the library: `python -m tools.wheelhouse`.
 """
 import logging
 

@@ -12,8 +12,9 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
+from helpers.catalog import BEYOND_1F1B, strategy as catalog_entry
 from helpers.measure import Timings, interleaved_medians, relative_spread
-from helpers.memory import MemoryLedger, ledger_for
+from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.models import StackConfig, lm_loss
 from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model
@@ -313,7 +314,6 @@ def _caller_seconds(run: PipelineRun) -> float:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
-BEYOND_1F1B = ("interleaved", "zbh1", "zbv", "dualpipev")  # notebook 06b's schedules, ours and torch's
 PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
                 ("1f1b", "torch"), *((s, e) for s in BEYOND_1F1B for e in ("processes", "torch")),
                 ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
@@ -388,7 +388,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     jobs = [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
     def job(j) -> TrainJob:
         return TrainJob(config.cfg, pp=2, boundaries=bench_cut(j[2], len(model)), schedule=j[2], microbatches=j[3],
-                        batch=config.batch, engine=j[1], overlap=j[4], steps=config.steps)
+                        batch=config.batch, engine=j[1], overlap=j[4], timed_steps=config.steps)
 
     # ours and torch's run of one schedule share a launch (one start of the processes for the two)
     results = run_in_rounds(
@@ -466,8 +466,8 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
     from helpers.training.loop import run_training, run_trainings
 
     rows = []
-    dp_job = lambda s: TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch, steps=config.steps,  # noqa: E731
-                                optimizer="adam")
+    dp_job = lambda s: TrainJob(config.cfg, dp=2, data_parallel=s, batch=config.batch,  # noqa: E731
+                                timed_steps=config.steps, optimizer="adam")
     refused = bench_refusals(rig)
     strategies = [s for s in ("ddp", "zero1", "fsdp2") if (s, "processes") not in refused]
     results = run_in_rounds({tuple(strategies): lambda: run_trainings([dp_job(s) for s in strategies], rig)}
@@ -481,7 +481,8 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
     if ("dp_x_pp", "processes") not in refused:
         m = DP_X_PP_MICROBATCHES(config)
         results = run_in_rounds({("dp_x_pp",): lambda: [run_training(
-            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch, steps=config.steps),
+            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
+                     timed_steps=config.steps),
             rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
             around=(lambda k: timer.sample(config.batch // 2 // m, k)) if timer else None)
         got = results["dp_x_pp"]
@@ -493,25 +494,26 @@ def data_parallel_rows(config: BenchConfig, rig, progress: bool | Progress = Tru
 
 # --- predictions: the simulator, calibrated in the same run ------------------------------------------------------
 
+def row_strategy(row: BenchRow):
+    """The catalog's entry of a bench row (helpers.catalog; "single_adam" is one device with Adam)."""
+    return catalog_entry("single" if row.strategy == "single_adam" else row.strategy)
+
+
 def microbatch_size(row: BenchRow, batch: int) -> int:
     """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
-    replicas = 2 if row.strategy in ("ddp", "zero1", "fsdp2", "dp_x_pp") else 1
+    replicas = 2 if row_strategy(row).data_parallel else 1
     return batch // replicas // (row.microbatches or 1)
 
 
 def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
-    """The simulator's Job for a bench row."""
+    """The simulator's Job for a bench row: the same strategy on two devices per dimension (DP x PP: 2 x 2, 1F1B)."""
     from helpers.simulate import Job
-    from helpers.simulate.strategies import PIPELINES
 
-    m = row.microbatches or 1
-    if row.strategy in ("single", "single_adam"):
+    entry = row_strategy(row)
+    if entry.kind == "single":
         return Job("single", batch)
-    if row.strategy in PIPELINES:
-        return Job(row.strategy, batch, microbatches=m, stages=2, cut=tuple(cut) or None)
-    if row.strategy == "dp_x_pp":
-        return Job("dp_x_pp", batch, microbatches=m, stages=2, replicas=2, schedule="1f1b", cut=tuple(cut) or None)
-    return Job(row.strategy, batch, microbatches=m, replicas=2)
+    cut = tuple(cut) or None if entry.pipeline else None
+    return Job(entry.name, batch, microbatches=row.microbatches or 1, cut=cut)
 
 
 def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[int] = (), adam_s: float = 0.0,

@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from helpers.catalog import DATA_PARALLEL
 from helpers.check import max_grad_diff
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.precision import Precision, max_relative_diff
@@ -257,7 +258,7 @@ def _processes(rig: Rig, reference, **fields) -> str:
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
-    job = TrainJob(CFG, batch=BATCH, steps=1, return_grads=True, **fields)
+    job = TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields)
     res = run_training(job, rig, oversubscribe=rig.is_cpu)
     return _compare(reference, res.loss, res.grads, job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
 
@@ -315,7 +316,7 @@ def _generation(rig: Rig, engine: str, workdir: str) -> str:
 
 def _cuda_paths(rig: Rig) -> str:
     """The pieces that only exist on GPUs: CUDA-event spans, the memory panel's NVML and allocator readings."""
-    from helpers.memory import ledger_for
+    from helpers.sizing.ledger import ledger_for
     from helpers.monitor import MemoryMonitor
     from helpers.timeline import Recorder
 
@@ -363,7 +364,7 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[],
          lambda: _processes(rig, reference(), schedule="1f1b", microbatches=4, engine="torch", **pipe)),
         *[(f"processes: {s}", s, "processes",
            (lambda s=s: _processes(rig, reference(), dp=2, data_parallel=s, optimizer="adam")))
-          for s in ("ddp", "zero1", "zero2", "fsdp2")],
+          for s in DATA_PARALLEL],
         ("processes: DP x PP 2 x 2, 1F1B", "dp_x_pp", "processes",
          lambda: _processes(rig, reference(), dp=2, schedule="1f1b", microbatches=2, **pipe)),
         ("torch: DP x PP 2 x 2, 1F1B", "dp_x_pp", "torch",

@@ -32,7 +32,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from helpers.memory import fmt_bytes
+from helpers.units import fmt_bytes
 from helpers.runtime import live
 from helpers.runtime.rig import Rig
 

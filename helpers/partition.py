@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import NoReturn, Sequence
 
-from helpers.memory import fmt_bytes
+from helpers.units import fmt_bytes
 
 
 @dataclass(frozen=True)

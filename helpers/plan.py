@@ -14,10 +14,13 @@ import argparse
 import json
 import sys
 
-from helpers.finetune.memory_plan import (METHODS, STRATEGIES, default_lora_rank, known_optimizers,
-                                         plan_training)
-from helpers.inference.plan import (LOGITS_MODES, DoesNotFit, describe_gpus, known_formats, known_models,
-                                    parse_gpus, parse_size, plan)
+from helpers.sizing.training import METHODS, default_lora_rank
+from helpers.finetune.memory_plan import PLAN_STRATEGIES, plan_training
+from helpers.sizing.state import known_optimizers
+from helpers.inference.plan import LOGITS_MODES, DoesNotFit, plan
+from helpers.sizing.gpus import describe_gpus, parse_gpus
+from helpers.sizing.shape import known_formats, known_models
+from helpers.units import parse_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +60,7 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
         "optimizer state, activations, workspace and reserve (helpers.finetune.memory_plan)")
     train.add_argument("--train", action="store_true", help="plan a fine-tune instead of inference")
     train.add_argument("--method", help=f"{', '.join(METHODS)} (default qlora)")
-    train.add_argument("--strategy", help=f"{', '.join(STRATEGIES)} (default fsdp2; pipeline: one stage per GPU)")
+    train.add_argument("--strategy", help=f"{', '.join(PLAN_STRATEGIES)} (default fsdp2; pipeline: one stage per GPU)")
     train.add_argument("--offload", help="none or cpu (FSDP2's CPUOffloadPolicy; default none)")
     train.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
                        help="activation checkpointing on every decoder layer (default on)")

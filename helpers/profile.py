@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from helpers.memory import ledger_for, param_bytes, tensor_bytes
+from helpers.sizing.ledger import ledger_for, param_bytes, tensor_bytes
 from helpers.report import table
 from helpers.pipeline.stages import as_layers
 

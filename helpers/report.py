@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from helpers.memory import fmt_bytes
+from helpers.units import fmt_bytes
 
 BYTE_COLUMNS = {"params", "grads", "optimizer", "activations", "total", "bytes", "peak_activation_bytes",
                 "free", "capacity", "weights", "kv_cache", "needed", "state"}

@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
-from helpers.bench import (BEYOND_1F1B, BenchRow, Progress, bench_cut, default_config, display_rows,
+from helpers.bench import (BenchRow, Progress, bench_cut, default_config, display_rows,
                            main as bench_main, microbatch_size, misses, predict_row, simulation_job, timeline_name)
+from helpers.catalog import BEYOND_1F1B
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
 from helpers.simulate.hardware import Collectives
@@ -231,7 +232,7 @@ def test_the_calibration_and_the_baseline_count_activations_as_the_engines_do():
     """The whole-model timer (both copies) and the one-device step run their forward under a memory ledger, as every
     pipeline and rank does: each counts the same activation peak as `measure_step_memory`."""
     from helpers.bench import one_device_step
-    from helpers.memory import ledger_for, measure_step_memory
+    from helpers.sizing.ledger import ledger_for, measure_step_memory
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
     from helpers.simulate.calibrate import WholeModelTimer
 

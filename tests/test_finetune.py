@@ -16,7 +16,7 @@ from helpers.check import max_grad_diff
 from helpers.finetune.lora import (LoraModel, LoraSpec, base_for_merge, full_layers, load_adapters, merged_model,
                                    save_adapters)
 from helpers.finetune.quant import is_nf4, nf4_layout
-from helpers.memory import tensor_bytes
+from helpers.sizing.ledger import tensor_bytes
 from helpers.models.data import SyntheticTokens, lm_loss
 from helpers.models.hf import hf_config, save_hf_model
 from helpers.models.layered import Stage
@@ -170,7 +170,7 @@ def test_fsdp2_lora_step_equals_one_device(base, method, base_dtype, checkpointi
     no gradient and no optimizer state."""
     model = LoraModel(base, LoraSpec(method=method, rank=4, alpha=8, base_dtype=base_dtype, init="random"))
     ref_loss, ref_grads = _reference(model)
-    job = TrainJob(model, dp=2, data_parallel="fsdp2", batch=BATCH, seq_len=SEQ, steps=1, optimizer="adam",
+    job = TrainJob(model, dp=2, data_parallel="fsdp2", batch=BATCH, seq_len=SEQ, timed_steps=1, optimizer="adam",
                    return_grads=True, return_state=True, checkpointing=checkpointing, offload=offload)
     res = run_training(job, cpu_rig(), oversubscribe=True)
     assert len(res.grads) == len(ref_grads)

@@ -11,8 +11,9 @@ import torch
 from helpers.checkpointing import checkpoint_in_place
 from helpers.finetune.compare import planned_parts, plot_plans, published_comparison, run_format, summary_row
 from helpers.finetune.lora import LoraModel, LoraSpec, full_layers, small_llama
-from helpers.finetune.memory_plan import plan_training, training_data
-from helpers.memory import MemoryLedger
+from helpers.finetune.memory_plan import plan_training
+from helpers.sizing.state import training_data
+from helpers.sizing.ledger import MemoryLedger
 from helpers.models.data import SyntheticTokens, lm_loss
 from helpers.models.layered import Stage
 
@@ -25,7 +26,7 @@ def base(tmp_path_factory):
 
 
 def _one_device_ledger(model: LoraModel):
-    """One checkpointed Adam step of `model` on one device, as helpers.memory's ledger counts it."""
+    """One checkpointed Adam step of `model` on one device, as helpers.sizing.ledger's ledger counts it."""
     layers = full_layers(model)
     for layer in layers[1:-1]:
         checkpoint_in_place(layer)

@@ -238,7 +238,7 @@ def test_a_tied_head_with_the_embedding_runs_as_three_stages(tmp_path):
 def test_from_pretrained_balances_with_transformers_own_copy():
     from helpers.inference.hf_maps import (balanced_budgets, decoder_layers_per_device, transformers_device_map,
                                            which_code_runs)
-    from helpers.inference.plan import model_shape
+    from helpers.sizing.shape import model_shape
 
     where = which_code_runs()
     assert where["from_pretrained calls"] == "transformers.integrations.accelerate._get_device_map"

@@ -10,7 +10,8 @@ from torch import nn
 from helpers.gpu_sizes import (NotebookPlan, check_plan, notebook_constants, plan_notebook, rtx3090_rigs, shortfalls,
                                stage_bytes, training_step, training_step_peak)
 from helpers.gpu_sizes.footprint import HFSpec, layer_bytes
-from helpers.memory import GiB, MemoryLedger, measure_step_memory
+from helpers.units import GiB
+from helpers.sizing.ledger import MemoryLedger, measure_step_memory
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.runtime.rig import cpu_rig
 

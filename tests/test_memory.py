@@ -1,8 +1,9 @@
 import torch
 from torch import nn
 
-from helpers.memory import (MemoryLedger, optimizer_state_bytes, training_state_bytes,
-                            transformer_activation_bytes)
+from helpers.sizing.ledger import MemoryLedger, optimizer_state_bytes
+from helpers.sizing.state import training_state_bytes
+from helpers.sizing.activations import transformer_activation_bytes
 
 
 def test_state_bytes_match_hand_count():
@@ -81,7 +82,7 @@ def test_report_table_formats_byte_columns():
 
 
 def test_batch_budget_from_a_measured_step():
-    from helpers.memory import DeviceMemory, batch_budget, plot_memory_bars
+    from helpers.sizing.ledger import DeviceMemory, batch_budget, plot_memory_bars
 
     report = {"d0": DeviceMemory(100, 100, 200, 800), "d1": DeviceMemory(50, 50, 100, 1000)}
     fit = batch_budget(report, batch=10, budget_bytes=1400)

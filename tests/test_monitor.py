@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.memory import ledger_for
+from helpers.sizing.ledger import ledger_for
 from helpers.monitor import MemoryMonitor, frontend_attached
 from helpers.runtime import live
 from helpers.runtime.launch import WorkerError, run

@@ -11,11 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 from helpers.inference.compare import CASES, accelerate_dtypes, compare_with_accelerate, comparison_table
-from helpers.inference.plan import (DoesNotFit, Gpu, activation_workspace_bytes, evaluate, inference_data,
-                                    known_models, logits_workspace_bytes, meta_model, model_shape, parse_gpus, plan,
-                                    plan_shape, weight_format)
+from helpers.inference.plan import (DoesNotFit, activation_workspace_bytes, evaluate, logits_workspace_bytes, plan,
+                                    plan_shape)
+from helpers.sizing.gpus import Gpu, parse_gpus
+from helpers.sizing.shape import inference_data, known_models, meta_model, model_shape, weight_format
 from helpers.inference.widget import FitForm
-from helpers.memory import MiB
+from helpers.units import MiB
 from helpers.plan import main as plan_main
 
 REPO = Path(__file__).resolve().parent.parent

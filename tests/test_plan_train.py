@@ -1,7 +1,7 @@
 """The training-memory planner (helpers.finetune.memory_plan, `python -m helpers.plan --train`).
 
 Parameter counts are checked exactly against the real modules (built on the meta device, LoRA applied by peft);
-activation bytes exactly against helpers.memory.MemoryLedger on a small Llama (GQA) on CPU; the rest of the plan by
+activation bytes exactly against helpers.sizing.ledger.MemoryLedger on a small Llama (GQA) on CPU; the rest of the plan by
 its documented rules, the command line, bad input and the published runs it is compared with.
 """
 import json
@@ -14,10 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from helpers.finetune.memory_plan import (plan_training, resolve_targets, saved_activation_bytes, training_data,
-                                          training_shape)
-from helpers.inference.plan import inference_data, meta_model
-from helpers.memory import GiB, MiB, MemoryLedger
+from helpers.finetune.memory_plan import plan_training
+from helpers.sizing.training import resolve_targets, saved_activation_bytes, training_shape
+from helpers.sizing.state import training_data
+from helpers.sizing.shape import inference_data, meta_model
+from helpers.units import GiB, MiB
+from helpers.sizing.ledger import MemoryLedger
 from helpers.plan import main as plan_main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ from torch import nn
 
 from helpers.checkpointing import checkpoint_layers, every_kth
 from helpers.check import assert_same_grads
-from helpers.memory import measure_step_memory
+from helpers.sizing.ledger import measure_step_memory
 from helpers.models import StackConfig, SyntheticTokens, build_hf_model, build_stack, hf_layers, lm_loss
 from helpers.profile import profile_layers
 from helpers.pipeline.stages import as_layers, make_executors, naive_train_step, split_model

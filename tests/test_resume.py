@@ -20,7 +20,7 @@ from helpers.training.job import TrainJob
 from helpers.training.loop import run_training, run_trainings
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
-STEPS = 4  # timed steps: the loop runs STEPS + 2
+STEPS = 4  # timed steps: the loop runs STEPS + 2 optimizer steps
 EVERY = 2
 FULL = pytest.mark.full
 
@@ -42,7 +42,7 @@ STACK_JOBS = {
 
 
 def stack_job(name: str) -> TrainJob:
-    return TrainJob(CFG, batch=8, steps=STEPS, optimizer="adam", **STACK_JOBS[name])
+    return TrainJob(CFG, batch=8, timed_steps=STEPS, optimizer="adam", **STACK_JOBS[name])
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method)
 
     base = small_llama(tmp_path / "base", vocab=128, seq_len=16, n_layers=2, hidden=64)
     lora = LoraModel(base, LoraSpec(method=method, rank=4, init="random"))
-    job = TrainJob(lora, dp=2, data_parallel="fsdp2", batch=4, seq_len=16, steps=STEPS, optimizer="adam",
+    job = TrainJob(lora, dp=2, data_parallel="fsdp2", batch=4, seq_len=16, timed_steps=STEPS, optimizer="adam",
                    checkpointing=True)
     whole = run_training(job, cpu_rig(), oversubscribe=True)
     resumed = killed_and_resumed(job, tmp_path / "ckpt", method)
@@ -123,7 +123,7 @@ def test_torchrun_max_restarts_resumes_bit_for_bit(tmp_path):
     """torchrun --max-restarts=1 restarts both workers after one is killed; they resume from the checkpoint."""
     import json
 
-    fields = dict(dp=2, data_parallel="fsdp2", batch=8, steps=STEPS, optimizer="adam")
+    fields = dict(dp=2, data_parallel="fsdp2", batch=8, timed_steps=STEPS, optimizer="adam")
     whole = run_training(TrainJob(StackConfig(hidden=64, n_blocks=4, heads=2), **fields), cpu_rig(),
                          oversubscribe=True)
     kwargs = {**fields, "checkpoint": {"folder": str(tmp_path / "ckpt"), "every": EVERY}}
@@ -162,7 +162,7 @@ def test_two_ranks_checkpoint_continues_on_one_and_exports_to_transformers(tmp_p
 
     hf = save_hf_model(hf_config("llama", n_layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16),
                        tmp_path / "base")
-    job = TrainJob(hf, batch=8, seq_len=16, steps=STEPS, optimizer="adam", **kw,
+    job = TrainJob(hf, batch=8, seq_len=16, timed_steps=STEPS, optimizer="adam", **kw,
                    checkpoint=CheckpointSpec(str(tmp_path / "ckpt"), every=EVERY))
     ranks = run_training(job, cpu_rig(), oversubscribe=True)
     one = continue_on_one(job, step_folder(tmp_path / "ckpt", STEPS), steps=2)
@@ -223,7 +223,7 @@ def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path)
 
     from helpers.runtime.launch import free_port
 
-    fields = dict(dp=2, data_parallel="fsdp2", batch=8, steps=STEPS, optimizer="adam")
+    fields = dict(dp=2, data_parallel="fsdp2", batch=8, timed_steps=STEPS, optimizer="adam")
     whole = run_training(TrainJob(StackConfig(hidden=64, n_blocks=4, heads=2), **fields), cpu_rig(),
                          oversubscribe=True)
     kwargs = {**fields, "checkpoint": {"folder": str(tmp_path / "ckpt"), "every": EVERY}}

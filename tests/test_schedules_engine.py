@@ -3,12 +3,13 @@ import copy
 import pytest
 import torch
 
+from helpers.catalog import BEYOND_1F1B
 from helpers.check import assert_same_grads
 from helpers.pipeline.interpreter import Message, check_exchanges, check_p2p_plan, comm_plan, communication_plan
 from helpers.partition import equal_count_split
 from helpers.pipeline.threaded import ThreadedPipeline, split_batch, stage_devices
 from helpers.precision import Precision, max_relative_diff
-from helpers.memory import ledger_for
+from helpers.sizing.ledger import ledger_for
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import Action, bubble_fraction, gpipe, make_schedule, one_f_one_b, peak_in_flight, validate
 from helpers.pipeline.schedules import (Schedule, chunks_of, dual_pipe_v, interleaved_1f1b, layout_for, layout_of,
@@ -151,7 +152,7 @@ def test_stages_of_different_dtypes_are_refused():
 
 # --- past 1F1B: interleaved 1F1B, ZB-H1, ZB-V, DualPipeV --------------------------------------------------------
 
-BEYOND = ("interleaved", "zbh1", "zbv", "dualpipev")
+BEYOND = BEYOND_1F1B  # notebook 06b's schedules (helpers.catalog)
 
 
 def _fits(name: str, p: int, m: int) -> bool:

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers.course import load_data  # noqa: E402
-from helpers.memory import BYTES_PER_PARAM, transformer_activation_bytes  # noqa: E402
+from helpers.sizing.state import BYTES_PER_PARAM  # noqa: E402
+from helpers.sizing.activations import transformer_activation_bytes
 from helpers.models import build_hf_model, hf_layers  # noqa: E402
 from helpers.pipeline.schedules import bubble_fraction  # noqa: E402
 from helpers.profile import LayerProfile, Profile  # noqa: E402
@@ -209,7 +210,7 @@ def test_measured_collectives_replace_the_ring():
     assert collective_s(ring, "broadcast", MiB, 2, 3) == broadcast_s(ring, MiB, 2, 3) == pytest.approx(3e-4 + MiB / 1e9)
     # FSDP2 with measured collectives: nothing to hide behind when compute is free, so the step is all collectives
     work = Workload.from_lists([1e-9] * 2, [1e-9] * 2, params=[MiB // 4] * 2)
-    sim = simulate(work, Job("fsdp2", batch=2, reshard_after_forward=False), collective_link=coll)
+    sim = simulate(work, Job("zero2", batch=2), collective_link=coll)
     gathers, scatters = 2 * collective_s(coll, "allgather", MiB, 2), 2 * collective_s(coll, "reducescatter", MiB, 2)
     assert sim.step_s >= max(gathers, scatters)
     with pytest.raises(ValueError, match="measured over 2 devices"):
@@ -313,7 +314,7 @@ def test_fsdp2_forward_waits_for_all_gathers_slower_than_compute():
     gather = allgather_s(link, MiB, 2)
     forwards = [e for e in sim.events if e.device == 0 and e.kind == "forward"]
     assert forwards[-1].end == pytest.approx(LAYERS * gather + F)
-    kept = simulate(ddp_workload(), Job("fsdp2", batch=2, reshard_after_forward=False), link)
+    kept = simulate(ddp_workload(), Job("zero2", batch=2), link)
     assert [e.kind for e in kept.events if e.device == 0].count("allgather") == LAYERS
     assert kept.memory[0].params == 4 * (LAYERS * PARAMS / 2 + LAYERS * PARAMS)
 
@@ -361,8 +362,8 @@ def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():
     # each layer's backward copies its 1 MiB of gradients into the bucket and divides it (2 passes); after the
     # all-reduce the bucket is copied back into the gradients (1 pass over all of them)
     assert ddp.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 2 * 0.125 + LAYERS * 0.125, rel=1e-9)
-    free = simulate(ddp_workload(), Job("fsdp2", batch=2, reshard_after_forward=False), link)
-    fsdp = simulate(work, Job("fsdp2", batch=2, reshard_after_forward=False), link)
+    free = simulate(ddp_workload(), Job("zero2", batch=2), link)
+    fsdp = simulate(work, Job("zero2", batch=2), link)
     # per layer: shard in (half a MiB) and parameters out (1 MiB) before its forward, gradients in (1 MiB) after its
     # backward; all on the critical path when the links are this fast
     assert fsdp.step_s == pytest.approx(free.step_s + LAYERS * (0.0625 + 0.125 + 0.125), rel=1e-9)

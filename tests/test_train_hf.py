@@ -108,7 +108,7 @@ PROCESS_RUNS = [  # (model, job fields, in the fast tier)
                                                    id=f"{n}-{'-'.join(map(str, kw.values()))}")
                                       for n, kw, fast in PROCESS_RUNS])
 def test_processes_equal_one_device(saved, name, kw):
-    job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, steps=1, return_grads=True, **kw)
+    job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, timed_steps=1, return_grads=True, **kw)
     res = run_training(job, cpu_rig(), oversubscribe=True)
     _check(reference(saved[name], job.padding), res.loss, res.grads)
 
@@ -118,7 +118,7 @@ def test_processes_equal_one_device(saved, name, kw):
                                       ("llama-gqa", dict(dp=2, autocast="fp16", optimizer="adam"))],
                          ids=["gpt2-1f1b-bf16-autocast", "llama-ddp-fp16-autocast-scaler"])
 def test_mixed_precision_on_hf_models(saved, name, kw):
-    job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, steps=1, return_grads=True, **kw)
+    job = TrainJob(saved[name], batch=BATCH, seq_len=SEQ, timed_steps=1, return_grads=True, **kw)
     res = run_training(job, cpu_rig())
     _check(reference(saved[name], precision=job.precision), res.loss, res.grads, job.precision)
 
@@ -159,7 +159,7 @@ def test_dropout_is_seeded_and_one_microbatch_equals_one_device(tmp_path):
     they differ from one device's (as any pipeline's do)."""
     cfg = hf_config("gpt2", n_layers=2, hidden=32, heads=4, vocab=VOCAB, seq_len=SEQ, dropout=0.1)
     model = save_hf_model(cfg, tmp_path / "gpt2-dropout")
-    job = TrainJob(model, pp=2, microbatches=1, batch=BATCH, seq_len=SEQ, steps=1, return_grads=True)
+    job = TrainJob(model, pp=2, microbatches=1, batch=BATCH, seq_len=SEQ, timed_steps=1, return_grads=True)
     first, second = (run_training(job, cpu_rig()) for _ in range(2))
     assert first.loss == second.loss and max_grad_diff(first.grads, second.grads) == 0
     _check(reference(model, seed=microbatch_seed(0, 0, 0)), first.loss, first.grads)
@@ -182,7 +182,7 @@ class _DriftingHead(HFModel):
 def test_tied_copies_out_of_sync_are_refused(saved):
     drifting = _DriftingHead(saved["gpt2-tied"].path)
     with pytest.raises(Exception, match="tied weights out of sync"):
-        run_training(TrainJob(drifting, pp=2, microbatches=2, batch=BATCH, seq_len=SEQ, steps=1), cpu_rig())
+        run_training(TrainJob(drifting, pp=2, microbatches=2, batch=BATCH, seq_len=SEQ, timed_steps=1), cpu_rig())
 
 
 def test_train_refuses_bad_input_before_starting(saved):

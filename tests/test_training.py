@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL, TRAINED, strategy as catalog_entry
 from helpers.check import grads_of, max_grad_diff
 from helpers.models import StackConfig, StackModel, SyntheticTokens, build_stack, count_params, lm_loss
 from helpers.models.layered import boundary_shapes, is_meta, owned_layers
@@ -9,8 +10,8 @@ from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import run_training
-from helpers.training.strategies import zero_formula
-from helpers.training.support import STRATEGIES, engines_for, support, support_rows
+from helpers.sizing.state import zero_formula
+from helpers.training.support import engines_for, support, support_rows
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
 BATCH = 8
@@ -38,7 +39,7 @@ PIPELINES = [pytest.param(dict(schedule="gpipe", microbatches=1), marks=FULL),  
 @pytest.mark.parametrize("kw", PIPELINES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_pipelines_equal_one_device(kw, reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), batch=BATCH, steps=1, return_grads=True, **kw),
+    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), batch=BATCH, timed_steps=1, return_grads=True, **kw),
                        cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
@@ -54,17 +55,17 @@ def test_pipelines_equal_one_device(kw, reference):
 
 @FULL
 @pytest.mark.parametrize("engine", ["ours", "torch"])
-@pytest.mark.parametrize("schedule", ["interleaved", "zbh1", "zbv", "dualpipev"])
+@pytest.mark.parametrize("schedule", BEYOND_1F1B)
 def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
     """Two stages per device (interleaved, the V shapes: four stages of one block stack) or a split backward (ZB-H1,
     ZB-V, DualPipeV's ramps), ours and torch.distributed.pipelining's, one process per device: one device's loss and
     gradients; the weight passes on the timeline."""
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, pp=2, schedule=schedule, microbatches=4, batch=BATCH, steps=1, engine=engine,
+    res = run_training(TrainJob(CFG, pp=2, schedule=schedule, microbatches=4, batch=BATCH, timed_steps=1, engine=engine,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
-    chunks = 1 if schedule == "zbh1" else 2
+    chunks = catalog_entry(schedule).chunks
     assert sum(e.kind == "forward" for e in res.events) == 2 * chunks * 4
     assert {e.stage for e in res.events if e.kind == "forward"} == set(range(2 * chunks))
     assert (schedule == "interleaved") == (not any(e.kind == "weight" for e in res.events))
@@ -76,7 +77,7 @@ def test_jobs_launched_together_equal_one_device(reference):
     from helpers.training.loop import run_trainings
 
     loss, grads, _ = reference
-    jobs = [TrainJob(CFG, pp=2, schedule=s, microbatches=4, batch=BATCH, steps=1, engine=e, return_grads=True)
+    jobs = [TrainJob(CFG, pp=2, schedule=s, microbatches=4, batch=BATCH, timed_steps=1, engine=e, return_grads=True)
             for s, e in (("1f1b", "ours"), ("zbv", "torch"))]
     results = run_trainings(jobs, cpu_rig())
     assert [r.loss for r in results] == pytest.approx([loss, loss], abs=1e-5)
@@ -88,7 +89,7 @@ def test_jobs_launched_together_equal_one_device(reference):
 @FULL
 def test_three_stages_on_two_cores_with_oversubscribe(reference):
     loss, grads, _ = reference
-    job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, steps=1,
+    job = TrainJob(CFG, pp=3, boundaries=(2, 4), schedule="1f1b", microbatches=4, batch=BATCH, timed_steps=1,
                    return_grads=True)
     with pytest.raises(ValueError, match="oversubscribe=True"):
         run_training(job, _two_core_rig())
@@ -106,23 +107,23 @@ def _two_core_rig() -> Rig:
 @FULL
 def test_bf16_wire_trains_close_to_fp32(reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), microbatches=2, batch=BATCH, wire="bf16", steps=1,
+    res = run_training(TrainJob(CFG, pp=2, boundaries=(3,), microbatches=2, batch=BATCH, wire="bf16", timed_steps=1,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-2
     assert 0 < max_grad_diff(grads, res.grads) < 1e-2  # rounded, not exact
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp2"])
+@pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, reference):
     loss, grads, n = reference
-    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, batch=BATCH, steps=1, return_grads=True,
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, batch=BATCH, timed_steps=1, return_grads=True,
                                 optimizer="adam"), cpu_rig())
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
     formula = zero_formula(strategy, n, 2)
     for mem in res.memory:  # measured at rest, after a step
         assert mem.grads == formula.grads
-        expected_params = n * 4 // 2 if strategy in ("zero2", "fsdp2") else n * 4  # FSDP2 keeps shards at rest
+        expected_params = n * 4 // 2 if catalog_entry(strategy).fully_sharded else n * 4  # FSDP2 keeps shards at rest
         assert mem.params == expected_params
     # ZeroRedundancyOptimizer shards whole tensors: the shards add up to the state, each close to half of it
     world_opt = sum(m.optimizer for m in res.memory)
@@ -136,14 +137,14 @@ def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, ref
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_gradient_accumulation_equals_one_device(strategy, reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, steps=1,
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, timed_steps=1,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
 
 
 def test_dp_x_pp_on_a_2x2_mesh_equals_one_device(reference):
     loss, grads, _ = reference
-    res = run_training(TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH, steps=1,
+    res = run_training(TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH, timed_steps=1,
                                 return_grads=True), cpu_rig(), oversubscribe=True)
     assert abs(res.loss - loss) < 1e-5
     assert max_grad_diff(grads, res.grads) <= 1e-5
@@ -183,7 +184,7 @@ def test_a_rank_materialises_only_its_own_layers():
     (TrainJob(CFG, dp=2, pp=2, data_parallel="fsdp2"), "DP x PP here averages"),
     (TrainJob(CFG, microbatches=0), "microbatches must be a whole number >= 1"),
     (TrainJob(CFG, batch=0), "batch must be a whole number >= 1"),
-    (TrainJob(CFG, steps=0), "steps must be a whole number >= 1"),
+    (TrainJob(CFG, timed_steps=0), "steps must be a whole number >= 1"),
     (TrainJob(CFG, optimizer="lion"), "unknown optimizer"),
     (TrainJob(CFG, dp=2, pp=2, batch=8), "oversubscribe=True"),
 ])
@@ -212,7 +213,7 @@ def _gpu_rig(kind: str, n: int) -> Rig:
 def test_every_rig_strategy_engine_works_or_says_why():
     rigs = {"cpu": _two_core_rig(), "one GPU": _gpu_rig("one_gpu", 1), "two GPUs": _gpu_rig("two_gpus", 2)}
     rows = support_rows(rigs)
-    assert len(rows) == sum(len(engines_for(s)) for s in STRATEGIES)
+    assert len(rows) == sum(len(engines_for(s)) for s in TRAINED)
     for row in rows:
         for name in rigs:
             assert row[name].startswith("yes") or len(row[name]) > 20, row  # a refusal carries its reason
@@ -249,7 +250,8 @@ def test_padded_batches_give_one_devices_loss(kw):
     """Micro-batches and replicas hold different numbers of real tokens: the loss is weighted by tokens, not by
     micro-batch (a mean of micro-batch means would be off by ~1e-2 here)."""
     loss, grads = _reference_with(Precision(), kw["padding"])
-    res = run_training(TrainJob(CFG, batch=BATCH, steps=1, return_grads=True, **kw), cpu_rig(), oversubscribe=True)
+    res = run_training(TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **kw), cpu_rig(),
+                       oversubscribe=True)
     assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
 
 
@@ -269,7 +271,7 @@ PRECISIONS = [dict(autocast="bf16", pp=2, boundaries=(3,), microbatches=4),
 @FULL
 @pytest.mark.parametrize("kw", PRECISIONS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_mixed_precision_in_every_strategy_stays_close_to_one_device(kw):
-    job = TrainJob(CFG, batch=BATCH, steps=2, return_grads=True, **kw)
+    job = TrainJob(CFG, batch=BATCH, timed_steps=2, return_grads=True, **kw)
     loss, grads = _reference_with(job.precision)
     res = run_training(job, cpu_rig())
     assert abs(res.loss - loss) < 1e-3 * abs(loss)

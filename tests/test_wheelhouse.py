@@ -4,8 +4,8 @@ import zipfile
 
 import pytest
 
-from helpers import wheelhouse
-from helpers.wheelhouse import check, course_requirements, main
+from tools import wheelhouse
+from tools.wheelhouse import check, course_requirements, main
 
 
 def make_wheel(folder, name, version, requires=()):

@@ -111,7 +111,7 @@ def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None) -
     import torch
     from torch import nn
 
-    from helpers.memory import ledger_for
+    from helpers.sizing.ledger import ledger_for
     from helpers.runtime.launch import rank_device
     from helpers.runtime.live import publish
 

@@ -2,7 +2,7 @@
 counts, its plans of real models drawn per GPU, and its peaks beside the published ones (notebook 12).
 
 A run of `helpers.finetune.lora.finetune` (LoRA / QLoRA) or `helpers.training.train(..., "fsdp2")` (full fine-tuning)
-shards a Hugging Face decoder with FSDP2 and reports each rank's memory from `helpers.memory.MemoryLedger`:
+shards a Hugging Face decoder with FSDP2 and reports each rank's memory from `helpers.sizing.ledger.MemoryLedger`:
 parameters (this rank's shards), gradients, optimizer state, and the activations saved by the end of a forward pass.
 `planned_parts` asks the planner (`helpers.finetune.memory_plan.plan_training`) about the same model directory, method,
 weight format, per-rank batch, sequence length and checkpointing, and returns its figures for those four parts. What
@@ -13,9 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from helpers.finetune.memory_plan import TrainingPlan, plan_training, saved_activation_bytes, training_data
-from helpers.inference.plan import WeightFormat, inference_data, weight_format
-from helpers.memory import DeviceMemory, GiB, MiB
+from helpers.finetune.memory_plan import TrainingPlan, plan_training
+from helpers.sizing.training import saved_activation_bytes
+from helpers.sizing.state import training_data
+from helpers.sizing.gpus import runtime_reserve
+from helpers.sizing.shape import WeightFormat, weight_format
+from helpers.sizing.ledger import DeviceMemory
+from helpers.units import GiB, fmt_bytes
 from helpers.precision import DTYPES
 
 ADAPTER_BYTES = 4  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
@@ -97,8 +101,6 @@ def fullest(plan: TrainingPlan):
 def summary_row(name: str, plan: TrainingPlan) -> dict:
     """One line of a plan for a table: sizes, the fullest GPU's parts (formatted), its peak, whether it fits, and the
     host RAM CPU offload takes."""
-    from helpers.memory import fmt_bytes
-
     g, s = fullest(plan), plan.shape
     return {"run": name, "parameters": f"{s.total_params / 1e9:.2f} B", "trainable": f"{s.trainable_params / 1e6:,.1f} M",
             "weights": fmt_bytes(g.frozen_bytes + g.trainable_bytes),
@@ -142,7 +144,7 @@ def published_comparison() -> list[dict]:
     settings) beside the planner's for the same settings. Their figure is torch.cuda.max_memory_reserved, which leaves
     out the CUDA context, so the planner's fullest GPU is given less the context too (the allocator margin stays, as
     the stand-in for the caching allocator's slack)."""
-    context = inference_data()["runtime_reserve"]["cuda_context"]["mib"] * MiB
+    context = runtime_reserve()["context"]
     rows = []
     for name, run in training_data()["published_runs"]["runs"].items():
         plan = plan_training(**run["settings"])

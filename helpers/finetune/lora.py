@@ -395,7 +395,7 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
     from helpers.runtime.rig import detect_rig
     from helpers.runtime.scratch import scratch_dir
     from helpers.training.checkpoint import as_checkpoint_spec
-    from helpers.training.job import TrainJob
+    from helpers.training.job import job_for
     from helpers.training.loop import run_trainings
 
     if not isinstance(steps, int) or steps < 3:
@@ -412,9 +412,9 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
                    for m in methods}
     train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",
                                                   max_chars=max_chars)
-    jobs = [TrainJob(lora, dp=2, data_parallel="fsdp2", batch=batch, seq_len=seq_len, steps=steps - 2,
-                     optimizer="adam", lr=lr, data=str(train_rows), checkpointing=checkpointing, offload=offload,
-                     return_state=True, checkpoint=checkpoints[m]) for m, lora in loras.items()]
+    jobs = [job_for(lora, "fsdp2", batch=batch, seq_len=seq_len, timed_steps=steps - 2, optimizer="adam", lr=lr,
+                    data=str(train_rows), checkpointing=checkpointing, offload=offload, return_state=True,
+                    checkpoint=checkpoints[m]) for m, lora in loras.items()]
     held = load_rows(held_rows)[:held_out_windows]
     context = getattr(base.config, "max_position_embeddings", None)
 

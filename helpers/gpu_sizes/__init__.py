@@ -1,6 +1,6 @@
 """GPU sizes planned, not guessed: every notebook's GPU constants against the course's memory model, per device.
 
-Its own room (not `memory`, which counts what a run holds while it runs, nor `inference.plan`, which places one
+Its own room (not `sizing.ledger`, which counts what a run holds while it runs, nor `inference.plan`, which places one
 model for generation): it plans whole notebooks before they run, from the same accounting (`MemoryLedger` on the
 meta device) plus what a GPU adds (workspace, CUDA contexts, allocator margin).
 

@@ -51,17 +51,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from helpers.memory import MemoryLedger
+from helpers.sizing.ledger import MemoryLedger
+from helpers.sizing.state import FP32_BYTES, OPTIMIZER_STATE, OPTIMIZER_TEMPORARIES
 from helpers.models.data import lm_loss
 from helpers.models.layered import call_layer
 from helpers.models.stack import StackConfig, StackModel
 
-OPTIMIZER_STATE = {"none": 0, "sgd": 0, "momentum": 4, "adam": 8}  # bytes per fp32 parameter (ZeRO paper)
 # cuBLAS's workspace, taken from the caching allocator once per stream that multiplies matrices: 32 MiB on Hopper,
 # 4096 KiB x 2 + 16 KiB x 8 on other GPUs (PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize):
 # the larger, so that a plan also holds on the H200 it is checked on
 CUBLAS_WORKSPACE = 32 * 2**20
-OPTIMIZER_TEMPORARY = {"none": 0, "sgd": 0, "momentum": 0, "adam": 4}  # foreach Adam: sqrt(exp_avg_sq), new tensors
 
 
 class cuda_attention(TorchFunctionMode):
@@ -279,7 +278,7 @@ def training_step(stage: StageBytes, optimizer: str = "sgd", in_flight: int = 1,
     state = params // 4 * OPTIMIZER_STATE[optimizer] // state_shards
     casts = params // 2 if autocast else 0  # autocast's 16-bit weight copies, saved with each micro-batch
     activations = in_flight * (stage.activations + (stage.output if keeps_outputs else 0) + casts)
-    step_temporary = params // 4 * OPTIMIZER_TEMPORARY[optimizer] // state_shards
+    step_temporary = params // 4 * OPTIMIZER_TEMPORARIES[optimizer] * FP32_BYTES // state_shards
     workspace = max(stage.backward_workspace, step_temporary - activations) + CUBLAS_WORKSPACE
     return Footprint(params, params, state, activations, workspace)
 

@@ -304,7 +304,8 @@ def nb09(c: Constants, rig: Rig) -> list[Phase]:
     layer split the engines share (section 6; the device_map model is deleted first), and the two
     tensor-parallel ranks beside them on two GPUs."""
     from helpers.inference.generate import rig_gpus
-    from helpers.inference.plan import model_shape, plan_shape
+    from helpers.sizing.shape import model_shape
+    from helpers.inference.plan import plan_shape
 
     shape = model_shape(_nb09_config(c), "fp32")
     context, batch = max(c["PROMPT_LENGTHS"]) + c["NEW_TOKENS"], c["REQUESTS"]

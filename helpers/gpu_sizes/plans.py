@@ -21,7 +21,8 @@ from typing import Callable, Mapping, Sequence
 
 from helpers.course import load_data
 from helpers.gpu_sizes.footprint import Footprint
-from helpers.memory import GiB, MiB, fmt_bytes
+from helpers.sizing.gpus import runtime_reserve
+from helpers.units import GiB, MiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -44,13 +45,6 @@ class Part:
 class Phase:
     name: str
     parts: tuple[Part, ...]
-
-
-def runtime_reserve() -> dict[str, int]:
-    """Bytes per process (the CUDA context, ollama's figure) and per device (an allocator margin, llama.cpp's
-    --fit margin): data/inference.json's "runtime_reserve", where each figure's source is given."""
-    reserve = load_data("inference")["runtime_reserve"]
-    return {"context": reserve["cuda_context"]["mib"] * MiB, "margin": reserve["allocator_margin"]["mib"] * MiB}
 
 
 def card_bytes(card: str = CARD) -> int:

@@ -31,11 +31,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from helpers.inference.plan import (DoesNotFit, Gpu, LogitsMode, ModelShape, Placement, check_gpus, evaluate,
-                                    meta_model, model_shape, plan_shape)
-from helpers.memory import fmt_bytes
+from helpers.inference.plan import DoesNotFit, LogitsMode, Placement, evaluate, plan_shape
+from helpers.sizing.gpus import Gpu, check_gpus
+from helpers.sizing.shape import ModelShape, meta_model, model_shape
+from helpers.units import fmt_bytes
 
-STRATEGIES = ("balanced", "balanced_low_0", "sequential")
+DEVICE_MAP_STRATEGIES = ("balanced", "balanced_low_0", "sequential")  # accelerate's device_map strategies
 BNB_MAX_MEMORY_FRACTION = 0.90  # transformers quantizers/quantizer_bnb_*bit.py adjust_max_memory
 
 
@@ -90,8 +91,9 @@ def accelerate_device_map(shape: ModelShape, strategy: str, gpus: Sequence[Gpu] 
     `from_pretrained(device_map=strategy, max_memory=...)` computes it, max_memory being each GPU's usable bytes."""
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} ('auto' is 'balanced')")
+    if strategy not in DEVICE_MAP_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(DEVICE_MAP_STRATEGIES)} "
+                         "('auto' is 'balanced')")
     gpus = check_gpus(gpus)
     model = meta_model(shape.config)
     no_split = sorted(model._no_split_modules or ())
@@ -118,7 +120,8 @@ def _row(case: Case, placement: Placement) -> dict:
 
 
 def compare_with_accelerate(cases: Sequence[Case] = CASES, gpus: Sequence[Gpu] | str | None = None, batch: int = 1,
-                            logits: LogitsMode = "prompt", strategies: Sequence[str] = STRATEGIES) -> list[dict]:
+                            logits: LogitsMode = "prompt",
+                            strategies: Sequence[str] = DEVICE_MAP_STRATEGIES) -> list[dict]:
     """For each case: our plan, then accelerate's maps, every one accounted the same way (KV cache, workspace and
     reserve included). Per row: fits, bytes per GPU by kind, room left for the KV cache, bytes offloaded, and the
     slowest stage's bytes and bandwidth-bound milliseconds per decoded token. A case our planner cannot fit gets a

@@ -280,7 +280,7 @@ def stages_from_cuts(model: HFModel, cuts: Sequence[int]) -> list[StageSpec]:
 def rig_gpus(rig) -> list:
     """The rig's devices as the planner's GPUs: their capacity (a CPU virtual device's memory budget), and the runtime
     reserve on GPUs (CUDA context + allocator margin); a CPU virtual device has no CUDA context, so no reserve."""
-    from helpers.inference.plan import Gpu, runtime_reserve_bytes
+    from helpers.sizing.gpus import Gpu, runtime_reserve_bytes
 
     reserve = 0 if rig.is_cpu else runtime_reserve_bytes()
     return [Gpu(label, capacity, reserve) for label, capacity in zip(rig.labels, rig.capacity_bytes)]
@@ -833,7 +833,7 @@ def decode_bounds(model: str = "llama-3-8b", dtype: str = "fp16", context: int =
       latency (the simulator's rule: an estimate; their bytes are negligible in decode).
     """
     from helpers.course import load_data
-    from helpers.inference.plan import model_shape
+    from helpers.sizing.shape import model_shape
 
     hardware = load_data("hardware")
     card, wire = hardware["gpus"][gpu], hardware["links"][link]

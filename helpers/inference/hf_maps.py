@@ -24,8 +24,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from helpers.inference.compare import CASES, STRATEGIES, Case, accelerate_device_map
-from helpers.inference.plan import Gpu, ModelShape, check_gpus, evaluate, model_shape
+from helpers.inference.compare import CASES, DEVICE_MAP_STRATEGIES, Case, accelerate_device_map
+from helpers.sizing.gpus import Gpu, check_gpus
+from helpers.sizing.shape import ModelShape, model_shape
+from helpers.inference.plan import evaluate
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PUBLIC = {"balanced": "auto", "balanced_low_0": "balanced_low_0", "sequential": "sequential"}
@@ -84,7 +86,7 @@ def transformers_device_map(shape: ModelShape, strategy: str, gpus: Sequence[Gpu
     from transformers.integrations.accelerate import _get_device_map
 
     key = "balanced" if strategy == "auto" else strategy
-    if key not in STRATEGIES:
+    if key not in DEVICE_MAP_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose auto, balanced, balanced_low_0 or sequential")
     gpus = check_gpus(gpus)
     model = _meta_model(shape)
@@ -99,7 +101,7 @@ def balanced_budgets(shape: ModelShape, gpus: Sequence[Gpu] | str | None = None,
     from transformers.integrations.accelerate import get_balanced_memory as transformers_balanced
 
     from helpers.inference.compare import accelerate_dtypes
-    from helpers.inference.plan import meta_model
+    from helpers.sizing.shape import meta_model
 
     gpus = check_gpus(gpus)
     usable = {j: g.usable_bytes for j, g in enumerate(gpus)}
@@ -129,7 +131,7 @@ def _split_text(counts: dict, n_gpus: int) -> str:
 
 
 def strategy_rows(cases: Sequence[Case] = CASES, gpus: Sequence[Gpu] | str | None = None, batch: int = 1,
-                  strategies: Sequence[str] = STRATEGIES, logits: str = "prompt") -> list[dict]:
+                  strategies: Sequence[str] = DEVICE_MAP_STRATEGIES, logits: str = "prompt") -> list[dict]:
     """Per case and strategy: decoder layers per GPU in transformers 5's map (what from_pretrained loads) and in
     accelerate's; whether transformers' map still fits once the KV cache, workspace and reserve are counted; its
     slowest stage's bandwidth-bound milliseconds per token (accounted as `compare` does). Quantised cases are

@@ -18,18 +18,13 @@ batch, the same model in 4 bits, and how many decoder layers would have to wait 
 from __future__ import annotations
 
 import json
-import math
-import re
-from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
-from typing import Callable, Literal, Sequence
-
-import torch
-from torch import nn
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 from helpers.course import load_data
-from helpers.memory import MiB, fmt_bytes
+from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
+from helpers.sizing.shape import Layer, ModelShape, WeightFormat, model_shape, reprice, span
+from helpers.units import fmt_bytes
 from helpers.partition import NoFeasibleSplit, Split, optimal_split
 
 LogitsMode = Literal["prompt", "last"]
@@ -38,363 +33,8 @@ FP32_BYTES = 4  # logits are upcast to fp32: by generate() for the next token, b
 FOUR_BIT = "nf4"
 
 
-@lru_cache(maxsize=1)
-def inference_data() -> dict:
-    """data/inference.json (read once; treat it as read-only)."""
-    return load_data("inference")
-
-
-# --- weight formats -----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How a weight is stored: its bits, plus the scaling constants a quantised format keeps beside it.
-
-    Quantised formats (bitsandbytes int8 / 4-bit, as transformers applies them) quantise only the weights of the
-    decoder layers' nn.Linear modules; embeddings, norms, biases and the head stay in the activation dtype.
-    """
-
-    name: str
-    weight_bits: int
-    scales: tuple[tuple[int | str, int], ...] = ()  # (one constant per `every` weights, or per "row"; its bits)
-    activation_bytes: int = 2  # activations, the KV cache, and every tensor a quantised format leaves alone
-    source: str = ""
-
-    @property
-    def quantized(self) -> bool:
-        return bool(self.scales)
-
-    def tensor_bytes(self, shape: Sequence[int], quantize: bool) -> int:
-        """Bytes of one tensor of `shape`; `quantize` says whether a quantised format applies to it."""
-        numel = math.prod(shape)
-        if not self.quantized:
-            return numel * self.weight_bits // 8
-        if not quantize:
-            return numel * self.activation_bytes
-        bits = numel * self.weight_bits
-        for every, scale_bits in self.scales:
-            bits += (shape[0] if every == "row" else math.ceil(numel / every)) * scale_bits
-        return math.ceil(bits / 8)
-
-    def bytes_per_weight(self, features: int = 4096) -> float:
-        """Average bytes per weight of a features x features matrix, scaling constants included."""
-        return self.tensor_bytes((features, features), quantize=True) / features**2
-
-    def describe(self) -> str:
-        if not self.quantized:
-            return f"{self.name}, {self.bytes_per_weight():g} bytes per weight"
-        return (f"{self.name}, {self.bytes_per_weight():.4g} bytes per decoder-layer linear weight (scales included), "
-                f"{self.activation_bytes} for the other tensors")
-
-
-def known_formats() -> list[str]:
-    return sorted(inference_data()["weight_formats"])
-
-
-def weight_format(name: str | WeightFormat) -> WeightFormat:
-    """A format from data/inference.json by name or alias ("fp16", "bf16", "int8", "nf4", "4bit", ...)."""
-    if isinstance(name, WeightFormat):
-        return name
-    data = inference_data()
-    key = str(name).strip().lower()
-    key = data["weight_format_aliases"].get(key, key)
-    entry = data["weight_formats"].get(key)
-    if entry is None:
-        raise ValueError(f"no byte size known for weight format {name!r}: choose one of {', '.join(known_formats())} "
-                         f"(or an alias: {', '.join(sorted(data['weight_format_aliases']))})")
-    scales = tuple((s["every"], s["bits"]) for s in entry.get("scales", ()))
-    return WeightFormat(key, entry["weight_bits"], scales, entry["activation_bytes"], entry["source"])
-
-
-# --- model shapes -------------------------------------------------------------------------------------------------
-
-def known_models() -> list[str]:
-    return sorted(inference_data()["models"])
-
-
-def load_config(model):
-    """(name, transformers config) for a bundled model name, its Hugging Face id, a local directory holding a
-    config.json (or that file), or a config object. Nothing is downloaded."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(model, PretrainedConfig):
-        return (getattr(model, "name_or_path", "") or model.model_type), model
-    models = inference_data()["models"]
-    key = str(model).strip()
-    by_id = {entry["hf_id"].lower(): name for name, entry in models.items()}
-    name = key.lower() if key.lower() in models else by_id.get(key.lower())
-    if name is not None:
-        fields = dict(models[name]["config"])
-        return name, AutoConfig.for_model(fields.pop("model_type"), **fields)
-    path = Path(key).expanduser()
-    folder = path.parent if path.name == "config.json" else path
-    if (folder / "config.json").is_file():
-        return folder.name, AutoConfig.from_pretrained(folder)
-    raise ValueError(f"unknown model {model!r}: known models are {', '.join(known_models())}; "
-                     "or give a directory that holds a config.json")
-
-
-@lru_cache(maxsize=8)
-def _meta_model_from_json(config_json: str) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = json.loads(config_json)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config).eval()
-
-
-def meta_model(config) -> nn.Module:
-    """The causal LM built on the meta device: exact shapes, no memory. Cached per config: do not modify it."""
-    return _meta_model_from_json(config.to_json_string(use_diff=False))
-
-
-def placement_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules a device_map names, in forward order: the base model's children with its layer list expanded
-    (embedding, decoder layers, final norm, rotary embedding), then the head. accelerate's infer_auto_device_map stops
-    at the same modules for these models: their decoder layers are `_no_split_modules` and the rest are leaves."""
-    units = []
-    for name, child in model.named_children():
-        if child is not model.base_model:
-            units.append((name, child))
-            continue
-        for sub, grandchild in child.named_children():
-            if isinstance(grandchild, nn.ModuleList):
-                units += [(f"{name}.{sub}.{i}", layer) for i, layer in enumerate(grandchild)]
-            else:
-                units.append((f"{name}.{sub}", grandchild))
-    return units
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One module of the device_map and what it costs on the device that holds it."""
-
-    name: str
-    kind: str  # "embedding", "decoder", "norm", "head" or "buffers" (no parameters: the rotary embedding)
-    params: int
-    weight_bytes: int  # parameters in the weight format, plus buffers
-    streamed_bytes: int  # weight bytes one decode step reads: all of them, except for the embedding...
-    row_bytes: int = 0  # ...which reads one row per sequence
-    kv_bytes_per_token: int = 0  # per sequence: 2 (K and V) x kv_heads x head_dim x bytes; decoder layers only
-    window: int | None = None  # a sliding-window layer keeps at most this many tokens
-
-    def kv_tokens(self, context: int) -> int:
-        """Tokens this layer's cache holds at its peak: transformers' DynamicCache keeps the last window - 1 tokens
-        of a sliding layer and concatenates the new one (cache_utils.DynamicSlidingWindowLayer), so min(context,
-        window) during a decode step."""
-        return context if self.window is None else min(context, self.window)
-
-    def kv_bytes(self, context: int, batch: int) -> int:
-        return batch * self.kv_tokens(context) * self.kv_bytes_per_token
-
-    def read_bytes(self, context: int, batch: int) -> int:
-        """Bytes one decode step reads here (the time proxy): streamed weights, looked-up rows, the whole KV cache."""
-        return self.streamed_bytes + batch * self.row_bytes + self.kv_bytes(context, batch)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder's placement units priced in one weight format, and the sizes the workspace estimate needs."""
-
-    name: str
-    format: WeightFormat
-    layers: tuple[Layer, ...]
-    tied: bool  # the head shares the embedding's weight: both must sit on one device
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    config: object = field(compare=False, repr=False)
-
-    @property
-    def params(self) -> int:
-        return sum(layer.params for layer in self.layers)
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(layer.weight_bytes for layer in self.layers)
-
-    @property
-    def decoder_layers(self) -> list[Layer]:
-        return [layer for layer in self.layers if layer.kind == "decoder"]
-
-    def kv_bytes(self, context: int, batch: int) -> int:
-        return sum(layer.kv_bytes(context, batch) for layer in self.layers)
-
-
-def _kv_windows(config, n_layers: int) -> list[int | None]:
-    """Each decoder layer's sliding window, or None. `layer_types` says which layers slide (Qwen2 with
-    use_sliding_window=False: none); without it a set `sliding_window` makes every layer slide (Mistral v0.1), as
-    transformers' cache_utils.get_layer_types_and_kwargs decides for DynamicCache."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n_layers
-    return [window if kind == "sliding_attention" else None for kind in types]
-
-
-def _unit_kind(module: nn.Module, model: nn.Module) -> str:
-    if module is model.get_input_embeddings():
-        return "embedding"
-    if module is model.get_output_embeddings():
-        return "head"
-    if type(module).__name__ in (model._no_split_modules or ()):
-        return "decoder"
-    return "norm" if any(True for _ in module.parameters()) else "buffers"
-
-
-def model_shape(model="llama-2-13b", dtype: str | WeightFormat = "fp16") -> ModelShape:
-    """Every placement unit of `model` with its exact parameter count and bytes in the weight format `dtype`."""
-    name, config = load_config(model)
-    return _shape(name, config.to_json_string(use_diff=False), weight_format(dtype))
-
-
-@lru_cache(maxsize=32)
-def _shape(name: str, config_json: str, fmt: WeightFormat) -> ModelShape:
-    model = _meta_model_from_json(config_json)
-    config = model.config
-    head = model.get_output_embeddings()
-    quantizable = {id(m) for m in model.modules() if isinstance(m, nn.Linear) and m is not head}
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    windows = iter(_kv_windows(config, config.num_hidden_layers))
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
-    seen: set[int] = set()
-    layers = []
-    for unit_name, module in placement_units(model):
-        kind = _unit_kind(module, model)
-        params, weight_bytes = 0, 0
-        for owner in module.modules():
-            for pname, p in owner.named_parameters(recurse=False):
-                if id(p) in seen:  # a tied weight is stored once, on the module listed first (the embedding)
-                    continue
-                seen.add(id(p))
-                params += p.numel()
-                weight_bytes += fmt.tensor_bytes(p.shape, id(owner) in quantizable and pname == "weight")
-        weight_bytes += sum(b.numel() * b.element_size() for b in module.buffers())
-        streamed = weight_bytes
-        if kind == "head" and tied:
-            streamed = fmt.tensor_bytes(head.weight.shape, quantize=False)  # reads the embedding's matrix
-        row = 0
-        if kind == "embedding":
-            streamed, row = 0, weight_bytes // module.weight.shape[0]
-        kv = 2 * kv_heads * head_dim * fmt.activation_bytes if kind == "decoder" else 0
-        layers.append(Layer(unit_name, kind, params, weight_bytes, streamed, row, kv,
-                            next(windows) if kind == "decoder" else None))
-    return ModelShape(name, fmt, tuple(layers), tied, config.hidden_size,
-                      getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-                      config.num_attention_heads, kv_heads, head_dim, config.vocab_size, config)
-
-
-# --- GPUs ---------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Gpu:
-    """One GPU as the planner sees it: the memory CUDA reports, the runtime reserve, the memory bandwidth."""
-
-    name: str
-    capacity_bytes: int
-    reserve_bytes: int
-    bandwidth_gb_s: float | None = None
-
-    @property
-    def usable_bytes(self) -> int:
-        return self.capacity_bytes - self.reserve_bytes
-
-
-def runtime_reserve_bytes() -> int:
-    """Per GPU: the CUDA context (ollama's figure) plus an allocator margin (llama.cpp's --fit margin)."""
-    reserve = inference_data()["runtime_reserve"]
-    return (reserve["cuda_context"]["mib"] + reserve["allocator_margin"]["mib"]) * MiB
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|MiB|GB|MB)\s*$", re.IGNORECASE)
-_UNITS = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
-_COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+)$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'24GiB', '24268 MiB', '24GB' -> bytes (GiB = 2**30, GB = 10**9)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"cannot read {text!r} as a memory size: write e.g. '24GiB', '24268MiB' or '24GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def gpu(spec: str) -> Gpu:
-    """A GPU from its name in data/hardware.json ('RTX 3090'), NAME=SIZE ('RTX 5090=32GiB') or a bare size ('24GiB').
-
-    Capacity: the memory CUDA reports where data/inference.json has it (RTX 3090), else hardware.json's memory_gb in
-    GB (10**9 bytes, the unit its key names).
-    """
-    spec = spec.strip()
-    known = load_data("hardware")["gpus"]
-    by_name = {name.lower(): name for name in known}
-    name, _, size = spec.partition("=")
-    name, size = name.strip(), size.strip()
-    if not size and _SIZE.match(name):
-        name, size = f"GPU ({name})", name
-    canonical = by_name.get(name.lower())
-    bandwidth = known[canonical]["memory_bandwidth_gb_s"] if canonical else None
-    if size:
-        capacity = parse_size(size)
-    elif canonical:
-        measured = inference_data()["gpu_memory"].get(canonical)
-        capacity = measured["cuda_total_mib"] * MiB if measured else int(known[canonical]["memory_gb"] * 10**9)
-    else:
-        raise ValueError(f"no memory size known for GPU {spec!r}: use one of {', '.join(known)} or give its memory "
-                         f"as NAME=SIZE, e.g. '{name or 'my GPU'}=24GiB'")
-    reserve = runtime_reserve_bytes()
-    if capacity <= reserve:
-        raise ValueError(f"{name or spec} has {fmt_bytes(capacity)}, no more than the runtime reserve of "
-                         f"{fmt_bytes(reserve)} (CUDA context + allocator margin): nothing would be left for a model")
-    return Gpu(canonical or name, capacity, reserve, bandwidth)
-
-
-def parse_gpus(text: str) -> list[Gpu]:
-    """'2 x RTX 3090', 'RTX 3090, RTX 4090', '2x24GiB' -> GPUs in device order."""
-    gpus = []
-    for item in (part for part in text.split(",") if part.strip()):
-        match = _COUNT.match(item)
-        count, spec = (int(match.group(1)), match.group(2)) if match else (1, item)
-        gpus += [gpu(spec)] * count
-    if not gpus:
-        raise ValueError(f"no GPUs in {text!r}: list them like '2 x RTX 3090' or 'RTX 3090, RTX 4090'")
-    return gpus
-
-
-def describe_gpus(gpus: Sequence[Gpu]) -> str:
-    """'2 x RTX 3090' or 'RTX 3090 + RTX 4090'."""
-    names = [g.name for g in gpus]
-    return f"{len(names)} x {names[0]}" if len(set(names)) == 1 and len(names) > 1 else " + ".join(names)
-
-
-def default_gpus() -> list[Gpu]:
-    """The course's target rig: two RTX 3090s."""
-    return parse_gpus("2 x RTX 3090")
-
-
-def check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
-    if gpus is None:
-        return default_gpus()
-    if isinstance(gpus, str):
-        return parse_gpus(gpus)
-    gpus = list(gpus)
-    if not gpus:
-        raise ValueError("no GPUs given: plan for at least one (the default is two RTX 3090s)")
-    for g in gpus:
-        if not g.usable_bytes > 0:
-            raise ValueError(f"{g.name} has no memory left after its runtime reserve "
-                             f"({fmt_bytes(g.capacity_bytes)} - {fmt_bytes(g.reserve_bytes)})")
-    return gpus
-
-
 def _check_workload(context: int, batch: int, logits: str) -> None:
-    for what, value in (("context", context), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be a whole number of at least 1 (tokens per sequence for the context, "
-                             f"sequences for the batch), got {value!r}")
+    check_workload(context, batch)
     if logits not in LOGITS_MODES:
         raise ValueError(f"logits must be 'prompt' (a forward over the whole prompt) or 'last' (generate(): the last "
                          f"position only), got {logits!r}")
@@ -476,21 +116,7 @@ class DeviceUse:
                 "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
                 "workspace_bytes": self.workspace_bytes, "reserve_bytes": self.reserve_bytes,
                 "free_bytes": self.free_bytes, "read_bytes_per_token": self.read_bytes,
-                "ms_per_token": self.ms_per_token, "layers": _span(self.layers)}
-
-
-def _span(names: Sequence[str]) -> str:
-    """Module names with runs of numbered siblings folded: 'model.embed_tokens, model.layers.0-19, model.norm'."""
-    parts: list[list] = []  # [prefix, first index, last index] or [name, None, None]
-    for name in names:
-        prefix, _, index = name.rpartition(".")
-        if index.isdigit() and parts and parts[-1][0] == prefix and parts[-1][2] == int(index) - 1:
-            parts[-1][2] = int(index)
-        elif index.isdigit():
-            parts.append([prefix, int(index), int(index)])
-        else:
-            parts.append([name, None, None])
-    return ", ".join(p if a is None else f"{p}.{a}" if a == b else f"{p}.{a}-{b}" for p, a, b in parts) or "-"
+                "ms_per_token": self.ms_per_token, "layers": span(self.layers)}
 
 
 @dataclass(frozen=True)
@@ -530,7 +156,7 @@ class Placement:
                  "free": fmt_bytes(d.free_bytes), "capacity": fmt_bytes(d.gpu.capacity_bytes),
                  "read/token": fmt_bytes(d.read_bytes),
                  "ms/token": "-" if d.ms_per_token is None else f"{d.ms_per_token:.1f}",
-                 "layers": _span(d.layers)} for d in self.devices]
+                 "layers": span(d.layers)} for d in self.devices]
 
     def describe(self, with_map: bool = True) -> str:
         """Header lines, the per-GPU table, and (with_map) the device_map as JSON."""
@@ -695,15 +321,6 @@ def plan_shape(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int 
 
 # --- when nothing fits --------------------------------------------------------------------------------------------
 
-def _largest(fits: Callable[[int], bool], upper: int) -> int:
-    """The largest n in 1..upper with fits(n) (fits is monotone: true, then false), or 0 when even 1 fails."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
 def _shortfall(problem: _Problem) -> int:
     """The fewest extra bytes per GPU that would make some split fit."""
     upper = sum(problem.memory) + max(0, -min(problem.caps)) + 1
@@ -739,11 +356,11 @@ def _pcie_gb_s() -> float:
 
 def _alternatives(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int,
                   logits: LogitsMode) -> Alternatives:
-    longest = _largest(lambda c: _fits(shape, gpus, c, batch, logits), context - 1)
-    widest = _largest(lambda b: _fits(shape, gpus, context, b, logits), batch - 1)
+    longest = largest_fitting(lambda c: _fits(shape, gpus, c, batch, logits), context - 1)
+    widest = largest_fitting(lambda b: _fits(shape, gpus, context, b, logits), batch - 1)
     four_bit = None
     if shape.format.weight_bits > 4:
-        small = _shape(shape.name, shape.config.to_json_string(use_diff=False), weight_format(FOUR_BIT))
+        small = reprice(shape, FOUR_BIT)
         try:
             four_bit = plan_shape(small, gpus, context, batch, logits)
         except DoesNotFit:

@@ -7,8 +7,9 @@ LAB_STATIC_WIDGETS=1) it prints and draws once.
 """
 from __future__ import annotations
 
-from helpers.inference.plan import DoesNotFit, Placement, known_formats, known_models, plan, weight_format
-from helpers.memory import GiB
+from helpers.inference.plan import DoesNotFit, Placement, plan
+from helpers.sizing.shape import known_formats, known_models, weight_format
+from helpers.units import GiB
 from helpers.monitor import frontend_attached
 
 PRESET_GPUS = ("2 x RTX 3090", "RTX 3090", "RTX 3090, RTX 4090", "2 x RTX 4090", "2 x A100 80GB SXM")

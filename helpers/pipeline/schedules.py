@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
+from helpers.catalog import schedule_entry, schedules
+
 ActionKind = Literal["F", "B", "W"]
 KINDS = ("F", "B", "W")
 
@@ -102,6 +104,19 @@ def _check_pm(p: int, m: int) -> None:
         raise ValueError(f"a pipeline needs at least one micro-batch, got m={m}")
 
 
+Generator = Callable[[int, int], Sequence[Sequence[Action]]]
+SCHEDULES: dict[str, Generator] = {}  # name -> generator of its action lists, filled by @generator below
+
+
+def generator(name: str) -> Callable[[Generator], Generator]:
+    """Registers the action-list generator of the catalog's schedule `name` (helpers.catalog says its layout)."""
+    def register(fn: Generator) -> Generator:
+        SCHEDULES[schedule_entry(name).name] = fn
+        return fn
+    return register
+
+
+@generator("gpipe")
 def gpipe(p: int, m: int) -> list[list[Action]]:
     """GPipe (Huang et al. 2019): every stage runs all forwards, then all backwards. Activations of all m
     micro-batches are alive at once."""
@@ -109,6 +124,7 @@ def gpipe(p: int, m: int) -> list[list[Action]]:
     return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
 
 
+@generator("1f1b")
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s warms up with p-s-1 forwards, then alternates one
     forward and one backward, then drains the backwards. Same bubble as GPipe, at most p micro-batches alive."""
@@ -129,6 +145,7 @@ def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     return schedule
 
 
+@generator("interleaved")
 def interleaved_1f1b(p: int, m: int, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): each device holds `chunks` stages, stage k on device
     k % p, so each micro-batch goes round the devices `chunks` times. Each stage is 1/chunks of the work, so the
@@ -156,6 +173,7 @@ def interleaved_1f1b(p: int, m: int, chunks: int = 2) -> Schedule:
     return Schedule(schedule, Layout(p, chunks))
 
 
+@generator("zbh1")
 def zero_bubble_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward split into B (input gradient, what the previous
     stage waits for) and W (weight gradients). Device d puts off its first d W's to the end of the step, where
@@ -181,6 +199,7 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return Schedule(schedule, Layout(p))
 
 
+@generator("zbv")
 def zero_bubble_v(p: int, m: int) -> Schedule:
     """ZB-V (Qi et al. 2024, section 6): two chunks per device in a V (device d holds stages d and 2p-1-d, so the
     first and last stage share device 0), backward split into B and W. With forward, input-gradient and
@@ -221,6 +240,7 @@ def zero_bubble_v(p: int, m: int) -> Schedule:
     return Schedule(schedule, Layout(p, 2, "v"))
 
 
+@generator("dualpipev")
 def dual_pipe_v(p: int, m: int) -> Schedule:
     """DualPipeV (DeepSeek-AI 2024, DeepSeek-V3's DualPipe folded onto a V, as torch.distributed.pipelining's
     `ScheduleDualPipeV` runs it): ZB-V's layout, with the steady phase pairing a forward of one chunk with a whole
@@ -278,11 +298,10 @@ def dual_pipe_v(p: int, m: int) -> Schedule:
     return Schedule(schedule, Layout(p, 2, "v"))
 
 
-SCHEDULES: dict[str, Callable[[int, int], Sequence[Sequence[Action]]]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zero_bubble_h1,
-    "zbv": zero_bubble_v, "dualpipev": dual_pipe_v}
-LAYOUTS = {"gpipe": (1, "loop"), "1f1b": (1, "loop"), "interleaved": (2, "loop"), "zbh1": (1, "loop"),
-           "zbv": (2, "v"), "dualpipev": (2, "v")}  # (stages per device, shape) of each schedule
+LAYOUTS = {e.name: (e.chunks, e.shape) for e in schedules()}  # (stages per device, shape) of each schedule
+if set(SCHEDULES) != set(LAYOUTS):
+    raise ImportError(f"schedules without a generator: {sorted(set(LAYOUTS) - set(SCHEDULES))}; generators without a "
+                      f"catalog entry: {sorted(set(SCHEDULES) - set(LAYOUTS))}")
 
 
 def make_schedule(name: str, p: int, m: int) -> Sequence[Sequence[Action]]:

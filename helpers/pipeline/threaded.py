@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from helpers.memory import MemoryLedger
+from helpers.sizing.ledger import MemoryLedger
 from helpers.models.data import kept_tokens
 from helpers.models.layered import with_seed
 from helpers.pipeline.comm import CopyStreams, Wire

@@ -11,7 +11,8 @@ from typing import Literal
 
 import torch
 
-GiB = 1024**3
+from helpers.units import GiB
+
 DEFAULT_CPU_BUDGET_GIB = 2.0
 FORCE_CPU_ENV = "LAB_FORCE_CPU"
 CPU_BUDGET_ENV = "LAB_CPU_BUDGET_GIB"

@@ -1,10 +1,12 @@
 """Simulate a training step before running it: the engines' schedules over a cost model of layers and links.
 
-- `simulate(workload, job, link)`: one optimizer step of any strategy the course teaches (naive, GPipe, 1F1B, DDP,
-  ZeRO-1, FSDP2, DP x PP) as a discrete-event simulation: step time, per-device busy fraction, peak memory, and a
-  timeline in the format measured timelines use (`helpers.timeline.plot_timeline` draws both).
+- `simulate(workload, job, link)`: one optimizer step of any strategy of `helpers.catalog` (one device, the
+  pipelines, DDP, ZeRO-1, ZeRO-2, FSDP2, DP x PP) as a discrete-event simulation: step time, per-device busy
+  fraction, peak memory, and a timeline in the format measured timelines use (`helpers.timeline.plot_timeline`
+  draws both).
 - `Workload.from_profile(profile)` / `Workload.from_lists(...)`: per-layer costs; `on_gpu(workload, flops, gpu)`
-  and `transformer_workload(shape, seq, gpu)`: the same costs on a GPU you do not have (roofline).
+  and `transformer_workload(shape, seq, gpu)` (a `helpers.sizing.shape.ModelShape`): the same costs on a GPU you do
+  not have (roofline).
 - `target_rig(name)`, `fit_link(sizes, seconds)`, `fit_collective_link(sizes, seconds)`: hardware from
   data/hardware.json or your own link benchmark; `SharedCores`: devices sharing a pool of cores (the CPU rig).
 - `recommend_model(name)`, `decision_table()`: which strategy for two GPUs, every strategy treated alike.
@@ -12,7 +14,7 @@
 - `predictions_vs_published()`: predictions beside published results, with the error.
 """
 from helpers.simulate.events import TaskGraph
-from helpers.simulate.guide import (MODELS, ModelShape, Recommendation, block_activation_bytes, decision_table,
+from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, decision_table,
                                     recommend, recommend_model, transformer_workload)
 from helpers.simulate.hardware import (FREE_LINK, GPU, Collectives, Link, SharedCores, TargetRig, allgather_s,
                                        allreduce_s, broadcast_s, collective_s, fit_collective_link, fit_collectives,
@@ -21,11 +23,11 @@ from helpers.simulate.hardware import (FREE_LINK, GPU, Collectives, Link, Shared
 from helpers.simulate.playground import Knobs, Playground
 from helpers.simulate.published import predictions_vs_published, resnet50_workload
 from helpers.simulate.roofline import layer_flops, on_gpu, roofline_s
-from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
+from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-__all__ = ["Collectives", "FREE_LINK", "GPU", "Job", "Knobs", "LayerCost", "Link", "MODELS", "ModelShape",
-           "Playground", "Recommendation", "STRATEGIES", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
+__all__ = ["Collectives", "FREE_LINK", "GPU", "Job", "Knobs", "LABELS", "LayerCost", "Link", "MODELS",
+           "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
            "Workload", "allgather_s", "allreduce_s", "block_activation_bytes", "broadcast_s", "collective_s",
            "decision_table", "fit_collective_link", "fit_collectives", "fit_link", "gpu_named", "layer_flops",
            "link_named", "on_gpu", "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s",

@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from helpers.memory import MemoryLedger, ledger_for
+from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.profile import Profile, profile_layers
 from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.simulate.workload import Workload

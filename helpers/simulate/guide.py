@@ -12,78 +12,95 @@ ZeRO-1, FSDP2, a pipeline).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
-from helpers.memory import GiB, fmt_bytes, transformer_activation_bytes
+from helpers.units import fmt_bytes
+from helpers.sizing.activations import transformer_activation_bytes
+from helpers.sizing.gpus import runtime_reserve_bytes
+from helpers.sizing.shape import ModelShape, decoder_shape
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
-from helpers.simulate.strategies import STRATEGIES, Job, Simulation, simulate, simulate_memory
+from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
 GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
-RESERVE_BYTES = GiB  # CUDA context and allocator slack per GPU: an estimate (llama.cpp's --fit keeps 1024 MiB)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer's sizes, as in its Hugging Face config."""
-
-    family: str  # "gpt2" (learned positions, MLP 4h, embedding tied to the head) or "llama"
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    intermediate: int
-    head_outputs: int | None = None  # a task head (e.g. 2 for SQuAD span logits) instead of the language-model head
-
-
-MODELS = {
-    "GPT-2 small": ModelShape("gpt2", 12, 768, 12, 50257, 3072),
-    "GPT-2 medium": ModelShape("gpt2", 24, 1024, 16, 50257, 4096),
-    "GPT-2 XL": ModelShape("gpt2", 48, 1600, 25, 50257, 6400),
-    "Llama-2 7B": ModelShape("llama", 32, 4096, 32, 32000, 11008),
-    "Llama-2 13B": ModelShape("llama", 40, 5120, 40, 32000, 13824),
+SIZES = {  # family, layers, hidden, heads, vocab, intermediate: as in each model's Hugging Face config
+    "GPT-2 small": ("gpt2", 12, 768, 12, 50257, 3072),
+    "GPT-2 medium": ("gpt2", 24, 1024, 16, 50257, 4096),
+    "GPT-2 XL": ("gpt2", 48, 1600, 25, 50257, 6400),
+    "Llama-2 7B": ("llama", 32, 4096, 32, 32000, 11008),
+    "Llama-2 13B": ("llama", 40, 5120, 40, 32000, 13824),
 }
+
+
+class _Shapes(Mapping):
+    """The guide's models by name, each a `helpers.sizing.shape.ModelShape` built (on the meta device) when first
+    asked for."""
+
+    def __getitem__(self, name: str) -> ModelShape:
+        return _shape_of(name)
+
+    def __iter__(self):
+        return iter(SIZES)
+
+    def __len__(self) -> int:
+        return len(SIZES)
+
+
+@functools.lru_cache(maxsize=None)
+def _shape_of(name: str) -> ModelShape:
+    if name not in SIZES:
+        raise KeyError(name)
+    return decoder_shape(*SIZES[name])
+
+
+MODELS = _Shapes()
 
 
 def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "sdpa", batch: int = 1,
                            bytes_per_value: int = 2) -> int:
-    """Saved activations of one transformer block (`helpers.memory.transformer_activation_bytes` for one layer):
+    """Saved activations of one transformer block (`sizing.activations.transformer_activation_bytes`, one layer):
     Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit, without the 5*a*s^2*b attention-score term when
     the attention implementation does not store the scores (SDPA's fused kernels, FlashAttention)."""
     return transformer_activation_bytes(batch, seq, hidden, 1, heads, bytes_per_value, attention)
 
 
 @functools.lru_cache(maxsize=32)
-def _decoder_counts(shape: ModelShape, seq: int) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...],
-                                                         tuple[int, ...]]:
+def _decoder_counts(shape: ModelShape, seq: int, head_outputs: int | None) -> tuple[tuple[tuple[float, float], ...],
+                                                                                  tuple[int, ...], tuple[int, ...]]:
     """Per-sample (forward, backward) FLOPs and parameter counts of embedding, one block, final norm and head,
     counted on a one-block model built on the meta device."""
     from helpers.models import build_hf_model, hf_layers
 
-    model = build_hf_model(shape.family, 1, shape.hidden, shape.heads, shape.vocab, seq, shape.intermediate, meta=True)
+    model = build_hf_model(shape.config.model_type, 1, shape.hidden, shape.heads, shape.vocab, seq, shape.intermediate,
+                           meta=True, kv_heads=shape.kv_heads if shape.kv_heads != shape.heads else None)
     embedding, block, norm, head = hf_layers(model)
-    if shape.head_outputs is not None:
+    if head_outputs is not None:
         with torch.device("meta"):
-            head = torch.nn.Linear(shape.hidden, shape.head_outputs)
+            head = torch.nn.Linear(shape.hidden, head_outputs)
     flops = layer_flops([embedding, block, norm, head], torch.zeros(1, seq, dtype=torch.long))
     params = [sum(p.numel() for p in module.parameters()) for module in (embedding, block, norm, head)]
     tensors = [max(1, len(list(module.parameters()))) for module in (embedding, block, norm, head)]
-    if shape.family == "gpt2" and shape.head_outputs is None:
-        params[3] = 0  # GPT-2's head is the embedding's weight: counted once
+    if shape.tied and head_outputs is None:
+        params[3] = 0  # a tied head (GPT-2's) is the embedding's weight: counted once
     return tuple(flops), tuple(params), tuple(tensors)
 
 
 def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
-                         recipe: str = "mixed precision + Adam") -> Workload:
-    """Per-sample costs of a decoder on `gpu`: embedding, blocks, final norm, head. FLOPs counted on the meta device
-    (one block, repeated); activations from `block_activation_bytes`; the head keeps its input and fp32 logits for
-    the loss (an estimate of what Hugging Face's loss holds); GPT-2's head weight is the embedding's (counted once)."""
-    flops, counts, tensors = _decoder_counts(shape, seq)
-    v, outputs = VALUE_BYTES[dtype], shape.head_outputs or shape.vocab
+                         recipe: str = "mixed precision + Adam", head_outputs: int | None = None) -> Workload:
+    """Per-sample costs of a decoder (`helpers.sizing.shape.ModelShape`: `model_shape(config)`, `decoder_shape(...)`
+    or one of MODELS) on `gpu`: embedding, blocks, final norm, head (`head_outputs`: a task head, e.g. 2 for SQuAD
+    span logits, instead of the language-model head). FLOPs counted on the meta device (one block, repeated);
+    activations from `block_activation_bytes`; the head keeps its input and fp32 logits for the loss (an estimate of
+    what Hugging Face's loss holds); a tied head's weight is the embedding's (counted once)."""
+    flops, counts, tensors = _decoder_counts(shape, seq, head_outputs)
+    v, outputs = VALUE_BYTES[dtype], head_outputs or shape.vocab
     hidden_bytes = seq * shape.hidden * v
     parts = [("embedding", 0.0, hidden_bytes),
              ("block", block_activation_bytes(seq, shape.hidden, shape.heads, attention, bytes_per_value=v),
@@ -95,7 +112,8 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf
         written = activations + output
         cost = LayerCost(name, roofline_s(f, written, gpu, dtype), roofline_s(b, 2 * written, gpu, dtype), params,
                          activations, output, n_tensors)
-        layers += [replace(cost, name=f"block {i}") for i in range(shape.layers)] if name == "block" else [cost]
+        blocks = len(shape.decoder_layers)
+        layers += [replace(cost, name=f"block {i}") for i in range(blocks)] if name == "block" else [cost]
     n_params = sum(layer.params for layer in layers)
     return Workload(tuple(layers), recipe, ADAM_BYTES_PER_PARAM * n_params / gpu.memory_bandwidth)
 
@@ -114,7 +132,7 @@ class Option:
         return self.simulation.step_s if self.simulation else None
 
     def row(self) -> dict:
-        return {"strategy": STRATEGIES[self.job.strategy], "micro-batches": self.job.microbatches,
+        return {"strategy": LABELS[self.job.strategy], "micro-batches": self.job.microbatches,
                 "checkpointing": self.job.checkpoint, "peak per GPU": fmt_bytes(self.peak_bytes),
                 "fits": self.fits, "step (s)": self.step_s,
                 "samples/s": self.simulation.samples_per_s if self.simulation else None}
@@ -165,15 +183,16 @@ def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, c
             if best is None or sim.step_s < best.step_s:
                 best = Option(job, peak, True, sim)
     if best is None and smallest is None:
-        raise ValueError(f"global batch {batch} cannot be split for {STRATEGIES[strategy]} on {rig.devices} GPUs")
+        raise ValueError(f"global batch {batch} cannot be split for {LABELS[strategy]} on {rig.devices} GPUs")
     return best or smallest
 
 
 def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, model: str = "model",
-              reserve_bytes: int = RESERVE_BYTES, tolerance: float = 0.05) -> Recommendation:
-    """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice."""
+              reserve_bytes: int | None = None, tolerance: float = 0.05) -> Recommendation:
+    """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice. Each GPU keeps
+    `reserve_bytes` for the runtime (default: the CUDA context and allocator margin, helpers.sizing.gpus)."""
     rig = target_rig(rig) if isinstance(rig, str) else rig
-    capacity = rig.gpu.memory_bytes - reserve_bytes
+    capacity = rig.gpu.memory_bytes - (runtime_reserve_bytes() if reserve_bytes is None else reserve_bytes)
     options = tuple(best_option(workload, rig, s, batch, capacity) for s in GUIDE_STRATEGIES)
     fitting = [o for o in options if o.fits]
     if not fitting:
@@ -204,7 +223,7 @@ def decision_table(rig: str = "2x3090 PCIe", batch: int = 16, seq: int = 1024, a
         rec = recommend_model(name, rig, batch, seq, attention)
         row = {"model": name, "params (B)": rec.n_params / 1e9}
         for option in rec.options:
-            label = STRATEGIES[option.job.strategy]
+            label = LABELS[option.job.strategy]
             row[label] = f"{option.step_s:.2f} s ({option.job.label()})" if option.fits else \
                 f"needs {fmt_bytes(option.peak_bytes)}"
         row["choose"] = rec.choice

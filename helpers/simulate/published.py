@@ -7,14 +7,15 @@ which rig stands in for it: the error then includes that difference, and is repo
 from __future__ import annotations
 
 from helpers.course import load_data
-from helpers.simulate.guide import ModelShape, transformer_workload
+from helpers.simulate.guide import transformer_workload
+from helpers.sizing.shape import decoder_shape
 from helpers.simulate.hardware import GPU, target_rig
 from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, roofline_s
 from helpers.simulate.strategies import Job, simulate
 from helpers.simulate.workload import LayerCost, Workload
 
-BERT = {"BERT-base": ModelShape("gpt2", 12, 768, 12, 30522, 3072, head_outputs=2),
-        "BERT-large": ModelShape("gpt2", 24, 1024, 16, 30522, 4096, head_outputs=2)}
+BERT = {"BERT-base": ("gpt2", 12, 768, 12, 30522, 3072), "BERT-large": ("gpt2", 24, 1024, 16, 30522, 4096)}
+BERT_OUTPUTS = 2  # SQuAD's span logits: the task head instead of the language-model head
 BERT_SEQ = 384  # SQuAD fine-tuning's usual max_seq_length (NVIDIA DeepLearningExamples' default); an assumption
 RESNET50_STAGES = (("layer1", 3, 64, 1), ("layer2", 4, 128, 2), ("layer3", 6, 256, 2), ("layer4", 3, 512, 2))
 
@@ -93,8 +94,9 @@ def lambda_rows() -> list[dict]:
                           ("2xA100", "lambda_2xa100_sxm4_data_parallel")):
         rig, entry = target_rig(rig_name), published[key]
         workloads = {"ResNet-50": resnet50_workload(224, rig.gpu, "fp16", "fp32 + SGD momentum")}
-        workloads.update({name: transformer_workload(shape, BERT_SEQ, rig.gpu, "fp16", "eager", "fp32 + Adam")
-                          for name, shape in BERT.items()})
+        workloads.update({name: transformer_workload(decoder_shape(*sizes), BERT_SEQ, rig.gpu, "fp16", "eager",
+                                                     "fp32 + Adam", head_outputs=BERT_OUTPUTS)
+                          for name, sizes in BERT.items()})
         for model, workload in workloads.items():
             batch = batches[rig.gpu.name][model]
             one = simulate(workload, Job("single", batch))
@@ -112,7 +114,7 @@ def nvlink_rows() -> list[dict]:
     published = load_data("published")
     times, setup = published["hf_nvlink_ddp"], published["hf_nvlink_ddp_setup"]
     pcie, nvlink = target_rig("2x3090 PCIe"), target_rig("2x3090 NVLink")
-    workload = transformer_workload(ModelShape("gpt2", 12, 768, 12, 50257, 3072), setup["seq"], pcie.gpu,
+    workload = transformer_workload(decoder_shape("gpt2", 12, 768, 12, 50257, 3072), setup["seq"], pcie.gpu,
                                     setup["dtype"], "eager", "fp32 + Adam")
     job = Job("ddp", 2 * setup["per_device_batch"])
     ratio = simulate(workload, job, pcie.link).step_s / simulate(workload, job, nvlink.link).step_s

@@ -14,10 +14,11 @@ and a W of the weight part, which frees the micro-batch's activations. Data para
 - ZeRO-1 (`ZeroRedundancyOptimizer` over DDP): DDP's all-reduce, the optimizer on this device's shard, then each
   owner broadcasts its updated parameters, tensor by tensor (PyTorch's default, `parameters_as_bucket_view=False`),
   one broadcast after another on one communicator: every parameter byte crosses a link once, one latency per tensor.
-- FSDP2 (`fully_shard` per layer): all-gather a layer's parameters before its forward, prefetching the next
-  layer's while the current one computes (at most two layers gathered); again before its backward when
-  `reshard_after_forward` (the last layer too: FSDP2 keeps only the root unit gathered); reduce-scatter each
-  layer's gradients after its backward, every micro-batch. All-gathers and reduce-scatters have their own streams
+- FSDP2 (`fully_shard` per layer; "zero2" is FSDP2 with `reshard_after_forward=False`, as in helpers.catalog):
+  all-gather a layer's parameters before its forward, prefetching the next layer's while the current one computes
+  (at most two layers gathered); again before its backward when resharding after forward (the last layer too:
+  FSDP2 keeps only the root unit gathered); reduce-scatter each layer's gradients after its backward, every
+  micro-batch. All-gathers and reduce-scatters have their own streams
   but share the link. Before each collective the host does measured work of its own (`Job.fsdp2_host_s`).
 - DP x PP: a pipeline per replica, then one flat all-reduce per stage across replicas (as our engine does).
 Compute and communication overlap freely (separate streams); communication kernels are not modelled as slowing
@@ -30,32 +31,18 @@ import math
 
 from dataclasses import dataclass, field
 
-from helpers.memory import DeviceMemory, fmt_bytes
+from helpers.sizing.ledger import DeviceMemory
+from helpers.catalog import CATALOG, strategy as catalog_entry
 from helpers.partition import optimal_split
-from helpers.pipeline.schedules import (SCHEDULES, Action, dependencies, layout_for, layout_of, make_schedule,
+from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout_of, make_schedule,
                                        split_backwards)
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
+from helpers.units import MiB, fmt_bytes
 
-MiB = 2**20
-STRATEGIES = {
-    "single": "one device",
-    "naive": "naive split (GPipe with one micro-batch)",
-    "gpipe": "GPipe pipeline",
-    "1f1b": "1F1B pipeline",
-    "interleaved": "interleaved 1F1B pipeline",
-    "zbh1": "ZB-H1 pipeline",
-    "zbv": "ZB-V pipeline",
-    "dualpipev": "DualPipeV pipeline",
-    "ddp": "DDP",
-    "zero1": "ZeRO-1",
-    "fsdp2": "FSDP2 (ZeRO-3)",
-    "dp_x_pp": "DP x PP",
-}
-PIPELINES = ("naive", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
-DATA_PARALLEL = ("ddp", "zero1", "fsdp2")
+LABELS = {e.name: e.label for e in CATALOG}
 
 
 @dataclass(frozen=True)
@@ -67,20 +54,18 @@ class Job:
     batch: int
     microbatches: int = 1
     stages: int = 2  # pipeline devices (naive, gpipe, 1f1b, ..., dp_x_pp); interleaved and zbv run 2 stages on each
-    replicas: int = 2  # data-parallel replicas (ddp, zero1, fsdp2, dp_x_pp)
+    replicas: int = 2  # data-parallel replicas (ddp, zero1, zero2, fsdp2, dp_x_pp)
     checkpoint: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the layers to recompute
     schedule: str = "1f1b"  # the pipeline schedule inside dp_x_pp
     cut: tuple[int, ...] | None = None  # first layer of each model stage after the first; default: time-balanced
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
-    reshard_after_forward: bool = True
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
     host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {list(STRATEGIES)}")
+        catalog_entry(self.strategy)  # refuses an unknown name
         for what, value in (("global batch", self.batch), ("micro-batch count", self.microbatches),
                             ("stage count", self.stages), ("replica count", self.replicas)):
             if not (isinstance(value, int) and value >= 1):
@@ -103,12 +88,17 @@ class Job:
             raise ValueError(f"global batch {self.batch} is not divisible by {split}")
 
     @property
+    def entry(self):
+        """The strategy's entry in helpers.catalog."""
+        return catalog_entry(self.strategy)
+
+    @property
     def stages_used(self) -> int:
-        return self.stages if self.strategy in PIPELINES + ("dp_x_pp",) else 1
+        return self.stages if self.entry.pipeline else 1
 
     @property
     def replicas_used(self) -> int:
-        return self.replicas if self.strategy in DATA_PARALLEL + ("dp_x_pp",) else 1
+        return self.replicas if self.entry.data_parallel else 1
 
     @property
     def devices(self) -> int:
@@ -119,8 +109,8 @@ class Job:
         return self.batch // (self.replicas_used * self.microbatches)
 
     def label(self) -> str:
-        parts = [STRATEGIES[self.strategy]]
-        if self.strategy in PIPELINES:
+        parts = [self.entry.label]
+        if self.entry.kind == "pipeline":
             chunks = self.layout.chunks
             parts.append(f"{self.stages} stages" if chunks == 1 else f"{self.stages} devices x {chunks} stages")
         if self.strategy == "dp_x_pp":
@@ -136,8 +126,7 @@ class Job:
     @property
     def layout(self):
         """Which device holds each model stage of the pipeline (`helpers.pipeline.schedules.Layout`)."""
-        name = self.schedule if self.strategy == "dp_x_pp" else self.strategy
-        return layout_for(name if name in SCHEDULES else "gpipe", self.stages)
+        return layout_for(self.schedule if self.strategy == "dp_x_pp" else self.entry.schedule or "gpipe", self.stages)
 
     def checkpoints(self, layer: int) -> bool:
         """Whether `layer` recomputes its activations in backward."""
@@ -489,7 +478,7 @@ class _Builder:
                     fwd[(d, i)] = self.forward(d, i, i + 1, k, ready)
             bwd: dict[tuple[int, int], int] = {}
             regathered = {}
-            reshard = lambda i: self.layers[i].params and self.job.reshard_after_forward  # noqa: E731
+            reshard = lambda i: self.layers[i].params and self.job.entry.reshard_after_forward  # noqa: E731
             if reshard(n - 1):  # the last layer too: only the root unit stays gathered after forward
                 regathered[n - 1] = unshard(n - 1)
             for i in reversed(range(n)):
@@ -504,7 +493,7 @@ class _Builder:
         for d in devices:
             self.optimizer(d, 1 / r, scattered[-1:])
         sizes = [layer.params for layer in self.layers]
-        gathered = sum(sizes) if not self.job.reshard_after_forward else max(
+        gathered = sum(sizes) if not self.job.entry.reshard_after_forward else max(
             a + b for a, b in zip(sizes, sizes[1:] + [0]))
         total = self.w.n_params
         for d in devices:
@@ -535,11 +524,11 @@ class _Builder:
         strategy = self.job.strategy
         if strategy == "single":
             self.run_single()
-        elif strategy in PIPELINES:
-            self.run_pipeline("gpipe" if strategy == "naive" else strategy)
+        elif self.job.entry.kind == "pipeline":
+            self.run_pipeline(self.job.entry.schedule)
         elif strategy in ("ddp", "zero1"):
             self.run_ddp(zero1=strategy == "zero1")
-        elif strategy == "fsdp2":
+        elif self.job.entry.fully_sharded:
             self.run_fsdp2()
         else:
             self.run_dp_x_pp()

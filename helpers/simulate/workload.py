@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from helpers.memory import BYTES_PER_PARAM
+from helpers.sizing.state import BYTES_PER_PARAM
 from helpers.profile import Profile
 
 
@@ -56,7 +56,7 @@ class LayerCost:
 @dataclass(frozen=True)
 class Workload:
     """A model to simulate: its layers in order, the training recipe (bytes per parameter for weights, gradients
-    and optimizer state, `helpers.memory.BYTES_PER_PARAM`), the seconds of one optimizer step over all
+    and optimizer state, `helpers.sizing.state.BYTES_PER_PARAM`), the seconds of one optimizer step over all
     parameters on one device, and how fast the device copies memory (the data-parallel engines copy gradients and
     parameters into and out of their communication buffers; infinite: free)."""
 

@@ -24,17 +24,13 @@ import torch
 from helpers.models.text import load_rows
 from helpers.models.hf import HFModel, save_hf_model
 from helpers.models.layered import microbatch_seed
-from helpers.pipeline.schedules import SCHEDULES
 from helpers.pipeline.stages import split_model
 from helpers.precision import make_scaler
 from helpers.runtime.rig import Rig, detect_rig
 from helpers.runtime.scratch import scratch_dir
 from helpers.training.checkpoint import CheckpointSpec, as_checkpoint_spec
-from helpers.training.job import TrainJob, check_job
+from helpers.training.job import TrainJob, check_choice, check_job, job_for
 from helpers.training.loop import global_batch, run_training
-from helpers.training.support import DATA_PARALLEL_STRATEGIES, engines_for
-
-PIPELINES = ("naive", *SCHEDULES)
 
 
 @dataclass
@@ -48,7 +44,7 @@ class Trained:
     held_out: Path | None = None  # with text=: the held-out windows (helpers.models.text.text_loss measures them)
     tokenizer: object | None = None  # with text=: the tokenizer of the text
     step_times: list[float] = field(default_factory=list)  # engine processes: every timed step (slowest rank)
-    memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.memory ledger)
+    memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.sizing.ledger)
     first_step: int = 0  # with checkpoint=: the step the run resumed from (losses[k] is step first_step + k)
     save_blocked: list[float] = field(default_factory=list)  # with checkpoint=: seconds each save blocked a step
 
@@ -67,20 +63,6 @@ def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
                     f"{type(model).__name__}")
 
 
-def _job(model: HFModel, strategy: str, engine: str, steps: int, **fields) -> TrainJob:
-    pipeline = strategy in PIPELINES or strategy == "dp_x_pp"
-    layout = {"pp": 2} if pipeline else {}
-    if strategy in DATA_PARALLEL_STRATEGIES:
-        layout = {"dp": 2, "data_parallel": strategy}
-    if strategy == "dp_x_pp":
-        layout = {"dp": 2, "pp": 2}
-    schedule = "gpipe" if strategy == "naive" else strategy if strategy in PIPELINES else "1f1b"
-    if strategy == "naive":
-        fields["microbatches"] = 1
-    return TrainJob(model, engine="torch" if engine == "torch" else "ours", schedule=schedule, steps=steps - 2,
-                    return_state=True, **layout, **fields)
-
-
 def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
     """The in-process engine: the whole model loaded here, split over the rig's devices, one thread per stage."""
     from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
@@ -96,7 +78,7 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
     scaler = make_scaler(job.precision, rig.devices[-1])
     rows = load_rows(job.data) if job.data is not None else None
     losses = []
-    for step in range(job.steps + 2):
+    for step in range(job.timed_steps + 2):
         x, y, mask = global_batch(job, step, rows)
         optimizer.zero_grad(set_to_none=False)
         seeds = [microbatch_seed(job.data_seed, step, k) for k in range(job.microbatches)]
@@ -151,11 +133,7 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     training state with DCP and from whose latest complete checkpoint it resumes; `restarts`: start every rank
     again after one fails, up to this many times (torchrun's --max-restarts). Bad input is refused before anything
     starts."""
-    if strategy not in (*PIPELINES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of "
-                         f"{(*PIPELINES, *DATA_PARALLEL_STRATEGIES, 'dp_x_pp')}")
-    if engine not in engines_for(strategy):
-        raise ValueError(f"{strategy} runs with engine {' or '.join(engines_for(strategy))}, not {engine!r}")
+    check_choice(strategy, engine)
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
     if text is not None and data is not None:
@@ -171,9 +149,10 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
 
         folder = Path(workdir or scratch_dir("lab-text-"))
         data, held_out, tokenizer = model_text(hf.path, hf.vocab_size, text, seq_len, folder)
-    job = _job(hf, strategy, engine, steps, batch=batch, seq_len=seq_len, microbatches=microbatches,
-               optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding, data_seed=data_seed,
-               data=str(data) if data is not None else None, checkpointing=checkpointing, checkpoint=spec)
+    job = job_for(hf, strategy, engine, timed_steps=steps - 2, return_state=True, batch=batch, seq_len=seq_len,
+                  microbatches=microbatches, optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast,
+                  padding=padding, data_seed=data_seed, data=str(data) if data is not None else None,
+                  checkpointing=checkpointing, checkpoint=spec)
     if engine == "threads":
         check_job(job, rig)
         out = _train_threads(hf, job, rig)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers.memory import fmt_bytes, training_state_bytes
+from helpers.catalog import DATA_PARALLEL, TRAINED, Strategy, strategy as catalog_entry
+from helpers.sizing.state import training_state_bytes, zero_formula
 from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
@@ -17,7 +18,8 @@ from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
 from helpers.runtime.rig import Rig
 from helpers.training.checkpoint import CheckpointSpec, check_spec
-from helpers.training.support import DATA_PARALLEL_STRATEGIES, support
+from helpers.training.support import support
+from helpers.units import fmt_bytes
 
 OPTIMIZERS = ("none", "sgd", "adam")
 PIPELINE_ENGINES = ("ours", "torch")
@@ -48,7 +50,8 @@ class TrainJob:
     batch: int = 32  # global batch
     seq_len: int | None = None  # default: the model's
     padding: str = "none"  # none | right | left: seeded lengths, padded positions masked and ignored by the loss
-    steps: int = 3  # timed steps, after one warm-up step whose gradients are the parity check
+    timed_steps: int = 3  # after one warm-up step (the parity check) and before one recorded step: train()'s
+    # `steps` (every optimizer step) is timed_steps + 2
     optimizer: str = "none"
     lr: float = 1e-3
     bucket_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
@@ -83,6 +86,11 @@ class TrainJob:
         return self.data_parallel
 
     @property
+    def fully_sharded(self) -> bool:
+        """Replicas shard with FSDP2's fully_shard (zero2, fsdp2: helpers.catalog)."""
+        return self.dp > 1 and catalog_entry(self.data_parallel).fully_sharded
+
+    @property
     def title(self) -> str:
         """What a memory panel calls this run: the strategy, and the fine-tuning method of a LoRA model."""
         method = getattr(getattr(self.layered, "spec", None), "method", None)
@@ -113,8 +121,33 @@ class TrainJob:
         return cfg.seq_len
 
 
+def check_choice(strategy: str, engine: str) -> Strategy:
+    """The catalog's entry of `strategy`, refused with the choices if it is unknown, the one-device reference, or
+    not run by `engine`."""
+    entry = catalog_entry(strategy)
+    if not entry.trained:
+        raise ValueError(f"{strategy!r} is the one-device reference; choose one of {TRAINED}")
+    if engine not in entry.engines:
+        raise ValueError(f"{strategy} runs with engine {' or '.join(entry.engines)}, not {engine!r}")
+    return entry
+
+
+def job_for(model: LayeredModel | StackConfig, strategy: str, engine: str = "processes", **fields) -> TrainJob:
+    """The job of a catalog strategy (helpers.catalog) on two devices per dimension, from the user's words: a
+    pipeline of 2 stages, 2 data-parallel replicas, or 2 x 2 for DP x PP; `engine` one of those the catalog lists
+    for it (threads run the job's layout in one process). The naive split is GPipe with one micro-batch."""
+    entry = check_choice(strategy, engine)
+    if entry.name == "naive":
+        fields["microbatches"] = 1
+    layout = {"pp": 2 if entry.pipeline else 1, "dp": 2 if entry.data_parallel else 1}
+    if entry.kind == "data_parallel":
+        layout["data_parallel"] = entry.name
+    return TrainJob(model, schedule=entry.schedule or "gpipe", engine="torch" if engine == "torch" else "ours",
+                    **layout, **fields)
+
+
 def _positive(job: TrainJob) -> None:
-    for name in ("dp", "pp", "batch", "steps", "microbatches"):
+    for name in ("dp", "pp", "batch", "timed_steps", "microbatches"):
         value = getattr(job, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -148,18 +181,15 @@ def _check_pipeline(job: TrainJob) -> None:
 
 
 def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
-    if job.data_parallel not in DATA_PARALLEL_STRATEGIES:
-        raise ValueError(f"unknown data-parallel strategy {job.data_parallel!r}; choose one of "
-                         f"{DATA_PARALLEL_STRATEGIES}")
+    if job.data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"unknown data-parallel strategy {job.data_parallel!r}; choose one of {DATA_PARALLEL}")
     if job.pp > 1 and job.data_parallel != "ddp":
         raise ValueError(f"DP x PP here averages each stage's gradients over its replicas (data_parallel='ddp'); "
                          f"{job.data_parallel} inside pipeline stages is not part of this course")
     layers = job.layered.meta_layers()
-    if job.data_parallel in ("zero2", "fsdp2") and not any(any(True for _ in l.parameters()) for l in layers):
+    if job.fully_sharded and not any(any(True for _ in l.parameters()) for l in layers):
         raise ValueError("FSDP2 shards layer by layer, but the model has no layers with parameters")
     if job.data_parallel in ("ddp", "zero1") and capacity_bytes is not None and job.pp == 1:
-        from helpers.training.strategies import zero_formula
-
         n = sum(p.numel() for l in layers for p in l.parameters())
         need = training_state_bytes(n, "fp32 + Adam") if job.data_parallel == "ddp" else \
             zero_formula("zero1", n, job.dp)
@@ -196,7 +226,7 @@ def _check_extras(job: TrainJob) -> None:
                          "rank); notebook 07 checkpoints pipeline stages")
     if job.offload not in (None, "cpu"):
         raise ValueError(f"offload must be None or 'cpu', got {job.offload!r}")
-    if job.offload and not (job.dp > 1 and job.pp == 1 and job.data_parallel in ("zero2", "fsdp2")):
+    if job.offload and not (job.pp == 1 and job.fully_sharded):
         raise ValueError("CPU offload is FSDP2's CPUOffloadPolicy: use data_parallel='fsdp2' (or 'zero2') with dp >= 2")
     if job.checkpoint is not None:
         check_spec(job.checkpoint)

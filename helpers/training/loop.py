@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.memory import DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes, param_bytes
+from helpers.catalog import strategy as catalog_entry
+from helpers.sizing.ledger import (DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes,
+                                   param_bytes)
 from helpers.checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
 from helpers.models.text import batch_rows, load_rows
@@ -33,8 +35,8 @@ from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.checkpoint import rank_checkpointer
 from helpers.training.job import TrainJob, check_job
-from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer,
-                                         sum_replica_grads, tied_copies, weights_in)
+from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, sum_replica_grads,
+                                         tied_copies, weights_in)
 
 
 @dataclass
@@ -228,12 +230,12 @@ class _Rank:
 
     def _materialise(self, model) -> Stage:
         job = self.job
-        if job.dp > 1 and job.data_parallel in ("zero2", "fsdp2"):
+        if job.fully_sharded:
             meta = Stage(model.meta_layers())
             self._checkpoint(meta)
             return apply_fsdp(meta, model, 0, self.mesh["dp"], self.device,
-                              reshard_after_forward=job.data_parallel == "fsdp2", precision=self.precision,
-                              offload=job.offload == "cpu")
+                              reshard_after_forward=catalog_entry(job.data_parallel).reshard_after_forward,
+                              precision=self.precision, offload=job.offload == "cpu")
         layers = owned_layers(model, self.owned, self.device)
         return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
 
@@ -282,7 +284,7 @@ class _Rank:
         """Forward and backward of this rank's shard, as `job.microbatches` accumulation steps; gradients are
         synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
         job = self.job
-        sharded = job.dp > 1 and job.data_parallel in ("zero2", "fsdp2")
+        sharded = job.fully_sharded
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
             wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
@@ -332,9 +334,9 @@ def train_worker(job: TrainJob) -> dict:
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
     checkpoints = rank_checkpointer(job, r.module, r.owned, r.optimizer, r.scaler)
     first = checkpoints.resume() if checkpoints is not None else 0
-    for i in range(first, job.steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
+    for i in range(first, job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
-        if i == job.steps + 1:
+        if i == job.timed_steps + 1:
             r.ledger.reset_peaks()
             if r.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(r.device)
@@ -347,7 +349,7 @@ def train_worker(job: TrainJob) -> dict:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
         r.optimizer_step()
         _synchronize(r.device)
-        if 0 < i <= job.steps:
+        if 0 < i <= job.timed_steps:
             times.append(time.perf_counter() - t0)
             phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
@@ -356,7 +358,7 @@ def train_worker(job: TrainJob) -> dict:
         if i == 0:
             memory = _local_state(r.module, r.optimizer)
         if checkpoints is not None:
-            checkpoints.after_step(i + 1, job.steps + 2)
+            checkpoints.after_step(i + 1, job.timed_steps + 2)
     if checkpoints is not None:
         checkpoints.close()
     memory.activations = r.ledger.device("device").activations

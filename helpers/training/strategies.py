@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.memory import DeviceMemory
+from helpers.catalog import schedule_entry
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
@@ -31,34 +31,8 @@ from helpers.pipeline.transports import P2PTransport
 from helpers.precision import DTYPES, Precision
 from helpers.timeline import Recorder
 
-DEEPSPEED_EQUIVALENT = {  # what to put in a DeepSpeed config for the same memory layout
-    "ddp": '"zero_optimization": {"stage": 0}',
-    "zero1": '"zero_optimization": {"stage": 1}',
-    "zero2": '"zero_optimization": {"stage": 2}',
-    "fsdp2": '"zero_optimization": {"stage": 3}',
-}
-
-PYTORCH_API = {
-    "ddp": "DistributedDataParallel",
-    "zero1": "DDP + torch.distributed.optim.ZeroRedundancyOptimizer",
-    "zero2": "FSDP2 fully_shard(reshard_after_forward=False)",
-    "fsdp2": "FSDP2 fully_shard (reshard_after_forward=True)",
-}
-
 PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
 TiedPair = tuple[tuple[int, str], tuple[int, str]]
-
-
-def zero_formula(strategy: str, n_params: int, world: int, weight_bytes: int = 4, grad_bytes: int = 4,
-                 optim_bytes: int = 8) -> DeviceMemory:
-    """Per-device training state from the ZeRO paper (Rajbhandari et al. 2020), fp32 Adam by default:
-    DDP replicates all; ZeRO-1 shards optimizer state; ZeRO-2 also gradients; ZeRO-3 (FSDP) also parameters."""
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "zero2": (1, world, world), "fsdp2": (world, world, world)}
-    if strategy not in shard:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(shard)}")
-    w, g, o = shard[strategy]
-    return DeviceMemory(params=n_params * weight_bytes // w, grads=n_params * grad_bytes // g,
-                        optimizer=n_params * optim_bytes // o)
 
 
 def allreduce_hook(rec: Recorder, group):
@@ -301,13 +275,6 @@ def _instrument_stage(pstage, rec: Recorder, wrapper: _ChunkContexts, stage: int
     pstage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-# our schedule names -> torch.distributed.pipelining's classes (its ZB-H1 is its interleaved zero-bubble schedule
-# with one stage per device)
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
-
-
 def _torch_pipeline(chunks: Sequence[Stage], device_index: int, layout: Layout, schedule: str, m: int, device,
                     group, rec: Recorder, track: Callable, precision: Precision) -> PipelineStep:
     """torch.distributed.pipelining on the same stages (one `PipelineStage` per chunk). Its loss is our token loss
@@ -320,7 +287,7 @@ def _torch_pipeline(chunks: Sequence[Stage], device_index: int, layout: Layout, 
     pstages = [pipelining.PipelineStage(w, k, layout.stages, device, group=group) for w, k in zip(wrappers, stages)]
     for pstage, wrapper, k in zip(pstages, wrappers, stages):
         _instrument_stage(pstage, rec, wrapper, k)
-    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    cls = getattr(pipelining, schedule_entry(schedule).torch_class)
     factor = [1.0]  # loss scale / normalizer of the current step
     loss_fn = lambda out, target: lm_loss_sum(out, target) * factor[0]  # noqa: E731
     multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)

@@ -1,6 +1,7 @@
 """Which strategy runs on which rig with which engine, and why not where it does not: checked before any process
 starts, printed by the doctor, and shown as a table in README.
 
+Which strategies and engines there are is the catalog's (helpers.catalog); what each rig allows is decided here.
 Engines: `threads` (one thread per device in the notebook's process), `processes` (our interpreter, one rank per
 device), `torch` (torch.distributed.pipelining, one rank per device). Data-parallel strategies run on processes
 with PyTorch's own wrappers.
@@ -9,12 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helpers.catalog import TRAINED, strategy as catalog_entry
 from helpers.runtime.rig import Rig
-
-PIPELINE_STRATEGIES = ("naive", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
-DATA_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
-STRATEGIES = (*PIPELINE_STRATEGIES, *DATA_PARALLEL_STRATEGIES, "dp_x_pp")
-ENGINES = ("threads", "processes", "torch")
 
 GLOO_CUDA = ("gloo cannot carry CUDA tensors for {what} ({source}), and NCCL refuses two ranks on one GPU")
 # The collectives gloo runs on CUDA tensors (the backend table of PyTorch's distributed docs: broadcast and
@@ -39,12 +36,11 @@ class Support:
 
 
 def engines_for(strategy: str) -> tuple[str, ...]:
-    """The engines a strategy can run with."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    if strategy in PIPELINE_STRATEGIES:
-        return ("threads", "processes") if strategy == "naive" else ENGINES
-    return ("processes",) if strategy in DATA_PARALLEL_STRATEGIES else ("processes", "torch")
+    """The engines a strategy can run with (helpers.catalog)."""
+    found = catalog_entry(strategy)
+    if not found.trained:
+        raise ValueError(f"{strategy!r} is the one-device reference, not a strategy; choose one of {TRAINED}")
+    return found.engines
 
 
 def support(rig: Rig, strategy: str, engine: str, ranks: int = 2) -> Support:
@@ -63,7 +59,7 @@ def support(rig: Rig, strategy: str, engine: str, ranks: int = 2) -> Support:
             return Support(False, GLOO_CUDA.format(what="send/recv", source="pytorch#45995") +
                            ": torch.distributed.pipelining sends CUDA tensors; use engine='processes', which stages "
                            "them through host memory")
-        if strategy in ("zero2", "fsdp2"):
+        if catalog_entry(strategy).fully_sharded:
             return Support(False, GLOO_CUDA.format(what="reduce-scatter and all-gather",
                                                    source="the backend table of PyTorch's distributed docs") +
                            ": FSDP2 needs both")
@@ -112,7 +108,7 @@ def support_rows(rigs: dict[str, Rig]) -> list[dict]:
     """The whole matrix: one row per strategy and engine, one column per named rig ('yes', 'yes*' with a note,
     or 'no: reason')."""
     rows = []
-    for strategy in STRATEGIES:
+    for strategy in TRAINED:
         for engine in engines_for(strategy):
             row = {"strategy": strategy, "engine": engine}
             for name, rig in rigs.items():

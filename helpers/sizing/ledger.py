@@ -1,4 +1,4 @@
-"""Byte accounting per device: parameters, gradients, optimizer state and activations saved for backward.
+"""Byte accounting per device, measured: parameters, gradients, optimizer state and activations saved for backward.
 
 On CPU virtual devices this accounting is the only honest number (the process shares one heap), so it is what the
 course shows there; on CUDA it sits beside `torch.cuda.max_memory_allocated`.
@@ -16,9 +16,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-GiB = 1024**3
-MiB = 1024**2
-
+from helpers.units import MiB
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes held on this device: for a sharded DTensor (FSDP2), the local shard only; for a tensor subclass that
@@ -49,13 +47,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[tor
             continue
         total += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
     return total
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -238,53 +229,6 @@ def measure_step_memory(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
     return ledger.device("device")
 
 
-# --- memory arithmetic: what a model needs before anything runs -------------------------------------------------
-
-BYTES_PER_PARAM = {  # weights + grads + optimizer state, per parameter (ZeRO paper, Rajbhandari et al. 2020)
-    "fp32 + SGD": (4, 4, 0),
-    "fp32 + SGD momentum": (4, 4, 4),
-    "fp32 + Adam": (4, 4, 8),
-    "mixed precision + Adam": (2, 2, 12),  # fp16/bf16 weights and grads; fp32 master copy + two moments
-}
-
-
-def training_state_bytes(n_params: int, recipe: str = "fp32 + Adam") -> DeviceMemory:
-    """Weights, gradients and optimizer state for `n_params` under a training recipe (no activations)."""
-    if recipe not in BYTES_PER_PARAM:
-        raise ValueError(f"unknown recipe {recipe!r}; choose one of {list(BYTES_PER_PARAM)}")
-    w, g, o = BYTES_PER_PARAM[recipe]
-    return DeviceMemory(params=w * n_params, grads=g * n_params, optimizer=o * n_params)
-
-
-ATTENTION_STORES_SCORES = {"eager": True, "sdpa": False, "flash": False}
-
-
-def transformer_activation_bytes(batch: int, seq: int, hidden: int, layers: int, heads: int,
-                                 bytes_per_value: int = 2, attention: str = "eager") -> int:
-    """Saved activations of a GPT-style stack without checkpointing.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"): per layer
-    s*b*h*(34 + 5*a*s/h) bytes in 16-bit; scaled by bytes_per_value/2 for other precisions. The 5*a*s^2*b term is the
-    attention scores, their softmax and its dropout mask: eager attention stores them (`attention="eager"`, the
-    default, the paper's count). PyTorch's `scaled_dot_product_attention` on a fused kernel ("sdpa": FlashAttention-2
-    or memory-efficient attention, the implementations its documentation lists besides the math fallback, which
-    stores them like eager) and FlashAttention ("flash") keep only the output and the softmax's log-sum-exp and
-    recompute the scores in backward (Dao et al. 2022, "FlashAttention"), so for them the term is left out.
-    """
-    if attention not in ATTENTION_STORES_SCORES:
-        raise ValueError(f"unknown attention implementation {attention!r}; choose one of "
-                         f"{list(ATTENTION_STORES_SCORES)}")
-    scores = 5 * heads * seq / hidden if ATTENTION_STORES_SCORES[attention] else 0
-    per_layer = seq * batch * hidden * (34 + scores)
-    return int(per_layer * layers * bytes_per_value / 2)
-
-
-def checkpointed_fraction(seq: int, hidden: int, heads: int) -> float:
-    """Share of a layer's saved activations left when every block is checkpointed: only its 16-bit input
-    (2*s*b*h bytes) of the s*b*h*(34 + 5*a*s/h) of the Korthikanti et al. formula."""
-    return 2 / (34 + 5 * heads * seq / hidden)
-
-
 def cuda_peak_bytes(device: torch.device) -> int | None:
     """`torch.cuda.max_memory_allocated` where CUDA exists, else None (never touches CUDA on CPU)."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -327,13 +271,3 @@ def plot_memory_bars(memory: dict[str, DeviceMemory], ax=None, title: str = "per
     ax.legend(fontsize=8)
     ax.set_title(title)
     return ax
-
-
-def recipe_table(n_params: int, capacity_bytes: int, activation_bytes: int = 0) -> list[dict]:
-    """For each training recipe: weights, grads, optimizer state, activations, total, and whether it fits."""
-    rows = []
-    for recipe in BYTES_PER_PARAM:
-        mem = training_state_bytes(n_params, recipe)
-        mem.activations = activation_bytes
-        rows.append({"recipe": recipe, **mem.as_dict(), "fits": mem.total <= capacity_bytes})
-    return rows

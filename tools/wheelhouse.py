@@ -1,13 +1,13 @@
-"""`python -m helpers.wheelhouse`: the offline install for workshop venues.
+"""`python -m tools.wheelhouse`: the offline install for workshop venues.
 
 Venue Wi-Fi is often the first failure of a workshop. Before the day, the instructor builds a *wheelhouse*, a folder
 of wheels for every learner platform and Python version, proves it complete without the network, and copies it (with
 the course folder) onto a USB stick or a local share. On the day, learners install with `pip install --no-index
 --find-links WHEELHOUSE -r requirements.txt`: no network at all.
 
-    python -m helpers.wheelhouse build DIR [--platform linux-x86_64 macos-arm64] [--python 3.10 3.11 3.12]
-    python -m helpers.wheelhouse check DIR [--platform ...] [--python ...]
-    python -m helpers.wheelhouse platforms
+    python -m tools.wheelhouse build DIR [--platform linux-x86_64 macos-arm64] [--python 3.10 3.11 3.12]
+    python -m tools.wheelhouse check DIR [--platform ...] [--python ...]
+    python -m tools.wheelhouse platforms
 
 `build` downloads, for each platform and Python version, the CPU build of torch (on Linux from PyTorch's CPU index,
 on macOS from PyPI, whose macOS wheels are the CPU/MPS build), everything in requirements.txt, and the build backend
@@ -445,7 +445,7 @@ def _manifest(directory: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m helpers.wheelhouse", description=__doc__.split("\n\n")[1],
+    parser = argparse.ArgumentParser(prog="python -m tools.wheelhouse", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("build", "download the wheels for the learners' platforms, then check"),

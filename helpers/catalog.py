@@ -1,0 +1,127 @@
+"""Every way the course trains on several devices, named once: each strategy and schedule with its kind, where its
+stages sit, the engines that run it, PyTorch's class for it, the label tables print and the notebook that teaches it.
+
+Every other list derives from this one: the schedules and their layouts (`helpers.pipeline.schedules`), the support
+matrix and README's table (`helpers.training.support`), the strategies `train()` takes, the simulator's strategies
+and labels (`helpers.simulate.strategies`), torch's schedule classes (`helpers.training.strategies`), the bench's
+rows beyond 1F1B. Adding a schedule is its generator (`@generator` in `helpers.pipeline.schedules`) and one entry
+here; tests/test_catalog.py walks every entry through each of those places.
+
+Pure data, importing nothing of the course: the pipeline package (below training) reads it too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINES = ("threads", "processes", "torch")  # in-process threads, our interpreter per rank, torch's pipelining
+KINDS = ("single", "pipeline", "data_parallel", "dp_x_pp")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to train. `schedule`: the action lists a pipeline runs (its own name for a schedule; the naive split
+    is GPipe with one micro-batch; DP x PP runs 1F1B unless told otherwise). `chunks` and `shape`: how many model
+    stages each device holds, in a loop (device d holds stages d, d+p, ...) or a V (d and 2p-1-d). `torch_class`:
+    torch.distributed.pipelining's class of the schedule, or PyTorch's API of a data-parallel strategy. `shards`:
+    which of weights, gradients and optimizer state each replica holds 1/N of at the step's peak (the ZeRO paper's
+    stages; FSDP2 without resharding after forward keeps the gathered weights until backward: ZeRO-2's peak)."""
+
+    name: str
+    kind: str
+    label: str
+    engines: tuple[str, ...] = ()
+    notebook: str = ""
+    schedule: str | None = None
+    chunks: int = 1
+    shape: str = "loop"
+    torch_class: str | None = None
+    shards: tuple[bool, bool, bool] = (False, False, False)
+    reshard_after_forward: bool | None = None  # FSDP2's knob, for the two strategies built on fully_shard
+    deepspeed: str | None = None  # the DeepSpeed config with the same memory layout
+
+    @property
+    def pipeline(self) -> bool:
+        """Cut into stages across devices (DP x PP too)."""
+        return self.kind in ("pipeline", "dp_x_pp")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Replicated across devices (DP x PP too)."""
+        return self.kind in ("data_parallel", "dp_x_pp")
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Built on FSDP2's `fully_shard` (reduce-scatter and all-gather; parameters sharded at rest)."""
+        return self.reshard_after_forward is not None
+
+    @property
+    def trained(self) -> bool:
+        """Runs on several devices through `train()` (one device is the reference, not a strategy to pick)."""
+        return bool(self.engines)
+
+
+_PIPE = ENGINES
+CATALOG: tuple[Strategy, ...] = (
+    Strategy("single", "single", "one device", notebook="00"),
+    Strategy("naive", "pipeline", "naive split (GPipe with one micro-batch)", ("threads", "processes"), "01",
+             schedule="gpipe"),
+    Strategy("gpipe", "pipeline", "GPipe pipeline", _PIPE, "05", "gpipe", torch_class="ScheduleGPipe"),
+    Strategy("1f1b", "pipeline", "1F1B pipeline", _PIPE, "06", "1f1b", torch_class="Schedule1F1B"),
+    Strategy("interleaved", "pipeline", "interleaved 1F1B pipeline", _PIPE, "06b", "interleaved", 2,
+             torch_class="ScheduleInterleaved1F1B"),
+    # torch's ZB-H1 is its interleaved zero-bubble schedule with one stage per device
+    Strategy("zbh1", "pipeline", "ZB-H1 pipeline", _PIPE, "06b", "zbh1", torch_class="ScheduleInterleavedZeroBubble"),
+    Strategy("zbv", "pipeline", "ZB-V pipeline", _PIPE, "06b", "zbv", 2, "v", torch_class="ScheduleZBVZeroBubble"),
+    Strategy("dualpipev", "pipeline", "DualPipeV pipeline", _PIPE, "06b", "dualpipev", 2, "v",
+             torch_class="ScheduleDualPipeV"),
+    Strategy("ddp", "data_parallel", "DDP", ("processes",), "07", torch_class="DistributedDataParallel",
+             deepspeed='"zero_optimization": {"stage": 0}'),
+    Strategy("zero1", "data_parallel", "ZeRO-1", ("processes",), "07",
+             torch_class="DDP + torch.distributed.optim.ZeroRedundancyOptimizer", shards=(False, False, True),
+             deepspeed='"zero_optimization": {"stage": 1}'),
+    Strategy("zero2", "data_parallel", "ZeRO-2 (FSDP2, no reshard after forward)", ("processes",), "07",
+             torch_class="FSDP2 fully_shard(reshard_after_forward=False)", shards=(False, True, True),
+             reshard_after_forward=False, deepspeed='"zero_optimization": {"stage": 2}'),
+    Strategy("fsdp2", "data_parallel", "FSDP2 (ZeRO-3)", ("processes",), "07",
+             torch_class="FSDP2 fully_shard (reshard_after_forward=True)", shards=(True, True, True),
+             reshard_after_forward=True, deepspeed='"zero_optimization": {"stage": 3}'),
+    Strategy("dp_x_pp", "dp_x_pp", "DP x PP", ("processes", "torch"), "08", "1f1b"),
+)
+_BY_NAME = {s.name: s for s in CATALOG}
+
+
+def strategy(name: str) -> Strategy:
+    """The catalog's entry for `name`; an unknown name is refused with the names there are."""
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(_BY_NAME)}")
+    return _BY_NAME[name]
+
+
+def names(kind: str | None = None, trained: bool | None = None, notebook: str | None = None) -> tuple[str, ...]:
+    """Catalog names in catalog order, optionally of one kind, only those `train()` runs (`trained=True`), or those
+    one notebook teaches."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {KINDS}")
+    return tuple(s.name for s in CATALOG if (kind is None or s.kind == kind)
+                 and (trained is None or s.trained == trained) and (notebook is None or s.notebook == notebook))
+
+
+def schedules() -> tuple[Strategy, ...]:
+    """The pipeline schedules: the entries that name their own action lists (the naive split reuses GPipe's)."""
+    return tuple(s for s in CATALOG if s.kind == "pipeline" and s.schedule == s.name)
+
+
+def schedule_entry(name: str) -> Strategy:
+    """The catalog's entry of the schedule `name`, refused with the schedules there are if it is none."""
+    known = {s.name: s for s in schedules()}
+    if name not in known:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(known)}")
+    return known[name]
+
+
+PIPELINES = names("pipeline")  # naive, gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev
+DATA_PARALLEL = names("data_parallel")  # ddp, zero1, zero2, fsdp2
+TRAINED = names(trained=True)  # what train() and the support matrix take
+BEYOND_1F1B = names(notebook="06b")  # the schedules notebook 06b adds, the bench's rows beyond 1F1B
+PYTORCH_API = {s.name: s.torch_class for s in CATALOG if s.kind == "data_parallel"}
+DEEPSPEED_EQUIVALENT = {s.name: s.deepspeed for s in CATALOG if s.deepspeed}

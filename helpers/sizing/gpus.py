@@ -1,0 +1,125 @@
+"""GPUs as the planners see them: the memory CUDA reports, the one runtime reserve (a CUDA context per process plus
+an allocator margin per device, data/inference.json with sources), the memory bandwidth; GPUs named the way a user
+says them ('2 x RTX 3090', 'RTX 5090=32GiB'); and the search for the largest workload that fits."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from helpers.course import load_data
+from helpers.sizing.shape import inference_data
+from helpers.units import MiB, fmt_bytes, is_size, parse_size
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as the planner sees it: the memory CUDA reports, the runtime reserve, the memory bandwidth."""
+
+    name: str
+    capacity_bytes: int
+    reserve_bytes: int
+    bandwidth_gb_s: float | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.capacity_bytes - self.reserve_bytes
+
+
+def runtime_reserve() -> dict[str, int]:
+    """Bytes per process (the CUDA context, ollama's figure) and per device (an allocator margin, llama.cpp's
+    --fit margin): data/inference.json's "runtime_reserve", where each figure's source is given."""
+    reserve = inference_data()["runtime_reserve"]
+    return {"context": reserve["cuda_context"]["mib"] * MiB, "margin": reserve["allocator_margin"]["mib"] * MiB}
+
+
+def runtime_reserve_bytes() -> int:
+    """Per GPU that one process uses: its CUDA context plus the allocator margin."""
+    return sum(runtime_reserve().values())
+
+
+_COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+)$", re.IGNORECASE)
+
+
+def gpu(spec: str) -> Gpu:
+    """A GPU from its name in data/hardware.json ('RTX 3090'), NAME=SIZE ('RTX 5090=32GiB') or a bare size ('24GiB').
+
+    Capacity: the memory CUDA reports where data/inference.json has it (RTX 3090), else hardware.json's memory_gb in
+    GB (10**9 bytes, the unit its key names).
+    """
+    spec = spec.strip()
+    known = load_data("hardware")["gpus"]
+    by_name = {name.lower(): name for name in known}
+    name, _, size = spec.partition("=")
+    name, size = name.strip(), size.strip()
+    if not size and is_size(name):
+        name, size = f"GPU ({name})", name
+    canonical = by_name.get(name.lower())
+    bandwidth = known[canonical]["memory_bandwidth_gb_s"] if canonical else None
+    if size:
+        capacity = parse_size(size)
+    elif canonical:
+        measured = inference_data()["gpu_memory"].get(canonical)
+        capacity = measured["cuda_total_mib"] * MiB if measured else int(known[canonical]["memory_gb"] * 10**9)
+    else:
+        raise ValueError(f"no memory size known for GPU {spec!r}: use one of {', '.join(known)} or give its memory "
+                         f"as NAME=SIZE, e.g. '{name or 'my GPU'}=24GiB'")
+    reserve = runtime_reserve_bytes()
+    if capacity <= reserve:
+        raise ValueError(f"{name or spec} has {fmt_bytes(capacity)}, no more than the runtime reserve of "
+                         f"{fmt_bytes(reserve)} (CUDA context + allocator margin): nothing would be left for a model")
+    return Gpu(canonical or name, capacity, reserve, bandwidth)
+
+
+def parse_gpus(text: str) -> list[Gpu]:
+    """'2 x RTX 3090', 'RTX 3090, RTX 4090', '2x24GiB' -> GPUs in device order."""
+    gpus = []
+    for item in (part for part in text.split(",") if part.strip()):
+        match = _COUNT.match(item)
+        count, spec = (int(match.group(1)), match.group(2)) if match else (1, item)
+        gpus += [gpu(spec)] * count
+    if not gpus:
+        raise ValueError(f"no GPUs in {text!r}: list them like '2 x RTX 3090' or 'RTX 3090, RTX 4090'")
+    return gpus
+
+
+def describe_gpus(gpus: Sequence[Gpu]) -> str:
+    """'2 x RTX 3090' or 'RTX 3090 + RTX 4090'."""
+    names = [g.name for g in gpus]
+    return f"{len(names)} x {names[0]}" if len(set(names)) == 1 and len(names) > 1 else " + ".join(names)
+
+
+def default_gpus() -> list[Gpu]:
+    """The course's target rig: two RTX 3090s."""
+    return parse_gpus("2 x RTX 3090")
+
+
+def check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
+    if gpus is None:
+        return default_gpus()
+    if isinstance(gpus, str):
+        return parse_gpus(gpus)
+    gpus = list(gpus)
+    if not gpus:
+        raise ValueError("no GPUs given: plan for at least one (the default is two RTX 3090s)")
+    for g in gpus:
+        if not g.usable_bytes > 0:
+            raise ValueError(f"{g.name} has no memory left after its runtime reserve "
+                             f"({fmt_bytes(g.capacity_bytes)} - {fmt_bytes(g.reserve_bytes)})")
+    return gpus
+
+def check_workload(context: int, batch: int) -> None:
+    """A context (tokens per sequence) and a batch (sequences) of whole numbers >= 1, or the reason why not."""
+    for what, value in (("context", context), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a whole number of at least 1 (tokens per sequence for the context, "
+                             f"sequences for the batch), got {value!r}")
+
+
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest n in 1..upper with fits(n) (fits is monotone: true, then false), or 0 when even 1 fails."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
