@@ -138,6 +138,7 @@ def test_async_save_marks_complete_without_waiting_for_the_next_save(tmp_path):
     assert len(run.ckpt.blocked) == 1
 
 
+@pytest.mark.full  # two ranks: the full tier
 def test_qlora_shards_under_cpu_offload_hold_only_their_share(tmp_path):
     """With offload="cpu", `_assign_shard` kept each rank's NF4 shard as a view of the whole weight (torchao's chunk
     returns views, its `.to` to the same device is a no-op): every rank held the whole 4-bit base in host memory
