@@ -4,32 +4,37 @@
   pipelines, DDP, ZeRO-1, ZeRO-2, FSDP2, DP x PP) as a discrete-event simulation: step time, per-device busy
   fraction, peak memory, and a timeline in the format measured timelines use (`helpers.timeline.plot_timeline`
   draws both).
-- `Workload.from_profile(profile)` / `Workload.from_lists(...)`: per-layer costs; `on_gpu(workload, flops, gpu)`
-  and `transformer_workload(shape, seq, gpu)` (a `helpers.sizing.shape.ModelShape`): the same costs on a GPU you do
-  not have (roofline).
+- `Workload.from_profile(profile)` / `Workload.from_lists(...)`: per-layer costs; `transformer_workload(shape, seq,
+  gpu)` (a `helpers.sizing.shape.ModelShape`): the same costs on a GPU you do not have, each layer's kernels traced
+  on the meta device and timed by a per-kernel roofline (`trace_kernels`, `kernels_s`, `efficiency()`);
+  `on_gpu(workload, flops, gpu)` from totals.
 - `target_rig(name)`, `fit_link(sizes, seconds)`, `fit_collective_link(sizes, seconds)`: hardware from
   data/hardware.json or your own link benchmark; `SharedCores`: devices sharing a pool of cores (the CPU rig).
 - `recommend_model(name)`, `decision_table()`: which strategy for two GPUs, every strategy treated alike.
 - `Playground().show()`: the pipeline playground widget.
-- `predictions_vs_published()`: predictions beside published results, with the error.
+- `predictions_vs_published()`: predictions beside published results, with the error; `gpu_orders(rows)`: the
+  GPUs fastest first per model, predicted and published; `fitted_constants()`: the constants fitted on them.
 """
 from helpers.simulate.events import TaskGraph
-from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, decision_table,
+from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, block_tflops, decision_table,
                                     recommend, recommend_model, transformer_workload)
 from helpers.simulate.hardware import (FREE_LINK, GPU, Collectives, Link, SharedCores, TargetRig, allgather_s,
                                        allreduce_s, broadcast_s, collective_s, fit_collective_link, fit_collectives,
                                        fit_link, gpu_named, link_named, reducescatter_s,
                                        target_rig, target_rigs)
 from helpers.simulate.playground import Knobs, Playground
-from helpers.simulate.published import predictions_vs_published, resnet50_workload
-from helpers.simulate.roofline import layer_flops, on_gpu, roofline_s
+from helpers.simulate.published import (bert_workload, fitted_constants, gpu_orders, predictions_vs_published,
+                                        resnet50_workload)
+from helpers.simulate.roofline import (Efficiency, Kernel, efficiency, kernels_s, layer_flops, on_gpu, roofline_s,
+                                       trace_kernels)
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-__all__ = ["Collectives", "FREE_LINK", "GPU", "Job", "Knobs", "LABELS", "LayerCost", "Link", "MODELS",
-           "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph",
-           "Workload", "allgather_s", "allreduce_s", "block_activation_bytes", "broadcast_s", "collective_s",
-           "decision_table", "fit_collective_link", "fit_collectives", "fit_link", "gpu_named", "layer_flops",
-           "link_named", "on_gpu", "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s",
-           "resnet50_workload", "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs",
+__all__ = ["Collectives", "Efficiency", "FREE_LINK", "GPU", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
+           "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
+           "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s",
+           "collective_s", "decision_table", "efficiency", "fit_collective_link", "fit_collectives", "fit_link",
+           "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named", "on_gpu",
+           "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s", "resnet50_workload",
+           "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs", "trace_kernels",
            "transformer_workload"]

@@ -22,7 +22,7 @@ from helpers.sizing.activations import transformer_activation_bytes
 from helpers.sizing.gpus import runtime_reserve_bytes
 from helpers.sizing.shape import ModelShape, decoder_shape
 from helpers.simulate.hardware import GPU, TargetRig, target_rig
-from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, layer_flops, roofline_s
+from helpers.simulate.roofline import VALUE_BYTES, Efficiency, kernels_s, optimizer_s, step_s, trace_kernels
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
@@ -71,35 +71,44 @@ def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "
     return transformer_activation_bytes(batch, seq, hidden, 1, heads, bytes_per_value, attention)
 
 
-@functools.lru_cache(maxsize=32)
-def _decoder_counts(shape: ModelShape, seq: int, head_outputs: int | None) -> tuple[tuple[tuple[float, float], ...],
-                                                                                  tuple[int, ...], tuple[int, ...]]:
-    """Per-sample (forward, backward) FLOPs and parameter counts of embedding, one block, final norm and head,
-    counted on a one-block model built on the meta device."""
+ATTENTION_KERNELS = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}  # what the trace runs for each
+
+
+@functools.lru_cache(maxsize=64)
+def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batch: int, dtype: str, attention: str):
+    """Kernels (forward, backward) of embedding, one block, final norm and head for `batch` sequences, traced on a
+    one-block model built on the meta device, with its parameter and parameter-tensor counts. Dropout as the
+    family's Hugging Face default has it in training (GPT-2 0.1, Llama none)."""
     from helpers.models import build_hf_model, hf_layers
 
-    model = build_hf_model(shape.config.model_type, 1, shape.hidden, shape.heads, shape.vocab, seq, shape.intermediate,
-                           meta=True, kv_heads=shape.kv_heads if shape.kv_heads != shape.heads else None)
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention implementation {attention!r}; choose one of {list(ATTENTION_KERNELS)}")
+    family = shape.config.model_type
+    model = build_hf_model(family, 1, shape.hidden, shape.heads, shape.vocab, seq, shape.intermediate, meta=True,
+                           kv_heads=shape.kv_heads if shape.kv_heads != shape.heads else None,
+                           dropout=0.1 if family == "gpt2" else 0.0, attn_implementation=ATTENTION_KERNELS[attention])
     embedding, block, norm, head = hf_layers(model)
     if head_outputs is not None:
         with torch.device("meta"):
             head = torch.nn.Linear(shape.hidden, head_outputs)
-    flops = layer_flops([embedding, block, norm, head], torch.zeros(1, seq, dtype=torch.long))
+    kernels = trace_kernels([embedding, block, norm, head], torch.zeros(batch, seq, dtype=torch.long), dtype)
     params = [sum(p.numel() for p in module.parameters()) for module in (embedding, block, norm, head)]
     tensors = [max(1, len(list(module.parameters()))) for module in (embedding, block, norm, head)]
     if shape.tied and head_outputs is None:
         params[3] = 0  # a tied head (GPT-2's) is the embedding's weight: counted once
-    return tuple(flops), tuple(params), tuple(tensors)
+    return tuple(kernels), tuple(params), tuple(tensors)
 
 
 def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
-                         recipe: str = "mixed precision + Adam", head_outputs: int | None = None) -> Workload:
+                         recipe: str = "mixed precision + Adam", head_outputs: int | None = None, batch: int = 8,
+                         eff: Efficiency | None = None) -> Workload:
     """Per-sample costs of a decoder (`helpers.sizing.shape.ModelShape`: `model_shape(config)`, `decoder_shape(...)`
     or one of MODELS) on `gpu`: embedding, blocks, final norm, head (`head_outputs`: a task head, e.g. 2 for SQuAD
-    span logits, instead of the language-model head). FLOPs counted on the meta device (one block, repeated);
-    activations from `block_activation_bytes`; the head keeps its input and fp32 logits for the loss (an estimate of
-    what Hugging Face's loss holds); a tied head's weight is the embedding's (counted once)."""
-    flops, counts, tensors = _decoder_counts(shape, seq, head_outputs)
+    span logits, instead of the language-model head), each timed kernel by kernel (`helpers.simulate.roofline`) at a
+    micro-batch of `batch` sequences (the size launch overheads amortise over). Activations from
+    `block_activation_bytes`; the head keeps its input and fp32 logits for the loss (an estimate of what Hugging
+    Face's loss holds); a tied head's weight is the embedding's (counted once)."""
+    kernels, counts, tensors = _decoder_kernels(shape, seq, head_outputs, batch, dtype, attention)
     v, outputs = VALUE_BYTES[dtype], head_outputs or shape.vocab
     hidden_bytes = seq * shape.hidden * v
     parts = [("embedding", 0.0, hidden_bytes),
@@ -108,14 +117,22 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf
              ("final norm", hidden_bytes, hidden_bytes),
              ("head", hidden_bytes + seq * outputs * (v + 4), seq * outputs * v)]
     layers = []
-    for (name, activations, output), (f, b), params, n_tensors in zip(parts, flops, counts, tensors):
-        written = activations + output
-        cost = LayerCost(name, roofline_s(f, written, gpu, dtype), roofline_s(b, 2 * written, gpu, dtype), params,
-                         activations, output, n_tensors)
+    for (name, activations, output), trace, params, n_tensors in zip(parts, kernels, counts, tensors):
+        cost = LayerCost(name, step_s(trace.forward, gpu, dtype, batch, eff),
+                         step_s(trace.backward, gpu, dtype, batch, eff), params, activations, output, n_tensors)
         blocks = len(shape.decoder_layers)
         layers += [replace(cost, name=f"block {i}") for i in range(blocks)] if name == "block" else [cost]
     n_params = sum(layer.params for layer in layers)
-    return Workload(tuple(layers), recipe, ADAM_BYTES_PER_PARAM * n_params / gpu.memory_bandwidth)
+    return Workload(tuple(layers), recipe, optimizer_s(n_params, recipe, gpu))
+
+
+def block_tflops(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
+                 batch: int = 8) -> float:
+    """TFLOPS one of the model's blocks sustains forward + backward on `gpu` (its traced kernels' FLOPs over their
+    time): a single figure for back-of-the-envelope compute times, from the same model as `transformer_workload`."""
+    block = _decoder_kernels(shape, seq, None, batch, dtype, attention)[0][1]
+    kernels = block.forward + block.backward
+    return sum(k.flops for k in kernels) / kernels_s(kernels, gpu, dtype) / 1e12
 
 
 @dataclass(frozen=True)

@@ -207,19 +207,22 @@ def link_named(name: str) -> Link:
 
 @dataclass(frozen=True)
 class GPU:
-    """What the roofline needs of a GPU: sustained FLOP/s on real layers per dtype, memory bandwidth, capacity."""
+    """What the roofline needs of a GPU: its sustained matmul rate per dtype (a large matmul, measured), the memory
+    bandwidth element-wise kernels sustain, and capacity. Real layers reach less than the matmul rate:
+    `helpers.simulate.roofline` times each of their kernels against these two roofs."""
 
     name: str
     memory_bytes: int
-    memory_bandwidth: float  # bytes/s
-    layer_flops: dict[str, float]  # FLOP/s sustained on real transformer layers, per dtype
-    matmul_flops: dict[str, float]  # FLOP/s of a large matmul, per dtype (the ceiling real layers do not reach)
+    memory_bandwidth: float  # bytes/s an element-wise kernel sustains (measured, or an estimate where marked)
+    matmul_flops: dict[str, float]  # FLOP/s of a large matmul, per dtype, measured
+    conv_efficiency: float | None = None  # this card's own (fitted) share of the matmul rate convolutions reach
 
     def flops(self, dtype: str) -> float:
-        if dtype not in self.layer_flops:
-            raise ValueError(f"no sustained {dtype!r} figure for the {self.name} in data/hardware.json; "
-                             f"known: {', '.join(sorted(self.layer_flops))}")
-        return self.layer_flops[dtype]
+        """The sustained matmul rate in `dtype` (FLOP/s)."""
+        if dtype not in self.matmul_flops:
+            raise ValueError(f"no sustained {dtype!r} matmul figure for the {self.name} in data/hardware.json; "
+                             f"known: {', '.join(sorted(self.matmul_flops))}")
+        return self.matmul_flops[dtype]
 
 
 def gpu_named(name: str) -> GPU:
@@ -228,19 +231,22 @@ def gpu_named(name: str) -> GPU:
     sustained = entry.get("sustained")
     if sustained is None:
         raise ValueError(f"the {name} has no sustained figures in data/hardware.json; the roofline needs them")
-    rates = lambda table: {d: table[d] * 1e12 for d in DTYPES if d in table}  # noqa: E731
-    return GPU(name, int(entry["memory_gb"] * 1e9), entry["memory_bandwidth_gb_s"] * 1e9,
-               rates(sustained["layer_tflops"]), rates(sustained["matmul_tflops"]))
+    matmul = sustained["matmul_tflops"]
+    conv = sustained.get("conv_efficiency")
+    return GPU(name, int(entry["memory_gb"] * 1e9), sustained["memory_gb_s"]["value"] * 1e9,
+               {d: matmul[d] * 1e12 for d in DTYPES if d in matmul}, conv["value"] if conv else None)
 
 
 @dataclass(frozen=True)
 class TargetRig:
-    """A named machine to predict: `devices` copies of `gpu` joined pairwise by `link`."""
+    """A named machine to predict: `devices` copies of `gpu` joined pairwise by `link` (copies, point to point);
+    NCCL's all-reduce over them runs at `collectives`' bus bandwidth and latency (nccl-tests where published)."""
 
     name: str
     gpu: GPU
     link: Link
     devices: int
+    collectives: Link
     note: str = ""
 
 
@@ -248,7 +254,21 @@ def target_rigs() -> list[str]:
     return sorted(load_data("hardware")["rigs"])
 
 
+def allreduce_link(name: str) -> Link:
+    """The ring link that makes `allreduce_s` reproduce a link's published all-reduce (data/hardware.json `links`,
+    `allreduce`): for N devices a ring all-reduce takes 2(N-1) steps of latency + nbytes / N / bandwidth, and
+    nccl-tests' busbw is the per-link bandwidth of that ring (its doc/PERFORMANCE.md), so the bandwidth is busbw
+    and the latency per step half a 2-GPU all-reduce's small-message time. A link without a published all-reduce
+    uses its copy figures."""
+    entry = _known("link", name, load_data("hardware")["links"])
+    if "allreduce" not in entry:
+        return link_named(name)
+    allreduce = entry["allreduce"]
+    return Link(allreduce["small_message_us"] * 1e-6 / 2, allreduce["busbw_gb_s"] * 1e9, f"{name} (all-reduce)")
+
+
 def target_rig(name: str) -> TargetRig:
     """A rig from data/hardware.json (`rigs`): '2x3090 PCIe', '2x3090 NVLink', '2x4090', '2xA100', ..."""
     entry = _known("rig", name, load_data("hardware")["rigs"])
-    return TargetRig(name, gpu_named(entry["gpu"]), link_named(entry["link"]), entry["devices"], entry.get("note", ""))
+    return TargetRig(name, gpu_named(entry["gpu"]), link_named(entry["link"]), entry["devices"],
+                     allreduce_link(entry["link"]), entry.get("note", ""))

@@ -1,66 +1,125 @@
 """The simulator's other-hardware predictions next to published results (data/published.json, with sources).
 
-Each check rebuilds the published setup as a workload on the nearest rig in data/hardware.json, simulates it, and
-reports predicted, published and the relative error. Where the published hardware is not one of ours, the row says
-which rig stands in for it: the error then includes that difference, and is reported, not hidden.
+Each check rebuilds the published setup as a workload (its layers traced kernel by kernel on the meta device,
+`helpers.simulate.roofline`) on the rig in data/hardware.json that ran it, or the nearest one: where the published
+hardware is not one of ours the row says which rig stands in for it, and the error then includes that difference.
+
+Four constants are fitted here, each on one published figure of a different GPU (`FITTED`, `fitted_constants()`):
+the share of a training step spent in traced kernels on Lambda's RTX 3090 BERT-large throughput, the convolution
+efficiency on its RTX 4090 ResNet-50, the A100's own convolution efficiency on its A100 ResNet-50, and the all-reduce
+bus bandwidth of two GeForce cards without peer-to-peer on Hugging Face's TITAN RTX NVLink / no-P2P ratio. Every
+other row is validation: no other published figure sets anything.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
+import torch
+from torch import nn
+
 from helpers.course import load_data
 from helpers.simulate.guide import transformer_workload
+from helpers.simulate.hardware import GPU, Link, allreduce_link, gpu_named, link_named, target_rig
+from helpers.simulate.roofline import Efficiency, efficiency, kernels_s, trace_kernels, workload_from_traces
 from helpers.sizing.shape import decoder_shape
-from helpers.simulate.hardware import GPU, target_rig
-from helpers.simulate.roofline import ADAM_BYTES_PER_PARAM, VALUE_BYTES, roofline_s
 from helpers.simulate.strategies import Job, simulate
-from helpers.simulate.workload import LayerCost, Workload
+from helpers.simulate.workload import Workload
 
-BERT = {"BERT-base": ("gpt2", 12, 768, 12, 30522, 3072), "BERT-large": ("gpt2", 24, 1024, 16, 30522, 4096)}
-BERT_OUTPUTS = 2  # SQuAD's span logits: the task head instead of the language-model head
-BERT_SEQ = 384  # SQuAD fine-tuning's usual max_seq_length (NVIDIA DeepLearningExamples' default); an assumption
+BERT = {"BERT-base": (12, 768, 12), "BERT-large": (24, 1024, 16)}  # layers, hidden, heads (intermediate 4 x hidden)
+BERT_SEQ = 384  # Lambda's run_squad.py max_seq_length (its logs: pytorch/results/*/PyTorch_bert_*_squad_FP16)
+GPT2_SMALL = ("gpt2", 12, 768, 12, 50257, 3072)  # decoder_shape arguments
 RESNET50_STAGES = (("layer1", 3, 64, 1), ("layer2", 4, 128, 2), ("layer3", 6, 256, 2), ("layer4", 3, 512, 2))
+LAMBDA_RIGS = (("2x3090 PCIe", "lambda_2x3090_data_parallel"), ("2x4090", "lambda_2x4090_data_parallel"),
+               ("2xA100", "lambda_2xa100_sxm4_data_parallel"))
+NO_P2P = "3090_gpu_to_gpu_no_p2p"
+FITTED = {"framework": "Lambda one-GPU throughput, BERT-large (samples/s), RTX 3090",
+          "conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), RTX 4090",
+          "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM",
+          "no-P2P all-reduce": "HF GPT-2 DDP: no-P2P time / NVLink time (x), 2x TITAN RTX"}
 
 
-def _conv_bn(cin: int, cout: int, kernel: int, stride: int, hw: int) -> tuple[float, float, int, int]:
-    """Convolution + batch norm (+ ReLU) on a hw x hw input, per image: (FLOPs, values saved for backward: the conv
-    input, the BN input and the ReLU output, parameters, output size)."""
-    out = hw // stride
-    return (2 * kernel * kernel * cin * cout * out * out, cin * hw * hw + 2 * cout * out * out,
-            kernel * kernel * cin * cout + 2 * cout, out)
+class _Bottleneck(nn.Module):
+    """torchvision's ResNet v1.5 bottleneck (the stride in the 3x3 convolution), rebuilt: torchvision is not a
+    dependency of the course."""
+
+    def __init__(self, cin: int, width: int, stride: int):
+        super().__init__()
+        out = 4 * width
+        self.body = nn.Sequential(nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                                  nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU(inplace=True), nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out))
+        self.shortcut = (nn.Sequential(nn.Conv2d(cin, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+                         if stride != 1 or cin != out else nn.Identity())
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
 
 
-def resnet50_workload(image: int, gpu: GPU, dtype: str, recipe: str, classes: int = 1000) -> Workload:
-    """torchvision's ResNet-50 (v1.5: the stride in the 3x3 conv) as six layers (stem, layer1-4, pool + fc) from its
-    convolution shapes, each timed by the roofline on `gpu`."""
-    v = VALUE_BYTES[dtype]
-    flops, saved, params, hw = _conv_bn(3, 64, 7, 2, image)
-    groups = [("stem", flops, saved + 64 * hw * hw, params, 64 * (hw // 2) ** 2)]  # + the max-pool's input
-    hw, cin = hw // 2, 64
-    for name, blocks, width, stride in RESNET50_STAGES:
-        flops = saved = params = 0
-        for i in range(blocks):
-            step = stride if i == 0 else 1
-            out = hw // step
-            convs = [(cin, width, 1, 1, hw), (width, width, 3, step, hw), (width, 4 * width, 1, 1, out)]
-            if i == 0:
-                convs.append((cin, 4 * width, 1, step, hw))  # the downsampling shortcut
-            for c_in, c_out, kernel, s, size in convs:
-                f, a, p, _ = _conv_bn(c_in, c_out, kernel, s, size)
-                flops, saved, params = flops + f, saved + a, params + p
-            hw, cin = out, 4 * width
-        groups.append((name, flops, saved, params, cin * hw * hw))
-    groups.append(("pool + fc", 2 * cin * classes, cin * hw * hw + cin, cin * classes + classes, classes))
-    layers = []
-    for name, f, saved_values, p, out_values in groups:
-        written = (saved_values + out_values) * v
-        layers.append(LayerCost(name, roofline_s(f, written, gpu, dtype), roofline_s(2 * f, 2 * written, gpu, dtype),
-                                p, saved_values * v, out_values * v))
-    n_params = sum(layer.params for layer in layers)
-    return Workload(tuple(layers), recipe, ADAM_BYTES_PER_PARAM * n_params / gpu.memory_bandwidth)
+def resnet50_layers(classes: int = 1000) -> list[tuple[str, nn.Module, int]]:
+    """torchvision's ResNet-50 as six named layers on the meta device (each once): stem, layer1-4, pool + fc."""
+    with torch.device("meta"):
+        layers = [("stem", nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                         nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)), 1)]
+        cin = 64
+        for name, blocks, width, stride in RESNET50_STAGES:
+            stage = [_Bottleneck(cin if i == 0 else 4 * width, width, stride if i == 0 else 1) for i in range(blocks)]
+            layers.append((name, nn.Sequential(*stage), 1))
+            cin = 4 * width
+        layers.append(("pool + fc", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)), 1))
+    return layers
 
 
-def _row(check: str, simulated_on: str, predicted: float, published: float, source: str) -> dict:
+@functools.lru_cache(maxsize=16)
+def _traced(model: str, batch: int, size: int, dtype: str):
+    """(layers, their traces) of ResNet-50 on `size` px images or a BERT on `size` tokens, for `batch` samples."""
+    if model == "ResNet-50":
+        layers, sample = resnet50_layers(), torch.zeros(batch, 3, size, size)
+    else:
+        layers, sample = bert_layers(model), torch.zeros(batch, size, dtype=torch.long)
+    return layers, trace_kernels([module for _, module, _ in layers], sample, dtype)
+
+
+def resnet50_workload(image: int, gpu: GPU, dtype: str, recipe: str, batch: int = 32,
+                      eff: Efficiency | None = None) -> Workload:
+    """ResNet-50 on `image` x `image` pictures on `gpu`, traced at a micro-batch of `batch` images."""
+    return workload_from_traces(*_traced("ResNet-50", batch, image, dtype), batch, gpu, dtype, recipe, eff)
+
+
+def _bert_config(hidden: int, heads: int, layers: int = 1):
+    from transformers import BertConfig
+
+    config = BertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                        num_hidden_layers=layers)
+    config._attn_implementation = "eager"  # NVIDIA's and Hugging Face's BERT of these runs: unfused attention
+    return config
+
+
+def bert_layers(name: str, classes: int = 2) -> list[tuple[str, nn.Module, int]]:
+    """Hugging Face's BERT (`BERT` sizes) for SQuAD as (name, layer, repeats) on the meta device: embeddings, the
+    encoder layers (one, repeated), the span head."""
+    from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
+
+    layers, hidden, heads = BERT[name]
+    config = _bert_config(hidden, heads, layers)
+    with torch.device("meta"):
+        return [("embedding", BertEmbeddings(config), 1), ("block", BertLayer(config), layers),
+                ("head", nn.Linear(hidden, classes), 1)]
+
+
+def bert_workload(name: str, seq: int, gpu: GPU, dtype: str, recipe: str, batch: int,
+                  eff: Efficiency | None = None) -> Workload:
+    """BERT-base or BERT-large fine-tuning on `seq` tokens on `gpu`, traced at a micro-batch of `batch`."""
+    if name not in BERT:
+        raise ValueError(f"unknown BERT {name!r}; choose one of {list(BERT)}")
+    return workload_from_traces(*_traced(name, batch, seq, dtype), batch, gpu, dtype, recipe, eff)
+
+
+def _row(check: str, simulated_on: str, predicted: float, published: float, source: str, model: str = "",
+         gpu: str = "") -> dict:
+    """One check; `model` and `gpu` name a one-GPU figure whose GPU order per model is checked too."""
     return {"check": check, "rig simulated": simulated_on, "predicted": predicted, "published": published,
-            "error": predicted / published - 1, "source": source}
+            "error": predicted / published - 1, "source": source, "model": model, "gpu": gpu}
 
 
 def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
@@ -69,7 +128,7 @@ def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
     published = load_data("published")
     times, setup = published["pytorch_model_parallel_tutorial"], published["pytorch_model_parallel_tutorial_setup"]
     rig = target_rig(rig)
-    workload = resnet50_workload(setup["image"], rig.gpu, setup["dtype"], "fp32 + SGD")
+    workload = resnet50_workload(setup["image"], rig.gpu, setup["dtype"], "fp32 + SGD", batch=setup["batch"])
     batch, cut, single = setup["batch"], (3,), times["seconds"]["single_gpu"]
     one = simulate(workload, Job("single", batch))
     rows = [_row("PyTorch tutorial: naive split vs one GPU (x)", rig.name,
@@ -82,46 +141,146 @@ def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
     return rows
 
 
+def lambda_workloads(gpu: GPU, eff: Efficiency | None = None, only: str | None = None) -> dict[str, Workload]:
+    """Lambda's fp16 training runs as workloads on `gpu`, each at Lambda's per-GPU batch for that GPU: ResNet-50
+    (AMP, SGD with momentum) and BERT SQuAD fine-tuning (apex O2: fp16 weights and gradients, fp32 master weights
+    and Adam, eager attention, dropout 0.1)."""
+    batches = load_data("published")["lambda_batch_per_gpu_fp16"]["batch"][gpu.name]
+    build = {"ResNet-50": lambda: resnet50_workload(224, gpu, "fp16", "fp32 + SGD momentum", batches["ResNet-50"],
+                                                    eff)}
+    build.update({name: (lambda name=name: bert_workload(name, BERT_SEQ, gpu, "fp16", "mixed precision + Adam",
+                                                         batches[name], eff)) for name in BERT})
+    return {name: make() for name, make in build.items() if only in (None, name)}
+
+
 def lambda_rows() -> list[dict]:
-    """Lambda's fp16 training benchmark for ResNet-50, BERT-base and BERT-large: one GPU's throughput (the roofline's
-    absolute calibration) and the 1 -> 2 GPU data-parallel speed-up, on 2x3090, 2x4090 and 2xA100 (GNMT, an LSTM,
-    is not modelled)."""
+    """Lambda's fp16 training benchmark for ResNet-50, BERT-base and BERT-large: one GPU's throughput and the
+    1 -> 2 GPU data-parallel speed-up, on 2x3090, 2x4090 and 2xA100 (GNMT, an LSTM, is not modelled)."""
     published = load_data("published")
     batches = published["lambda_batch_per_gpu_fp16"]["batch"]
     single = published["lambda_1gpu_throughput_fp16"]
     rows = []
-    for rig_name, key in (("2x3090 PCIe", "lambda_2x3090_data_parallel"), ("2x4090", "lambda_2x4090_data_parallel"),
-                          ("2xA100", "lambda_2xa100_sxm4_data_parallel")):
+    for rig_name, key in LAMBDA_RIGS:
         rig, entry = target_rig(rig_name), published[key]
-        workloads = {"ResNet-50": resnet50_workload(224, rig.gpu, "fp16", "fp32 + SGD momentum")}
-        workloads.update({name: transformer_workload(decoder_shape(*sizes), BERT_SEQ, rig.gpu, "fp16", "eager",
-                                                     "fp32 + Adam", head_outputs=BERT_OUTPUTS)
-                          for name, sizes in BERT.items()})
-        for model, workload in workloads.items():
+        for model, workload in lambda_workloads(rig.gpu).items():
             batch = batches[rig.gpu.name][model]
             one = simulate(workload, Job("single", batch))
             rows.append(_row(f"Lambda one-GPU throughput, {model} (samples/s)", rig.gpu.name, one.samples_per_s,
-                             single["samples_per_s"][rig.gpu.name][model], single["source"]))
-            two = simulate(workload, Job("ddp", rig.devices * batch, replicas=rig.devices), rig.link)
+                             single["samples_per_s"][rig.gpu.name][model], single["source"], f"Lambda {model}",
+                             rig.gpu.name))
+            two = simulate(workload, Job("ddp", rig.devices * batch, replicas=rig.devices), rig.link, rig.collectives)
             rows.append(_row(f"Lambda DDP speed-up, {model} (x)", rig.name, two.samples_per_s / one.samples_per_s,
                              entry["speedup"][model], entry["source"]))
     return rows
 
 
-def nvlink_rows() -> list[dict]:
-    """Hugging Face's DDP training of GPT-2 (fp32) with and without NVLink, 2x TITAN RTX: the time ratio, predicted
-    on 2x3090 PCIe vs 2x3090 NVLink (no TITAN RTX figures here)."""
+def bert_layer_tflops(seq: int, batch: int, gpu: GPU, hidden: int = 1024, heads: int = 16,
+                      dtype: str = "fp16") -> float:
+    """The TFLOPS `micro_bench.ipynb` reports for one BERT layer forward + backward: its formula's FLOPs
+    (3 x (24 b s h^2 + 4 b s^2 h)) over the layer's time, here the traced `BertLayer`'s kernels on `gpu`."""
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    with torch.device("meta"):
+        layer = BertLayer(_bert_config(hidden, heads))
+    trace = trace_kernels([layer], torch.zeros(batch, seq, hidden), dtype)[0]
+    seconds = kernels_s(trace.forward + trace.backward, gpu, dtype)
+    return 3 * (24 * batch * seq * hidden ** 2 + 4 * batch * seq ** 2 * hidden) / seconds / 1e12
+
+
+def micro_bench_rows() -> list[dict]:
+    """mli/transformers-benchmarks: TFLOPS of one BERT-large layer (fp16, forward + backward) on an RTX 3090 Ti,
+    an RTX 4090 and an A100."""
+    entry = load_data("published")["mli_bert_layer_tflops"]
+    setup = entry["setup"]
+    return [_row(f"BERT-large layer fwd+bwd, seq {setup['seq']}, batch {setup['batch']} (TFLOPS)", gpu_name,
+                 bert_layer_tflops(setup["seq"], setup["batch"], gpu_named(gpu_name)), published, entry["source"],
+                 "BERT-large layer", gpu_name)
+            for gpu_name, published in entry["fwd_bwd_tflops"].items()]
+
+
+def nvlink_rows(no_p2p: Link | None = None) -> list[dict]:
+    """Hugging Face's DDP training of GPT-2 (fp32, 4 x 1024 tokens per GPU) on 2x TITAN RTX, with its NVLink
+    bridge and with NCCL_P2P_DISABLE=1: the time ratio. The all-reduce over the bridge is nccl-tests' on the same
+    chip's bridge (2x RTX 2080 Ti); without P2P, the GeForce no-P2P all-reduce (`no_p2p`, by default the stored
+    fit); the compute is an RTX 3090's (no TITAN RTX figures)."""
     published = load_data("published")
     times, setup = published["hf_nvlink_ddp"], published["hf_nvlink_ddp_setup"]
-    pcie, nvlink = target_rig("2x3090 PCIe"), target_rig("2x3090 NVLink")
-    workload = transformer_workload(decoder_shape("gpt2", 12, 768, 12, 50257, 3072), setup["seq"], pcie.gpu,
-                                    setup["dtype"], "eager", "fp32 + Adam")
-    job = Job("ddp", 2 * setup["per_device_batch"])
-    ratio = simulate(workload, job, pcie.link).step_s / simulate(workload, job, nvlink.link).step_s
-    return [_row("HF GPT-2 DDP: no-P2P time / NVLink time (x)", f"{pcie.name} vs {nvlink.name} (for 2x TITAN RTX)",
+    gpu, batch = gpu_named("RTX 3090"), setup["per_device_batch"]
+    workload = transformer_workload(decoder_shape(*GPT2_SMALL), setup["seq"], gpu, setup["dtype"], "eager",
+                                    "fp32 + Adam", batch=batch)
+    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), Job("ddp", 2 * batch)
+    ratio = (simulate(workload, job, link_named(NO_P2P), no_p2p or allreduce_link(NO_P2P)).step_s
+             / simulate(workload, job, nvlink, nvlink).step_s)
+    return [_row("HF GPT-2 DDP: no-P2P time / NVLink time (x)", "RTX 3090 compute; 2080 Ti bridge vs no-P2P",
                  ratio, times["seconds"]["nccl_p2p_disable"] / times["seconds"]["nvlink"], times["source"])]
 
 
 def predictions_vs_published() -> list[dict]:
     """Every check: what was predicted, what was published, the relative error, and the source."""
-    return tutorial_rows() + lambda_rows() + nvlink_rows()
+    return tutorial_rows() + lambda_rows() + micro_bench_rows() + nvlink_rows()
+
+
+def gpu_orders(rows: list[dict]) -> dict[str, tuple[list[str], list[str]]]:
+    """For every model with one-GPU figures on several GPUs: (the GPUs fastest first as predicted, as published)."""
+    orders = {}
+    for model in sorted({r["model"] for r in rows if r["model"]}):
+        mine = [r for r in rows if r["model"] == model]
+        orders[model] = ([r["gpu"] for r in sorted(mine, key=lambda r: -r["predicted"])],
+                         [r["gpu"] for r in sorted(mine, key=lambda r: -r["published"])])
+    return orders
+
+
+def _bisect(error, low: float, high: float, steps: int = 30) -> float:
+    """The root of `error` between `low` and `high` (where it changes sign), by bisection."""
+    rising = error(high) > error(low)
+    for _ in range(steps):
+        mid = (low + high) / 2
+        low, high = (mid, high) if (error(mid) < 0) == rising else (low, mid)
+    return (low + high) / 2
+
+
+def _lambda_one_gpu(model: str, gpu: str, eff: Efficiency) -> float:
+    """Predicted one-GPU samples/s of a Lambda model on `gpu` under the roofline constants `eff`."""
+    batch = load_data("published")["lambda_batch_per_gpu_fp16"]["batch"][gpu][model]
+    workload = lambda_workloads(gpu_named(gpu), eff, only=model)[model]
+    return simulate(workload, Job("single", batch)).samples_per_s
+
+
+def _lambda_published(model: str, gpu: str) -> float:
+    return load_data("published")["lambda_1gpu_throughput_fp16"]["samples_per_s"][gpu][model]
+
+
+def fit_framework_efficiency() -> float:
+    """The `framework` share that makes the RTX 3090's one-GPU BERT-large throughput equal Lambda's (`FITTED`)."""
+    model, gpu = "BERT-large", "RTX 3090"
+    return _bisect(lambda f: _lambda_one_gpu(model, gpu, efficiency(framework=f)) / _lambda_published(model, gpu) - 1,
+                   0.3, 1.0)
+
+
+def fit_conv_efficiency(gpu: str = "RTX 4090") -> float:
+    """The convolution efficiency that makes `gpu`'s one-GPU ResNet-50 throughput equal Lambda's (`FITTED`): the
+    shared `conv` on the RTX 4090's figure, the A100's own on the A100's."""
+    card = gpu_named(gpu)
+
+    def error(conv: float) -> float:
+        fixed = replace(card, conv_efficiency=conv)
+        batch = load_data("published")["lambda_batch_per_gpu_fp16"]["batch"][gpu]["ResNet-50"]
+        workload = resnet50_workload(224, fixed, "fp16", "fp32 + SGD momentum", batch)
+        return simulate(workload, Job("single", batch)).samples_per_s / _lambda_published("ResNet-50", gpu) - 1
+
+    return _bisect(error, 0.05, 1.0)
+
+
+def fit_no_p2p_allreduce_gb_s() -> float:
+    """The all-reduce bus bandwidth of two GeForce cards without peer-to-peer (NCCL stages every message through
+    host memory) that makes Hugging Face's no-P2P / NVLink time ratio come out as published (`FITTED`)."""
+    target = nvlink_rows()[0]["published"]
+    latency = allreduce_link(NO_P2P).latency_s
+    return _bisect(lambda gb_s: nvlink_rows(Link(latency, gb_s * 1e9))[0]["predicted"] / target - 1, 0.5, 50.0)
+
+
+def fitted_constants() -> dict[str, float]:
+    """Every constant fitted on a published figure, refitted now (`FITTED` names the figures): what
+    data/hardware.json stores, recomputed."""
+    return {"framework": fit_framework_efficiency(), "conv": fit_conv_efficiency("RTX 4090"),
+            "A100 conv": fit_conv_efficiency("A100 80GB SXM"), "no-P2P all-reduce": fit_no_p2p_allreduce_gb_s()}

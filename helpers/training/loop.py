@@ -53,6 +53,11 @@ class TrainResult:
     state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
     first_step: int = 0  # the step the run started from: a checkpoint's when it resumed; losses[k] is step first+k
     save_blocked: list[float] = field(default_factory=list)  # seconds each checkpoint save blocked the step (rank 0)
+    # per rank, the median timed step's CPU seconds: of the rank's own thread (compute and the host work around it),
+    # and of its whole process (with gloo's threads). Unlike the step's wall time, other processes on the cores do
+    # not stretch them: wall - CPU is what the rank waited (messages, collectives, a core)
+    thread_cpu_s: list[float] = field(default_factory=list)
+    process_cpu_s: list[float] = field(default_factory=list)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -98,6 +103,8 @@ def _combine(parts: list[dict]) -> TrainResult:
                        phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for _, grads in by_layer for g in grads], cuda_peak=[p["cuda_peak"] for p in parts],
                        losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()},
+                       thread_cpu_s=[statistics.median(p["cpu"][0]) for p in parts if p["cpu"][0]],
+                       process_cpu_s=[statistics.median(p["cpu"][1]) for p in parts if p["cpu"][1]],
                        first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"])
 
 
@@ -332,6 +339,7 @@ def train_worker(job: TrainJob) -> dict:
     r = _Rank(job)
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
+    cpu: tuple[list[float], list[float]] = ([], [])  # the timed steps' thread and process CPU seconds
     checkpoints = rank_checkpointer(job, r.module, r.owned, r.optimizer, r.scaler)
     first = checkpoints.resume() if checkpoints is not None else 0
     for i in range(first, job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
@@ -343,7 +351,7 @@ def train_worker(job: TrainJob) -> dict:
         r.module.zero_grad(set_to_none=False)
         dist.barrier()
         _synchronize(r.device)
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         token_loss = r.step_fn(i)
         if i == 0 and job.return_grads:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
@@ -351,6 +359,8 @@ def train_worker(job: TrainJob) -> dict:
         _synchronize(r.device)
         if 0 < i <= job.timed_steps:
             times.append(time.perf_counter() - t0)
+            for spent, was, now in zip(cpu, c0, _cpu_seconds()):
+                spent.append(now - was)
             phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
         dist.all_reduce(total)
@@ -366,8 +376,13 @@ def train_worker(job: TrainJob) -> dict:
     state = _trained_state(r.module, r.owned) if job.return_state else {}
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
-            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "first_step": first,
-            "save_blocked": checkpoints.blocked if checkpoints is not None else []}
+            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu,
+            "first_step": first, "save_blocked": checkpoints.blocked if checkpoints is not None else []}
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds so far of the calling thread and of the whole process (user + system)."""
+    return time.thread_time(), time.process_time()
 
 
 def train_workers(jobs: Sequence[TrainJob]) -> list[dict]:
