@@ -8,9 +8,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
+from _common import (IGNORE_INDEX, autocast, batches, checkpointer, init, parse, report, token_loss_sum,
+                     training_steps, weights_dtype)
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
+from helpers.training.checkpoint import layer_view
 
 
 def main() -> None:
@@ -19,6 +21,9 @@ def main() -> None:
     if ns.autocast == "fp16":
         raise SystemExit("this script trains with --autocast bf16 or none; fp16 needs a gradient scaler agreed by "
                          "all ranks: see scripts/train_pipeline.py")
+    if ns.schedule not in ("gpipe", "1f1b"):
+        raise SystemExit(f"this script runs --schedule gpipe or 1f1b, one stage per GPU; {ns.schedule} holds "
+                         "several: scripts/train_pipeline.py runs every schedule")
     rank, world, device = init()
     if world % pp:
         raise SystemExit(f"{world} processes cannot make pipelines of {pp} stages")
@@ -34,8 +39,10 @@ def main() -> None:
     schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[ns.schedule](
         stage, ns.microbatches, scale_grads=False, loss_fn=lambda out, target: token_loss_sum(out, target) * scale[0])
     optimizer = torch.optim.AdamW(module.parameters(), lr=ns.lr)
+    checkpoints = checkpointer(ns, layer_view(module.layers, range(first, first + len(module.layers))),
+                               optimizer)
     per_replica = ns.batch // dp
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()  # the whole global batch's: replicas' gradients are summed
         scale[0] = 1.0 / real
@@ -61,7 +68,7 @@ def main() -> None:
         dist.all_reduce(total)
         report(step, total.item() / real)
     if ns.save_to and replica == 0:  # replica 0's stages hold the whole model
-        save_pipeline(model, module, first, ns.save_to, group=mesh.get_group("pp"))
+        save_pipeline(model, [(module, first)], ns.save_to, group=mesh.get_group("pp"))
     dist.destroy_process_group()
 
 
