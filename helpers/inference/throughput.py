@@ -98,13 +98,16 @@ def decode_bounds(model: str = "llama-3-8b", dtype: str = "fp16", context: int =
       latency (the simulator's rule: an estimate; their bytes are negligible in decode).
     """
     from helpers.course import load_data
+    from helpers.sizing import gpus
     from helpers.sizing.shape import model_shape
 
     hardware = load_data("hardware")
-    card, wire = hardware["gpus"][gpu], hardware["links"][link]
+    card, wire = gpus.gpu(gpu), hardware["links"][link]
+    if card.bandwidth_gb_s is None:
+        raise ValueError(f"no memory bandwidth known for {gpu!r}: name one of {', '.join(hardware['gpus'])}")
     shape = model_shape(model, dtype)
     read = sum(layer.read_bytes(context, 1) for layer in shape.layers)
-    bandwidth = card["memory_bandwidth_gb_s"] * 1e9
+    bandwidth = card.bandwidth_gb_s * 1e9
     latency = wire["latency_us"] * 1e-6
     hop = latency + shape.hidden * shape.format.activation_bytes / (wire["gb_s_per_direction"] * 1e9)
     allreduces = 2 * len(shape.decoder_layers)
@@ -112,10 +115,10 @@ def decode_bounds(model: str = "llama-3-8b", dtype: str = "fp16", context: int =
     split = one + hop
     tp = read / 2 / bandwidth + allreduces * 2 * latency
     return {"model": model, "dtype": dtype, "context": context, "gpu": gpu, "link": link,
-            "read_bytes_per_token": read, "bandwidth_gb_s": card["memory_bandwidth_gb_s"],
+            "read_bytes_per_token": read, "bandwidth_gb_s": card.bandwidth_gb_s,
             "link_latency_us": wire["latency_us"], "allreduces_per_token": allreduces,
             "ms": {"one GPU": one * 1e3, "layer split": split * 1e3, "pipelined (per request)": split * 1e3,
                    "tensor parallel": tp * 1e3},
             "tok_s": {"one GPU": 1 / one, "layer split": 1 / split, "pipelined (2 requests, total)": 2 / split,
                       "tensor parallel": 1 / tp},
-            "sources": {"bandwidth": card["source"], "link": wire["source"]}}
+            "sources": {"bandwidth": hardware["gpus"][card.name]["source"], "link": wire["source"]}}
