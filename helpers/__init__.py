@@ -10,8 +10,9 @@ Subpackages (each `__init__` says in a line what it holds):
 - `inference`: the big-model planner and device maps, generation across devices, tensor parallelism;
 - `sizing`: memory measured (the ledger) and planned (bytes per parameter and optimizer state with ZeRO sharding,
   activations, model shapes, GPUs and the runtime reserve): what every planner builds on;
-- `gpu_sizes`: each notebook's GPU sizes planned against two RTX 3090s;
-- `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions.
+- `gpu_sizes`: the pieces of the GPU-size plans notebooks declare, priced against two RTX 3090s, and the GPU suite;
+- `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions;
+- `bench`: strategies measured side by side (what notebooks import apart from the command line's rows and report).
 Modules: `catalog` (every strategy and schedule, named once: every list derives from it), `units` (MiB, GiB,
 `fmt_bytes`), `monitor` (the live memory panel), `timeline`, `profile`, `partition`, `checkpointing`, `precision`,
 `measure`, `check`, `report`, `course` (a notebook's setup); the command lines `bench`, `doctor`, `plan`

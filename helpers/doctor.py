@@ -239,11 +239,25 @@ def _compare(reference, loss: float, grads, precision: Precision) -> str:
     return f"loss diff {abs(loss - ref_loss):.1e}, grad diff {diff:.1e}"
 
 
-def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = Precision()) -> str:
-    from helpers.pipeline.stages import split_model
-    from helpers.pipeline.threaded import ThreadedPipeline
+def schedule_cut(schedule: str) -> tuple[int, ...]:
+    """Where the checks cut CFG's six layers for `schedule`: in two (CUT), or in four stages for a schedule with two
+    stages per device (the bench's cut: each device holds as many blocks whichever stages it gets)."""
+    from helpers.bench import bench_cut
 
-    split = split_model(build_stack(CFG).to(precision.weights), list(CUT), rig.devices)
+    return bench_cut(schedule, CFG.n_blocks + 2)
+
+
+def schedule_label(schedule: str) -> str:
+    return {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
+
+
+def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = Precision()) -> str:
+    from helpers.pipeline.schedules import layout_for
+    from helpers.pipeline.stages import split_model
+    from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
+
+    devices = stage_devices(rig.devices, layout_for(schedule, len(rig.devices)))
+    split = split_model(build_stack(CFG).to(precision.weights), list(schedule_cut(schedule)), devices)
     x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
     pipe = ThreadedPipeline(split, schedule, m, precision=precision)
     loss = pipe.step(x.to(rig.devices[0]), y.to(rig.devices[-1])).item()
@@ -337,6 +351,7 @@ def _cuda_paths(rig: Rig) -> str:
 def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[], str]]]:
     """(name, whether this rig can run it, run) for every check (`workdir` holds the models the checks save)."""
     from helpers.inference.tensor_parallel import tensor_parallel_support
+    from helpers.pipeline.schedules import SCHEDULES
     refs: dict[Precision, tuple] = {}
 
     def reference(precision: Precision = Precision()):
@@ -362,6 +377,12 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[],
          lambda: _processes(rig, reference(), microbatches=4, engine="torch", **pipe)),
         ("torch: 1F1B m=4", "1f1b", "torch",
          lambda: _processes(rig, reference(), schedule="1f1b", microbatches=4, engine="torch", **pipe)),
+        # every schedule beyond 1F1B on every engine (two stages per device, split backwards, copy streams)
+        *[(f"{engine}: {schedule_label(s)} m=4", s, engine, (lambda s=s, engine=engine: _threads(
+            rig, s, 4, reference()) if engine == "threads" else _processes(
+            rig, reference(), schedule=s, microbatches=4, pp=2, boundaries=schedule_cut(s),
+            engine="torch" if engine == "torch" else "ours")))
+          for s in SCHEDULES if s not in ("gpipe", "1f1b") for engine in ("threads", "processes", "torch")],
         *[(f"processes: {s}", s, "processes",
            (lambda s=s: _processes(rig, reference(), dp=2, data_parallel=s, optimizer="adam")))
           for s in DATA_PARALLEL],
@@ -485,22 +506,22 @@ def calibration_check(rig: Rig) -> str:
 # --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
 
 def notebook_plan_checks(rig: Rig, wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
-    """Each notebook's GPU constants against the memory model (`helpers.gpu_sizes`): on this rig's GPUs, or on the
-    CPU rig for two RTX 3090s and for one. FAIL names the notebook, the device and what to lower."""
+    """Each notebook's plan at its GPU sizes (`helpers.gpu_sizes`, as every notebook declares it and
+    data/gpu_plans.json records it for all of them): against this rig's GPUs, or on the CPU rig against two RTX
+    3090s and one. FAIL names the notebook, the device and what to lower."""
     from helpers.gpu_sizes import notebook_plans
-    from helpers.gpu_sizes.plans import inventories
 
     targets = [rig] if rig.is_cuda else ["two_gpus", "one_gpu"]
-    names = [f"notebook {nb}: GPU sizes" for nb in inventories()]
-    if not any(wanted(n) for n in names):
-        return []
     plans = [notebook_plans(target) for target in targets]
     checks = []
-    for name, per_target in zip(names, zip(*plans)):
+    for per_target in zip(*plans):
+        name = f"notebook {per_target[0].notebook}: GPU sizes"
+        if not wanted(name):
+            continue
         said = "; ".join(f"{p.describe()} of {p.budget / 2**30:.1f} GiB allowed" for p in per_target)
         bad = [p for p in per_target if not p.fits]
         if bad:
-            said += "; over: lower " + bad[0].knob_text()
+            said += "; over: lower " + bad[0].knobs
         checks.append(Check(name, "FAIL" if bad else "PASS", said))
     return checks
 
@@ -586,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the whole report as JSON")
     parser.add_argument("--cpu", action="store_true", help="check the CPU rig even on a GPU machine")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per message size in the link sweep")
+    parser.add_argument("--gpu-suite", action="store_true",
+                        help="instead of the checks: every notebook's training step at its GPU sizes on one GPU, "
+                             "measured peak beside plan (about 10 minutes; on the CPU rig at small sizes)")
     parser.add_argument("--only", default="", help="comma-separated words: run only the checks whose names contain "
                                                    "one of them, e.g. --only script,fsdp2 after fixing something")
     ns = parser.parse_args(argv)
@@ -593,6 +617,16 @@ def main(argv: list[str] | None = None) -> int:
     if rig.is_cpu:
         claim_cpu_device(rig)
         os.environ.setdefault(STRICT_ENV, "1")  # ranks and scripts fail here where they would under NCCL
+    if ns.gpu_suite:
+        from helpers.gpu_sizes.suite import gpu_suite
+        from helpers.report import table
+
+        rows = gpu_suite(rig.devices[0])
+        print(table(rows))
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     sizes = [2**k for k in range(12, 25, 2)] if rig.is_cpu else [2**k for k in range(12, 29, 2)]
     result = report(rig, sizes, ns.repeats, only=tuple(w.strip() for w in ns.only.split(",") if w.strip()))
     print_report(result)

@@ -246,8 +246,9 @@ class MemoryMonitor:
             segments = "".join(
                 f'<div title="{k} {fmt_bytes(v)}" style="width:{100 * v / self.scale:.2f}%;'
                 f'background:{PART_COLORS[k]};height:14px"></div>' for k, v in r.parts.items() if v)
-            rows.append(f'<div style="display:flex;align-items:center;gap:8px;font-size:12px">'
-                        f'<div style="flex:none;width:150px;text-align:right;white-space:nowrap">{r.label}</div>'
+            rows.append(f'<div class="lab-memory-row" style="display:flex;align-items:center;gap:8px;font-size:12px">'
+                        f'<div class="lab-memory-label" style="flex:none;width:150px;text-align:right;'
+                        f'white-space:nowrap">{r.label}</div>'
                         f'<div style="display:flex;flex:none;width:360px;background:#eee">{segments}</div>'
                         f'<div style="flex:1">{r.text()} (peak {fmt_bytes(peak)}{r.at_peak()})</div></div>')
         if not readings and self.ranks:
@@ -256,7 +257,7 @@ class MemoryMonitor:
         seen = [k for k in PARTS if any(k in r.parts for r in readings)] or list(PARTS[:4])
         legend = " ".join(f'<span style="color:{PART_COLORS[k]}">&#9632; {k}</span>' for k in seen)
         rows.append(f'<div style="font-size:11px">{legend} &middot; full bar = {fmt_bytes(self.scale)}</div>')
-        return "".join(rows)
+        return f'<div class="lab-memory-panel">{"".join(rows)}</div>'  # the classes: tests/test_browser.py
 
     # --- life -----------------------------------------------------------------------------------------------------
 

@@ -32,6 +32,9 @@ class Event:
     end: float
     microbatch: int | None = None
     stage: int | None = None  # the pipeline stage that ran it (a device may hold several)
+    # CPU seconds the recording thread itself used during the span (CPU spans recorded with `Recorder.span`): unlike
+    # the wall time, other processes on the cores do not stretch it, so it shows the work a span did
+    cpu: float | None = None
 
     @property
     def duration(self) -> float:
@@ -78,9 +81,16 @@ class Recorder:
 
     @contextmanager
     def span(self, kind: str, microbatch: int | None = None, stage: int | None = None) -> Iterator[None]:
-        mark = self.start()
+        """Record the enclosed code as a span; on CPU also the thread's CPU time during it (`Event.cpu`)."""
+        if self._cuda:
+            mark = self.start()
+            yield
+            self.finish(mark, kind, microbatch, stage)
+            return
+        cpu, start = time.thread_time(), time.perf_counter()
         yield
-        self.finish(mark, kind, microbatch, stage)
+        end = time.perf_counter()
+        self._events.append(Event(self.device_index, kind, start, end, microbatch, stage, time.thread_time() - cpu))
 
     def add(self, kind: str, start: float, end: float, microbatch: int | None = None,
             stage: int | None = None) -> None:
@@ -240,8 +250,8 @@ def plot_timelines(panels: dict[str, Iterable[Event]], device_names: dict[int, s
 
 def chrome_trace(events: Iterable[Event], path=None, device_names: dict[int, str] | None = None) -> dict:
     """The events as a Chrome / Perfetto trace (the JSON `torch.profiler`'s `export_chrome_trace` writes: one
-    complete event, "ph": "X", per span, times in microseconds from the first span), one process row per device;
-    written to `path` if given. Open it at ui.perfetto.dev or chrome://tracing."""
+    complete event, "ph": "X", per span, times in microseconds from the first span, its CPU milliseconds among its
+    args where recorded), one process row per device; written to `path` if given. Open it at ui.perfetto.dev or chrome://tracing."""
     import json
 
     events = normalise(events)
@@ -250,7 +260,8 @@ def chrome_trace(events: Iterable[Event], path=None, device_names: dict[int, str
              for d in sorted({e.device for e in events})]
     for e in events:
         label = e.kind if e.microbatch is None else f"{e.kind} {e.microbatch}"
-        args = {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage)) if v is not None}
+        args = {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage),
+                                  ("cpu_ms", None if e.cpu is None else e.cpu * 1e3)) if v is not None}
         trace.append({"name": label, "cat": e.kind, "ph": "X", "ts": e.start * 1e6, "dur": e.duration * 1e6,
                       "pid": e.device, "tid": 0, "args": args})
     out = {"traceEvents": trace, "displayTimeUnit": "ms"}

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers.pipeline.schedules import SCHEDULES
+from helpers.runtime.strict import strict_requested  # LAB_DEVICE_STRICT, parsed as the library parses it
+
 IGNORE_INDEX = -100
 
 
@@ -24,7 +27,8 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
     here, before the process group."""
     p = argparse.ArgumentParser(description=description)
     if pipeline:
-        p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+        p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
+                       help="interleaved, zbv and dualpipev hold two stages per GPU")
     if mesh:
         p.add_argument("--pp", type=int, default=2, help="pipeline stages; the other ranks are replicas")
     p.add_argument("--model", required=True, help="a directory written by save_pretrained")
@@ -115,7 +119,7 @@ def init() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         backend = "gloo"
-        if os.environ.get("LAB_DEVICE_STRICT") == "1":  # the course's CI: fail here where NCCL would fail on GPUs
+        if strict_requested():  # the course's CI: fail here where NCCL would fail on GPUs
             from helpers.runtime.strict import enter_device_strict_mode, strict_backend
 
             enter_device_strict_mode()

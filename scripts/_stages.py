@@ -41,10 +41,11 @@ def tied_copy(model: HFModel, module: Stage, first: int, stage: int, stages: int
     return module.layers[index - first].get_parameter(name)
 
 
-def save_pipeline(model: HFModel, module: Stage, first: int, directory: str, group=None) -> None:
-    """Gather every stage's trained layers on the group's first rank and save them with save_pretrained."""
+def save_pipeline(model: HFModel, stages: list[tuple[Stage, int]], directory: str, group=None) -> None:
+    """Gather every stage's trained layers (this rank's `stages`: each module with the index of its first layer) on
+    the group's first rank and save them with save_pretrained."""
     mine = {first + k: {n: t.detach().cpu() for n, t in layer.state_dict().items()}
-            for k, layer in enumerate(module.layers)}
+            for module, first in stages for k, layer in enumerate(module.layers)}
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
     if dist.get_rank(group) == 0:

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 scripts/finetune_lora.py --model DIR --method qlora --lora-rank 16 --text corpus/ \
         --checkpointing --steps 200 --save-to adapters/
 
-The base is frozen: in bf16 with --autocast bf16 (else fp32), and for --method qlora every linear layer of its
+The base is frozen: in bf16 with --autocast bf16, in fp32 with --autocast none (fp16 is refused), and for --method qlora every linear layer of its
 decoder blocks is stored in 4-bit NF4 (torchao's NF4Tensor, which FSDP2 shards and all-gathers as 4-bit codes and
 scales). peft adds the adapters (fp32: Adam's updates are too small for bf16) and freezes the rest; FSDP2 shards each
 decoder layer, so the base never has to fit one GPU during training. Only the adapters get gradients, optimizer
@@ -38,6 +38,9 @@ def quantize_blocks(model: nn.Module) -> None:
 
 def main() -> None:
     ns = parse(__doc__.splitlines()[0], lora=True)
+    if ns.autocast == "fp16":  # the base would stay fp32 and nothing would compute in fp16: say so, never train silently
+        raise SystemExit("finetune_lora.py trains with --autocast bf16 (a bf16 base, bf16 compute) or none (fp32); "
+                         "fp16 would need a gradient scaler FSDP2 shares across ranks: use bf16")
     shard = not (ns.method == "qlora" and int(os.environ.get("WORLD_SIZE", "1")) == 1)
     if ns.method == "qlora":
         from helpers.finetune.quant import nf4_missing

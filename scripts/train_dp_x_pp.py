@@ -19,6 +19,9 @@ def main() -> None:
     if ns.autocast == "fp16":
         raise SystemExit("this script trains with --autocast bf16 or none; fp16 needs a gradient scaler agreed by "
                          "all ranks: see scripts/train_pipeline.py")
+    if ns.schedule not in ("gpipe", "1f1b"):
+        raise SystemExit(f"this script runs --schedule gpipe or 1f1b, one stage per GPU; {ns.schedule} holds "
+                         "several: scripts/train_pipeline.py runs every schedule")
     rank, world, device = init()
     if world % pp:
         raise SystemExit(f"{world} processes cannot make pipelines of {pp} stages")
@@ -61,7 +64,7 @@ def main() -> None:
         dist.all_reduce(total)
         report(step, total.item() / real)
     if ns.save_to and replica == 0:  # replica 0's stages hold the whole model
-        save_pipeline(model, module, first, ns.save_to, group=mesh.get_group("pp"))
+        save_pipeline(model, [(module, first)], ns.save_to, group=mesh.get_group("pp"))
     dist.destroy_process_group()
 
 

@@ -3,8 +3,11 @@ import json
 import pytest
 import torch
 
-from helpers.bench import (BenchRow, Progress, bench_cut, default_config, display_rows,
-                           main as bench_main, microbatch_size, misses, predict_row, simulation_job, timeline_name)
+from helpers.bench import bench_cut
+from helpers.bench.cli import main as bench_main
+from helpers.bench.predict import microbatch_size, predict_row, simulation_job
+from helpers.bench.report import display_rows, misses, timeline_name
+from helpers.bench.rows import BenchRow, Progress, default_config
 from helpers.catalog import BEYOND_1F1B
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
@@ -131,6 +134,9 @@ def test_a_miss_is_printed_with_the_noise_of_its_measurement():
     assert "spread ±8%" in misses([d])[0]
     bad.spread = 0.0  # steady to the last sample: still said
     assert "spread ±0%" in misses([bad.as_dict(BATCH, 2.0)])[0]
+    bad.cpu_s, bad.predicted_busy = [0.6, 0.7], 0.9  # ranks' threads ran 0.65 s of the 1 s step
+    assert "threads ran 65% of the step (CPU seconds over wall: the rest they waited), the simulated devices " \
+           "computed 90%" in misses([bad.as_dict(BATCH, 2.0)])[0]
 
 
 def test_the_median_round_sets_the_slowdown():
@@ -181,7 +187,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
-    from helpers.bench import compute_drift
+    from helpers.bench.rows import compute_drift
     from helpers.timeline import Event, median_phases, phase_seconds
 
     work = Workload.from_lists([F] * 4, [B] * 4)
@@ -220,6 +226,8 @@ def test_a_rows_calibration_is_the_whole_model_timed_with_that_row():
     assert timer.seconds(2) is None
     timer.sample(2, key="ddp")
     timer.sample(2)
+    timer.sample(2, keys=["gpipe", "1f1b"])  # one sample kept for every job of a launch at that size
+    assert len(timer.keyed[("gpipe", 2)]) == len(timer.keyed[("1f1b", 2)]) == 1
     timer.samples[2][:] = [(1.0, 2.0), (3.0, 6.0)]  # the clock's readings, made exact
     timer.keyed[("ddp", 2)][:] = [(1.0, 2.0)]
     assert timer.seconds(2, "ddp") == (1.0, 2.0)
@@ -279,7 +287,7 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
 def test_the_bench_leaves_out_what_the_rig_refuses():
     """On one GPU the bench queued torch's pipelining and FSDP2 unconditionally; the support check refused them
     there and the whole run stopped with nothing written. It now leaves them out, with the reason."""
-    from helpers.bench import PROCESS_ROWS, bench_refusals
+    from helpers.bench.rows import PROCESS_ROWS, bench_refusals
     from helpers.training.support import reference_rigs
 
     rigs = reference_rigs()
@@ -303,12 +311,93 @@ def test_one_gpu_calibration_measures_only_what_gloo_carries_for_cuda():
                for k in ("allgather", "reducescatter", "broadcast", "allreduce"))
 
 
-def test_jobs_of_one_schedule_share_a_launch():
-    """ours and torch's run of one schedule start their processes once (run_trainings): the default run's 15
-    pipeline jobs in 9 launches."""
-    from helpers.bench import by_launch
+def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
+    """The default run's repeatability by design: every two-rank job (pipelines, DDP, ZeRO-1, FSDP2) in one launch
+    per round, 2 rounds, the second in reverse order, so each row pools steps of two launches and no job is always
+    first; its timed steps, phases and CPU seconds pooled over the launches."""
+    from types import SimpleNamespace
 
-    jobs = [("naive", "ours", "gpipe", 1, False), ("gpipe", "ours", "gpipe", 8, True), ("1f1b", "ours", "1f1b", 8, True),
-            ("gpipe", "torch", "gpipe", 8, True), ("1f1b", "torch", "1f1b", 8, True)]
-    assert by_launch(jobs, lambda j: (j[2], j[3], j[4])) == [
-        (jobs[0],), (jobs[1], jobs[3]), (jobs[2], jobs[4])]
+    from helpers.bench.rows import run_in_rounds, two_rank_jobs
+    from helpers.training.support import reference_rigs
+
+    config = default_config("default", reference_rigs()["CPU (2 cores)"])
+    assert config.rounds == 2 and config.steps == 3 and config.thread_repeats == 5
+    keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
+    assert len(keys) == 16 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    orders, seen = [], []
+
+    def launch(order):
+        orders.append(list(order))
+        return [SimpleNamespace(step_times=[1.0 + len(orders)], phase_times=[{"forward": 1.0, "backward": 2.0}],
+                                thread_cpu_s=[0.5, 0.25 * len(orders)]) for _ in order]
+
+    pooled = run_in_rounds({tuple(keys): launch}, config.rounds, "test", progress=False,
+                           around=lambda k: seen.append(k))
+    assert orders == [keys, keys[::-1]] and seen == [tuple(keys)] * 2 + [tuple(keys[::-1])] * 2
+    assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]
+
+
+def _bench_json(speedups: dict[str, float], errors: dict[str, float | None] | None = None) -> dict:
+    errors = errors or {}
+    rows = [{"strategy": s, "engine": "ours", "runner": "threads", "microbatches": 8, "speedup": v,
+             "error": 0.5 if s in errors and errors[s] is None else errors.get(s, 0.0),
+             "excluded_from_target": "4 ranks" if s in errors and errors[s] is None else None}
+            for s, v in speedups.items()]
+    return {"rows": rows, "splits": [{"split": "optimal time", "speedup": 1.3, "error": 0.02}],
+            "checkpointing": [{"split": "every 2", "step vs none": 1.2, "error": -0.03}]}
+
+
+def test_against_a_previous_run_every_ratio_is_compared_and_the_verdict_said():
+    from helpers.bench.report import compare_runs, describe_comparison
+
+    before = _bench_json({"1f1b": 1.30, "zbh1": 1.30, "gone": 1.0})
+    now = _bench_json({"1f1b": 1.33, "zbh1": 1.40, "new": 1.1})
+    compared = {c["row"]: c for c in compare_runs(now, before)}
+    assert set(compared) == {"1f1b ours threads m=8", "zbh1 ours threads m=8", "splits: optimal time",
+                             "checkpointing: every 2"}  # rows in both runs only
+    assert compared["1f1b ours threads m=8"]["difference"] == pytest.approx(1.33 / 1.30 - 1)
+    assert compared["1f1b ours threads m=8"]["within"] and not compared["zbh1 ours threads m=8"]["within"]
+    text = describe_comparison(list(compared.values()), "old/bench.json")
+    assert "1 of 4 rows outside 5%" in text and "+7.7%*" in text and "largest difference +7.7% (zbh1" in text
+    assert "all 5 rows within 5%" in describe_comparison(compare_runs(before, before), "x")
+
+
+def test_against_refuses_a_path_without_a_bench_json_before_anything_runs(tmp_path):
+    from helpers.bench.cli import read_previous
+
+    with pytest.raises(SystemExit, match="no bench.json there"):
+        bench_main(["--against", str(tmp_path / "missing.json")])
+    (tmp_path / "bench.json").write_text(json.dumps(_bench_json({"1f1b": 1.3})))
+    assert read_previous(str(tmp_path))["rows"][0]["speedup"] == 1.3  # a folder holding one will do
+    (tmp_path / "bench.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no rows"):
+        read_previous(str(tmp_path))
+
+
+def test_prediction_errors_of_every_row_for_a_bound_check():
+    from helpers.bench.report import prediction_errors
+
+    errors = prediction_errors(_bench_json({"1f1b": 1.3, "dp_x_pp": 1.1}, {"1f1b": 0.04, "dp_x_pp": None}))
+    assert errors == {"1f1b ours threads m=8": 0.04, "dp_x_pp ours threads m=8": None,
+                      "splits: optimal time": 0.02, "checkpointing: every 2": -0.03}
+
+
+def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine():
+    """Per engine and device: ZB-H1's median input pass + weight pass over 1F1B's median backward, in the spans'
+    CPU seconds (wall time beside it); engines without both rows are left out."""
+    from helpers.bench.extras import split_backward_rows
+    from helpers.timeline import Event
+
+    def spans(kind, device, wall, cpu, n=3):
+        return [Event(device, kind, k, k + wall, k, cpu=cpu) for k in range(n)]
+
+    plain = BenchRow("1f1b", "ours", "processes", 8, 1.0, spans("backward", 0, 0.05, 0.04)
+                     + spans("backward", 1, 0.05, 0.04), [0, 0])
+    split = BenchRow("zbh1", "ours", "processes", 8, 1.0, spans("backward", 0, 0.0, 0.0)
+                     + spans("weight", 0, 0.07, 0.042) + spans("backward", 1, 0.03, 0.02)
+                     + spans("weight", 1, 0.03, 0.022), [0, 0])
+    lone = BenchRow("zbh1", "torch", "processes", 8, 1.0, spans("weight", 0, 0.05, 0.05), [0, 0])
+    out = split_backward_rows([plain, split, lone])
+    assert [(r["engine"], r["device"]) for r in out] == [("ours", 0), ("ours", 1)]
+    assert out[0]["split / plain"] == pytest.approx(1.05) and out[0]["wall: split / plain"] == pytest.approx(1.4)
+    assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)

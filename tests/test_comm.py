@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from helpers.pipeline.comm import Wire, link_benchmark, resolve_dtype, send_to
+from helpers.pipeline.transports import still_running
 from helpers.runtime.rig import cpu_rig
 
 
@@ -32,3 +33,16 @@ def test_link_benchmark_measures_every_engine_link_at_each_size():
 def test_bad_link_sizes_are_refused_before_spawning():
     with pytest.raises(ValueError, match=r"multiples of 4 bytes .*\[6, 0\]"):
         link_benchmark(cpu_rig(), [4096, 6, 0])
+
+
+def test_sent_tensors_are_released_when_their_work_completes():
+    """P2PTransport kept every sent tensor to the end of the step; it now drops each one whose work has completed
+    when it posts the next exchange (real c10d works, completed or not, as NCCL's report through their events)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    done, running = torch.futures.Future(), torch.futures.Future()
+    done.set_result(None)
+    sent = [(torch.ones(4), _create_work_from_future(done)), (torch.ones(4), _create_work_from_future(running))]
+    assert still_running(sent) == sent[1:]
+    running.set_result(None)
+    assert still_running(sent) == []

@@ -27,7 +27,8 @@ def test_doctor_passes_or_refuses_with_a_reason(tmp_path):
                  "processes: DP x PP 2 x 2, 1F1B", "system: /dev/shm for NCCL", "script: train_naive_split.py",
                  "script: train_fsdp2.py on 2 ranks", "script: train_dp_x_pp.py on 4 ranks",
                  "script: finetune_lora.py on 2 ranks", "bench: calibration in its ranks", "notebook 05: GPU sizes",
-                 "notebook 11: GPU sizes"):
+                 "notebook 11: GPU sizes", "notebook 06b: GPU sizes", "threads: zbv m=4", "processes: dualpipev m=4",
+                 "torch: interleaved m=4"):
         assert statuses[name] == "PASS", name
     paths = {link["path"] for link in report["links"]}
     assert any("point-to-point" in p for p in paths) and any("all-reduce" in p for p in paths)
@@ -55,3 +56,17 @@ def test_docker_default_shm_fails_with_the_fix_on_two_gpus():
 def test_readme_shows_the_support_matrix_the_code_enforces():
     readme = (REPO / "README.md").read_text()
     assert support_markdown() in readme, "regenerate it: python -m helpers.training.support"
+
+
+def test_the_doctor_runs_every_schedule_on_every_engine(tmp_path):
+    """Interleaved 1F1B, ZB-H1, ZB-V and DualPipeV (two-chunk stages, split backwards, copy streams) first ran on
+    GPUs inside a notebook: the doctor now runs every schedule of helpers.pipeline.schedules on threads, processes
+    and torch.distributed.pipelining, so a schedule added there is checked on GPUs at the next doctor run."""
+    from helpers.doctor import plan_checks, schedule_label
+    from helpers.pipeline.schedules import SCHEDULES
+    from helpers.runtime.rig import cpu_rig
+
+    names = {name for name, _, _ in plan_checks(cpu_rig(), str(tmp_path))}
+    missing = [f"{engine}: {schedule_label(s)} m=4" for s in SCHEDULES for engine in ("threads", "processes", "torch")
+               if f"{engine}: {schedule_label(s)} m=4" not in names]
+    assert not missing, missing

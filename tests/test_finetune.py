@@ -15,7 +15,7 @@ import torch
 from helpers.check import max_grad_diff
 from helpers.finetune.lora import (LoraModel, LoraSpec, base_for_merge, full_layers, load_adapters, merged_model,
                                    save_adapters)
-from helpers.finetune.quant import is_nf4, nf4_layout
+from helpers.finetune.quant import dequantization_peak, is_nf4, nf4_layout
 from helpers.sizing.ledger import tensor_bytes
 from helpers.models.data import SyntheticTokens, lm_loss
 from helpers.models.hf import hf_config, save_hf_model
@@ -218,3 +218,15 @@ def test_finetune_each_runs_every_method_in_one_launch(tmp_path, monkeypatch):
         assert result.saved == tmp_path / "adapters" / method and (result.saved / "adapter_config.json").is_file()
         assert result.adapters and all("lora_" in name for layer in result.adapters.values() for name in layer)
     assert abs(out["lora"].held_out[0] - out["qlora"].held_out[0]) < 0.1
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_nf4_dequantization_peak_is_measured_as_the_planner_prices_it(dtype, name):
+    """torchao's get_original_weight holds int64 indices and intermediate halves: far more than the dequantized
+    weight's own bytes (what the planner counted before). The planner's figure is this measurement."""
+    from helpers.finetune.memory_plan import training_data
+
+    measured = dequantization_peak(dtype)
+    assert measured == dequantization_peak(dtype, (512, 2048)), "bytes per element, whatever the shape"
+    assert measured == training_data()["nf4_dequantization"]["peak_bytes_per_element"][name]
+    assert measured > 3 * dtype.itemsize

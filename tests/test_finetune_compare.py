@@ -59,7 +59,7 @@ def test_planned_parts_equal_the_ledger_on_one_device_but_for_the_documented_cou
 def test_run_format_prices_torchao_nf4_in_the_runs_compute_dtype():
     nf4 = run_format("qlora", "fp32")
     assert nf4.quantized and nf4.activation_bytes == 4 and nf4.scales == run_format("qlora", "bf16").scales
-    assert run_format("qlora", "bf16").name == "nf4-dq" and run_format("lora", "bf16").name == "bf16"
+    assert run_format("qlora", "bf16").name == "nf4-torchao" and run_format("lora", "bf16").name == "bf16"
     assert not run_format("full", "fp32").quantized
 
 

@@ -18,8 +18,8 @@ RUNS = 5
 @pytest.mark.full
 @pytest.mark.repeat
 @pytest.mark.parametrize("name", REPEATED)
-def test_notebook_passes_five_times_in_a_row(name, monkeypatch):
-    monkeypatch.delenv("LAB_DEVICE_STRICT", raising=False)  # notebook kernels run as a learner's (conftest.py)
+def test_notebook_passes_five_times_in_a_row(name):
+    # the kernels' ranks run device-strict, as in nbval (conftest.py: none of these is in NOT_STRICT)
     notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     for run in range(1, RUNS + 1):
         client = NotebookClient(copy.deepcopy(notebook), timeout=600, kernel_name="python3",

@@ -73,7 +73,7 @@ def test_lora_parameter_counts_equal_peft_on_the_meta_device(name, targets):
 
 
 def test_quantization_constants_follow_the_nf4_entry():
-    shape = training_shape("llama-2-7b", "qlora")  # nf4: one fp32 absmax per 64 weights of each decoder linear
+    shape = training_shape("llama-2-7b", "qlora", "nf4")  # one fp32 absmax per 64 weights of each decoder linear
     linear_weights = sum(p.numel() for n, p in meta_model(shape.base.config).named_parameters()
                          if n.startswith("model.layers.") and n.endswith("proj.weight"))
     assert sum(u.constants_bytes for u in shape.units) == linear_weights // 64 * 4
@@ -118,8 +118,10 @@ def test_activation_formula_equals_the_ledger_for_lora(dtype, targets, checkpoin
 # --- the plan's rules ---------------------------------------------------------------------------------------------
 
 def test_strategies_place_state_as_documented():
-    common = dict(model="llama-2-7b", method="qlora", context=1024, batch=2)
+    common = dict(model="llama-2-7b", method="qlora", context=1024, batch=2, dtype="nf4")  # bitsandbytes' NF4
     ddp, fsdp = plan_training(strategy="ddp", **common), plan_training(strategy="fsdp2", **common)
+    torchao = plan_training(strategy="fsdp2", **{**common, "dtype": "nf4-torchao"}).devices[0]
+    assert torchao.constants_bytes == 0, "torchao's NF4 keeps its scales in the tensor FSDP2 shards"
     offload = plan_training(strategy="fsdp2", offload="cpu", **common)
     pipe = plan_training(strategy="pipeline", **common)
     d, f, o = ddp.devices[0], fsdp.devices[0], offload.devices[0]
@@ -172,6 +174,17 @@ def test_70b_without_offload_points_to_offload_and_host_ram_is_checked():
     assert fitting and fitting[0].flags == "--offload cpu"
     small_host = plan_training("llama-2-70b", "qlora", context=2048, batch=2, offload="cpu", host_ram_bytes=16 * GiB)
     assert all(d.free_bytes >= 0 for d in small_host.devices) and not small_host.fits
+
+
+def test_nf4_dequantization_is_planned_at_its_measured_peak():
+    """The planner counted 2 bytes per element for a dequantized NF4 weight; torchao's dequantization holds about
+    14 at its peak in bf16 (measured in tests/test_finetune.py): at 70B, 2.6 GiB more per GPU."""
+    plan = plan_training("llama-2-70b", "qlora", context=2048, batch=2, offload="cpu")
+    largest = max(u.largest_quantized for u in plan.shape.units)
+    peak = training_data()["nf4_dequantization"]["peak_bytes_per_element"]["bf16"]
+    assert largest == 8192 * 28672 and peak > 14
+    assert plan.devices[0].workspace["dequantized weight"] == int(largest * peak)
+    assert int(largest * peak) - 2 * largest > 2.5 * GiB
 
 
 # --- command line -------------------------------------------------------------------------------------------------

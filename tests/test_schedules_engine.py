@@ -306,3 +306,38 @@ def test_a_first_stage_defers_its_whole_backward():
     assert got is None and all(p.grad is None for p in stage.parameters())
     weights.run()
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, stage.parameters()))
+
+
+def test_the_split_backward_computes_what_a_plain_backward_does_and_frees_the_graph():
+    """The input pass and the weight pass together run exactly the FLOPs of one plain backward (no stretch of the
+    spine computed twice), accumulate into .grad as backward() does, and the weight pass's last group frees the
+    graph it passes through: a second backward through it fails, as after a plain backward. (The old weight pass kept
+    the graph and its activations alive to the end and added gradients of its own into .grad.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from helpers.pipeline.split_backward import backward_input
+
+    torch.manual_seed(0)
+    module = build_stack(CFG)[1:3]
+    x = torch.randn(4, CFG.seq_len, CFG.hidden)
+
+    def flops(fn) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    inp = x.clone().requires_grad_()
+    out = module(inp)
+    grad = torch.randn_like(out)
+    plain = flops(lambda: out.backward(grad))
+    ref = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=False)
+    inp2 = x.clone().requires_grad_()
+    out2 = module(inp2)
+    halves = {}
+    halves["input"] = flops(lambda: halves.setdefault("split", backward_input(out2, grad, inp2, module.parameters())))
+    halves["weight"] = flops(halves["split"][1].run)
+    assert plain > 0 and halves["input"] + halves["weight"] == plain
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(ref, module.parameters()))
+    with pytest.raises(RuntimeError, match="second time"):
+        out2.backward(grad)

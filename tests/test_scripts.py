@@ -63,6 +63,9 @@ def _run(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> li
 @pytest.mark.parametrize("script, nproc, extra", [
     ("train_naive_split.py", 0, []),
     ("train_pipeline.py", 2, ["--schedule", "1f1b", "--microbatches", "4"]),
+    ("train_pipeline.py", 2, ["--schedule", "interleaved", "--microbatches", "4"]),
+    ("train_pipeline.py", 2, ["--schedule", "zbv", "--microbatches", "4"]),
+    ("train_pipeline.py", 2, ["--schedule", "dualpipev", "--microbatches", "4"]),
     ("train_ddp.py", 2, ["--microbatches", "2"]),
     ("train_fsdp2.py", 2, []),
     ("train_dp_x_pp.py", 4, ["--pp", "2", "--microbatches", "2"]),
@@ -153,3 +156,10 @@ def test_qlora_on_one_process_trains_without_fsdp2_and_refuses_offload(llama_dir
     assert len(losses) == 4 and losses[-1] < losses[0]
     with pytest.raises(AssertionError, match="needs FSDP2 over 2 or more processes"):
         _run("finetune_lora.py", 1, llama_dir, tmp_path / "x", "--method", "qlora", "--offload", "cpu")
+
+
+@pytest.mark.full
+def test_finetune_lora_refuses_fp16_instead_of_training_fp32(llama_dir, tmp_path):
+    """--autocast fp16 kept the base in fp32 and computed nothing in fp16, without a word: refused with the reason."""
+    with pytest.raises(AssertionError, match="fp16 would need a gradient scaler"):
+        _run("finetune_lora.py", 0, llama_dir, tmp_path / "x", "--autocast", "fp16")

@@ -93,6 +93,30 @@ def test_the_first_stage_defers_its_whole_backward_and_local_messages_are_free()
     assert len(sends) == 2 * 4 * 2  # boundaries 0 and 2, each way, each micro-batch
 
 
+def test_a_split_backward_pays_its_measured_overhead_in_the_weight_pass():
+    """Workload.split_overhead (measured by calibrate.split_backward_overhead): every weight pass of a stage whose
+    input needs a gradient costs that share of the stage's backward more; the first stage's weight pass (its whole
+    backward, one autograd call) and every schedule without split backwards cost the same as before."""
+    from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+    from helpers.simulate.calibrate import split_backward_overhead
+
+    work = Workload.from_lists([F] * 4, [B] * 4, params=[1] * 4, output=[1.0] * 4)
+    costly = replace(work, split_overhead=0.25)
+    base, split = (simulate(w, Job("zbv", batch=4, microbatches=4, stages=2)) for w in (work, costly))
+    assert {e.duration for e in split.events if e.kind == "weight" and e.stage == 0} == {B}
+    assert {e.duration for e in split.events if e.kind == "weight" and e.stage != 0} == {B / 2 + 0.25 * B}
+    assert split.step_s > base.step_s
+    assert simulate(costly, Job("1f1b", batch=4, microbatches=4)).step_s == \
+        simulate(work, Job("1f1b", batch=4, microbatches=4)).step_s
+    with pytest.raises(ValueError, match="overhead"):
+        replace(work, split_overhead=-0.1)
+    cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8, vocab=32)
+    x, y = SyntheticTokens(2, cfg.seq_len, cfg.vocab).batch(0, 2)
+    model = build_stack(cfg)
+    overhead = split_backward_overhead(model, x, y, lm_loss, rounds=3)
+    assert overhead >= 0 and math.isfinite(overhead) and all(p.grad is None for p in model.parameters())
+
+
 def test_naive_two_stages_is_twice_one_stage():
     sim = simulate(equal_stages(2), Job("naive", batch=1))
     assert sim.step_s == 2 * (F + B)
@@ -359,10 +383,13 @@ def test_fsdp2_host_work_adds_to_every_collective_where_the_host_computes():
 def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():
     work = replace(ddp_workload(), copy_bandwidth=MiB / 0.125)  # copying 1 MiB takes 0.125 s
     link = Link(0.0, 1e15)
+    copies = simulate(work, Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100, bucket_views=False), link)
+    # PyTorch's default DDP: each layer's backward copies its 1 MiB of gradients into the bucket and divides it (2
+    # passes); after the all-reduce the bucket is copied back into the gradients (1 pass over all of them)
+    assert copies.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 2 * 0.125 + LAYERS * 0.125, rel=1e-9)
+    # apply_ddp's gradients are views of the buckets: only the hook's division is left
     ddp = simulate(work, Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100), link)
-    # each layer's backward copies its 1 MiB of gradients into the bucket and divides it (2 passes); after the
-    # all-reduce the bucket is copied back into the gradients (1 pass over all of them)
-    assert ddp.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 2 * 0.125 + LAYERS * 0.125, rel=1e-9)
+    assert ddp.step_s == pytest.approx(LAYERS * (F + B) + LAYERS * 0.125, rel=1e-9)
     free = simulate(ddp_workload(), Job("zero2", batch=2), link)
     fsdp = simulate(work, Job("zero2", batch=2), link)
     # per layer: shard in (half a MiB) and parameters out (1 MiB) before its forward, gradients in (1 MiB) after its

@@ -57,7 +57,7 @@ def test_chrome_trace_is_the_events_in_microseconds(tmp_path):
     from helpers.simulate import Job, Workload, simulate
     from helpers.timeline import chrome_trace
 
-    events = [Event(1, "forward", 10.0, 10.5, 0, 1), Event(0, "weight", 10.25, 11.0, 3, 2),
+    events = [Event(1, "forward", 10.0, 10.5, 0, 1, cpu=0.25), Event(0, "weight", 10.25, 11.0, 3, 2),
               Event(0, "recv", 11.0, 11.125)]
     path = tmp_path / "trace.json"
     chrome_trace(events, path, {0: "cuda:0"})
@@ -67,9 +67,27 @@ def test_chrome_trace_is_the_events_in_microseconds(tmp_path):
     for e in events:
         t = next(t for t in spans if t["pid"] == e.device and t["cat"] == e.kind)
         assert t["ts"] == pytest.approx((e.start - 10.0) * 1e6) and t["dur"] == pytest.approx(e.duration * 1e6)
-        assert t["args"] == {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage)) if v is not None}
+        assert t["args"] == {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage),
+                                               ("cpu_ms", e.cpu and e.cpu * 1e3)) if v is not None}
     assert {t["args"]["name"] for t in trace if t["ph"] == "M"} == {"cuda:0", "device 1"}
     sim = simulate(Workload.from_lists([1.0] * 4, [2.0] * 4), Job("zbv", batch=4, microbatches=4, stages=2))
     simulated = [t for t in sim.trace(tmp_path / "sim.json")["traceEvents"] if t["ph"] == "X"]
     assert len(simulated) == len(sim.events) and {t["cat"] for t in simulated} == {"forward", "backward", "weight"}
     assert json.loads((tmp_path / "sim.json").read_text())["traceEvents"][-1] == simulated[-1]
+
+
+def test_a_cpu_span_records_the_threads_cpu_seconds_apart_from_waiting():
+    """A CPU span carries the CPU seconds its thread used (time.thread_time): waiting (a sleep, a receive) costs
+    none of them, work does; the simulator's events have none."""
+    import time
+
+    from helpers.timeline import Recorder
+
+    rec = Recorder(0)
+    with rec.span("recv", 0):
+        time.sleep(0.05)
+    with rec.span("forward", 0):
+        sum(i * i for i in range(200_000))
+    waited, worked = rec.events()
+    assert waited.duration >= 0.05 and waited.cpu < waited.duration / 2
+    assert worked.cpu > 0 and Event(0, "forward", 0.0, 1.0).cpu is None

@@ -23,16 +23,16 @@ from helpers.units import GiB, fmt_bytes
 from helpers.precision import DTYPES
 
 ADAPTER_BYTES = 4  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
-QLORA_FORMAT = "nf4-dq"  # torchao's NF4: 4-bit codes, an 8-bit scale per 64 values, fp32 factors for the scales
+QLORA_FORMAT = "nf4-torchao"  # torchao's NF4: 4-bit codes, an 8-bit scale per 64 values, a factor per 256 scales
 
 
 def run_format(method: str, base_dtype: str) -> WeightFormat:
     """The planner's weight format for a base stored as `helpers.finetune.lora` stores it.
 
-    full and lora: every tensor in `base_dtype`. qlora: the decoder blocks' linear weights in torchao's NF4, which is
-    the planner's nf4-dq layout (4-bit codes, an 8-bit scale per block of 64 values, an fp32 factor per group of
-    scales); the embeddings, norms and head stay in `base_dtype`, and the dequantized weights compute in it (the
-    planner's nf4-dq assumes bf16 for both, as bitsandbytes on a GPU; on the CPU rig the base computes in fp32)."""
+    full and lora: every tensor in `base_dtype`. qlora: the decoder blocks' linear weights in torchao's NF4 (the
+    planner's nf4-torchao: 4-bit codes, an 8-bit scale per block of 64 values, a factor per 256 scales, and
+    torchao's dequantization peak); the embeddings, norms and head stay in `base_dtype`, and the dequantized weights
+    compute in it (nf4-torchao assumes bf16 for both, as on a GPU; on the CPU rig the base computes in fp32)."""
     if method != "qlora":
         return weight_format(base_dtype)
     nf4 = weight_format(QLORA_FORMAT)

@@ -18,7 +18,8 @@ Strategies (N GPUs; the assumptions the figures rest on):
 - DDP: a full replica per GPU, each GPU runs `batch` sequences; DistributedDataParallel's gradient buckets are a second
   copy of the gradients (gradient_as_bucket_view=False, its default).
 - FSDP2 (`fully_shard` per decoder layer and on the root): parameters, gradients and optimizer state sharded 1/N per
-  GPU; bitsandbytes' quantization constants are not parameters, so every GPU keeps all of them; two decoder layers
+  GPU; bitsandbytes' quantization constants are not parameters, so every GPU keeps all of them (torchao's NF4, the
+  course's, keeps them inside the sharded tensor: sharded with the codes); two decoder layers
   are all-gathered at once (the running one and the prefetched next) and the root (embedding, final norm, head) stays
   gathered from its forward to its backward. With CPU offload (CPUOffloadPolicy) the shards, gradients and optimizer
   state live in pinned host RAM and the optimizer step runs there; the GPU keeps the gathered layers, activations and
@@ -48,8 +49,8 @@ from helpers.inference.plan import activation_workspace_bytes
 from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
 from helpers.sizing.shape import WeightFormat, span
 from helpers.sizing.state import known_optimizers, moment_bytes, training_data
-from helpers.sizing.training import (FP32, LLAMA_LINEARS, TrainShape, Unit, check_method, saved_activation_bytes,
-                                     training_shape)
+from helpers.sizing.training import (FP32, LLAMA_LINEARS, TORCHAO_NF4, TrainShape, Unit, check_method,
+                                     saved_activation_bytes, training_shape)
 from helpers.units import fmt_bytes
 
 PLAN_STRATEGIES = ("ddp", "fsdp2", "pipeline")  # the catalog's ddp and fsdp2, and a pipeline of one stage per GPU
@@ -75,7 +76,7 @@ class TrainingRequest:
     lora_targets: str = "all"
     optimizer: str = "adamw"
     precision: str = "mixed"
-    dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4 (qlora)
+    dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4-torchao (qlora)
     grad_accum: int | None = None  # micro-batches per optimizer step; None: 1, or the number of stages (pipeline)
     host_ram_bytes: int | None = None  # None: host RAM is reported, not checked
 
@@ -380,6 +381,16 @@ def _gathered_bytes(unit: Unit, a: int) -> int:
     return unit.packed_bytes + unit.trainable_params * a
 
 
+def dequantization_bytes(format_name: str, compute_bytes: int) -> float:
+    """Bytes per element held at the peak of dequantizing one quantized weight: torchao's NF4 (nf4-torchao), as
+    measured (data/training_memory.json nf4_dequantization: int64 indices and halves, about 14 in bf16); the
+    bitsandbytes formats dequantize in one CUDA kernel that writes the 16-bit result only."""
+    if format_name.startswith(TORCHAO_NF4):
+        peaks = training_data()["nf4_dequantization"]["peak_bytes_per_element"]
+        return peaks["fp32" if compute_bytes == FP32 else "bf16"]
+    return compute_bytes
+
+
 def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], first_stage: bool,
                last_stage: bool) -> dict:
     """Transient memory beside the saved activations, each an estimate named for what it is."""
@@ -390,7 +401,7 @@ def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: 
         space["logits"] = tokens * b.vocab * (a + 2 * FP32)
     quantized = max((u.largest_quantized for u in mine), default=0)
     if quantized:
-        space["dequantized weight"] = quantized * a
+        space["dequantized weight"] = int(quantized * dequantization_bytes(shape.format.name, a))
     if request.strategy == "fsdp2":
         decoders = [u for u in mine if u.kind == "decoder"]
         per_layer = training_data()["fsdp2"]["decoder_layers_in_flight"]

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import weakref
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BLOCK = 64  # values per NF4 block (QLoRA's and torchao's default)
 SCALER_BLOCK = 256  # scales per double-quantization block (torchao's default), or the largest that divides
@@ -103,3 +105,45 @@ def quantize_linear(linear: nn.Linear) -> NF4Linear:
     q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
     return q
 
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Every storage the operators inside this mode allocate, counted while a tensor holds it (a view adds
+    nothing), and the most held at once: the peak of a computation's temporaries on any device, CPU included."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # data_ptr -> [bytes, tensors holding it]
+        self.held = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.held -= entry[0]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.live:
+                self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+                self.held += self.live[ptr][0]
+                self.peak = max(self.peak, self.held)
+            self.live[ptr][1] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+
+def dequantization_peak(dtype: torch.dtype, shape: tuple[int, int] = (1024, 1024)) -> float:
+    """The most bytes per weight element torchao's NF4 dequantization (`get_original_weight`, which `linear_nf4`
+    runs in forward and again in backward) holds at once, its result included: measured on a weight of `shape` in
+    `dtype` (the same operators run on a GPU: torchao decodes NF4 with plain PyTorch ops, through int64 indices)."""
+    weight = to_nf4(torch.randn(shape, dtype=dtype))
+    with _LiveBytes() as counter:
+        result = dequantize(weight)
+    del result
+    return counter.peak / weight.numel()

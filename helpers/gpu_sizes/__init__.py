@@ -6,14 +6,16 @@ meta device) plus what a GPU adds (workspace, CUDA contexts, allocator margin).
 
 - `footprint`: one device's bytes in a training step, measured on the meta device; `training_step_peak` is the plan
   of one step, to compare with `torch.cuda.max_memory_allocated` on a GPU.
+- `parts`: what a model kept alive, a step, a pipeline (any schedule) or a group of ranks holds on each device: the
+  pieces a notebook's plan is made of.
 - `plans`: a notebook's phases and per-device peaks on two RTX 3090s or one; `check_plan`, which each notebook calls
-  in its parameters cell; `notebook_plans` / `plans_table`, which the doctor prints.
-- `notebooks`: what each notebook keeps alive at its heaviest moments, read off its code.
+  with the plan it declares after its parameters; `notebook_plans` / `plans_table`, which the doctor prints from
+  data/gpu_plans.json (the library never reads a notebook: a test walks them and keeps that file current).
 """
 from helpers.gpu_sizes.footprint import Footprint, stage_bytes, training_step, training_step_peak
-from helpers.gpu_sizes.plans import (HEADROOM, NotebookPlan, NotEnoughMemory, check_plan, notebook_constants,
-                                     notebook_plans, plan_notebook, plans_table, rtx3090_rigs, shortfalls)
+from helpers.gpu_sizes.plans import (HEADROOM, NotebookPlan, NotEnoughMemory, Part, Phase, PlanRecord, check_plan,
+                                     notebook_plans, plan_of, plans_table, recorded_plans, rtx3090_rigs, shortfalls)
 
-__all__ = ["Footprint", "HEADROOM", "NotEnoughMemory", "NotebookPlan", "check_plan", "notebook_constants",
-           "notebook_plans", "plan_notebook", "plans_table", "rtx3090_rigs", "shortfalls", "stage_bytes",
+__all__ = ["Footprint", "HEADROOM", "NotEnoughMemory", "NotebookPlan", "Part", "Phase", "PlanRecord", "check_plan",
+           "notebook_plans", "plan_of", "plans_table", "recorded_plans", "rtx3090_rigs", "shortfalls", "stage_bytes",
            "training_step", "training_step_peak"]

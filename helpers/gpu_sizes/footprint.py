@@ -269,15 +269,18 @@ def held(params_bytes: int, grads: bool = False, optimizer: str | None = None) -
 
 
 def training_step(stage: StageBytes, optimizer: str = "sgd", in_flight: int = 1, keeps_outputs: bool = False,
-                  autocast: bool = False, state_shards: int = 1) -> Footprint:
+                  autocast: bool = False, state_shards: int = 1, activations_held: int | None = None) -> Footprint:
     """One device's peak in a training step of `stage`: weights, grads, optimizer state, `in_flight` micro-batches'
     saved activations (a pipeline stage that is not the last also keeps each one's output until its gradient comes
     back: `keeps_outputs`; under autocast each also keeps 16-bit copies of the weights: give `stage` measured with
-    `autocast=True`), and the workspace. `state_shards`: ZeRO-1 keeps 1/N of the optimizer state."""
+    `autocast=True`), and the workspace. `state_shards`: ZeRO-1 keeps 1/N of the optimizer state.
+    `activations_held`: the activations at the step's heaviest moment where a schedule's chunks differ (it replaces
+    the `in_flight` count)."""
     params = stage.params
     state = params // 4 * OPTIMIZER_STATE[optimizer] // state_shards
     casts = params // 2 if autocast else 0  # autocast's 16-bit weight copies, saved with each micro-batch
-    activations = in_flight * (stage.activations + (stage.output if keeps_outputs else 0) + casts)
+    activations = activations_held if activations_held is not None else \
+        in_flight * (stage.activations + (stage.output if keeps_outputs else 0) + casts)
     step_temporary = params // 4 * OPTIMIZER_TEMPORARIES[optimizer] * FP32_BYTES // state_shards
     workspace = max(stage.backward_workspace, step_temporary - activations) + CUBLAS_WORKSPACE
     return Footprint(params, params, state, activations, workspace)

@@ -1,34 +1,36 @@
 """A notebook's memory plan per GPU, and the check every notebook runs before its first big step.
 
-A plan is a list of phases (the moments a notebook holds the most: a section's objects alive plus the step it
-runs, or the ranks it spawns beside what the notebook process still holds), each a list of parts on the rig's
-devices. A device's planned peak is its heaviest phase: the parts' bytes, the CUDA context of every process that uses
-the device (the notebook's own on every GPU, since the check below queries each one, and each rank's on its GPU),
-and an allocator margin, both from data/inference.json's runtime reserve with their sources. On the one-GPU rig both
-stages' parts land on cuda:0. The course's GPU sizes must leave 15% of each card free (`HEADROOM`).
+A notebook declares its plan itself, in the cell after its parameters: a function of the rig that lists its phases
+(the moments it holds the most: a section's objects alive plus the step it runs, or the ranks it spawns beside what
+the notebook process still holds), each a list of parts on the rig's devices built from the notebook's own constants
+(`helpers.gpu_sizes.parts`), and the constants that shrink it. A device's planned peak is its heaviest phase: the
+parts' bytes, the CUDA context of every process that uses the device (the notebook's own on every GPU, since the
+check below queries each one, and each rank's on its GPU), and an allocator margin, both from data/inference.json's
+runtime reserve with their sources. On the one-GPU rig both stages' parts land on cuda:0. The course's GPU sizes
+must leave 15% of each card free (`HEADROOM`).
+
+The library never reads a notebook. What each notebook's plan comes to on two RTX 3090s and on one is recorded in
+data/gpu_plans.json, written by the test that walks the notebooks (`python -m tests.notebook_plans` rewrites it; the
+test fails while it is stale): `check_plan` prints it on the CPU rig, the doctor compares it with the cards it finds.
 """
 from __future__ import annotations
 
-import ast
-import contextlib
-import io
 import json
-import tempfile
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from helpers.course import load_data
+from helpers.course import DATA_DIR, load_data
 from helpers.gpu_sizes.footprint import Footprint
+from helpers.gpu_sizes.suite import Replay
 from helpers.sizing.gpus import runtime_reserve
 from helpers.units import GiB, MiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 HEADROOM = 0.15  # the share of each card a plan leaves free: planned peak <= 85% of the card
 CARD = "RTX 3090"
 NOTEBOOK = "notebook"  # the process a part lives in: the notebook's own, or a spawned rank ("rank 0", ...)
+RECORDED = DATA_DIR / "gpu_plans.json"
+RIG_NAMES = {"two_gpus": "two GPUs", "one_gpu": "one GPU"}
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,20 @@ class Part:
     device: int
     bytes: Footprint
     process: str = NOTEBOOK
+    replay: Replay | None = None  # a whole-model step the GPU suite can rerun alone (helpers.gpu_sizes.suite)
 
 
 @dataclass(frozen=True)
 class Phase:
     name: str
     parts: tuple[Part, ...]
+
+    def __init__(self, name: str, parts: Sequence[Part]):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "parts", tuple(parts))
+
+
+Phases = Callable[[Rig], Sequence[Phase]]
 
 
 def card_bytes(card: str = CARD) -> int:
@@ -63,8 +73,65 @@ def rtx3090_rigs() -> dict[str, Rig]:
 
 
 @dataclass(frozen=True)
+class DevicePeak:
+    """One device's planned peak: its bytes, its heaviest phase, and that phase's parts summed by kind."""
+
+    device: str
+    peak: int
+    heaviest: str
+    parts: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """A notebook's plan on one rig reduced to what the checks read (what data/gpu_plans.json keeps)."""
+
+    notebook: str
+    rig: str  # "two_gpus" or "one_gpu"
+    knobs: str  # "BATCH (now 32) or SEQ (now 512)"
+    devices: tuple[DevicePeak, ...]
+    steps: tuple[tuple[str, Replay], ...] = ()  # its whole-model steps, each once, for the GPU suite
+    capacity: int = field(default_factory=card_bytes)
+
+    def peaks(self) -> dict[str, int]:
+        return {d.device: d.peak for d in self.devices}
+
+    @property
+    def budget(self) -> int:
+        """What a plan may use per card: the card less the headroom."""
+        return int(self.capacity * (1 - HEADROOM))
+
+    @property
+    def fits(self) -> bool:
+        return all(d.peak <= self.budget for d in self.devices)
+
+    def describe(self) -> str:
+        """'two GPUs: cuda:0 14.2 GiB, cuda:1 9.8 GiB' for one rig."""
+        return f"{RIG_NAMES[self.rig]}: " + ", ".join(f"{d.device} {d.peak / GiB:.1f} GiB" for d in self.devices)
+
+    def rows(self) -> list[dict]:
+        """One row per device: peak, heaviest phase, and its parts summed by kind (what the doctor prints)."""
+        return [{"notebook": self.notebook, "rig": self.rig, "device": d.device, "planned peak": fmt_bytes(d.peak),
+                 "of": fmt_bytes(self.capacity), "fits (<= 85%)": d.peak <= self.budget,
+                 "heaviest moment": d.heaviest, **{k: fmt_bytes(v) for k, v in d.parts.items()}}
+                for d in self.devices]
+
+    def as_dict(self) -> dict:
+        return {"knobs": self.knobs, "devices": [{"device": d.device, "peak": d.peak, "heaviest": d.heaviest,
+                                                  "parts": dict(d.parts)} for d in self.devices],
+                "steps": [{"what": what, **step.as_dict()} for what, step in self.steps]}
+
+    @classmethod
+    def from_dict(cls, notebook: str, rig: str, d: Mapping) -> "PlanRecord":
+        return cls(notebook, rig, d["knobs"], tuple(DevicePeak(x["device"], x["peak"], x["heaviest"], x["parts"])
+                                                    for x in d["devices"]),
+                   tuple((s["what"], Replay.from_dict(s)) for s in d.get("steps", ())))
+
+
+@dataclass(frozen=True)
 class NotebookPlan:
-    """One notebook's plan on one rig: its phases, the constants they were planned with, the knobs that shrink it."""
+    """One notebook's plan on one rig: its phases, the constants they were planned with, the knobs that shrink it.
+    Built by `plan_of` from what the notebook declares."""
 
     notebook: str
     rig: Rig
@@ -97,125 +164,79 @@ class NotebookPlan:
     def peaks(self) -> dict[str, int]:
         return {d: self.peak(d) for d in self.devices}
 
-    @property
-    def budget(self) -> int:
-        """What a plan may use per card: the card less the headroom."""
-        return int(self.capacity * (1 - HEADROOM))
-
-    @property
-    def fits(self) -> bool:
-        return all(peak <= self.budget for peak in self.peaks().values())
-
     def knob_text(self) -> str:
         return " or ".join(f"{k} (now {self.constants[k]})" for k in self.knobs)
 
-    def describe(self) -> str:
-        """'two GPUs: cuda:0 14.2 GiB (section 4: ...), cuda:1 9.8 GiB' for one rig."""
-        rig = {"two_gpus": "two GPUs", "one_gpu": "one GPU"}[self.rig.kind]
-        return f"{rig}: " + ", ".join(f"{d} {self.peak(d) / GiB:.1f} GiB" for d in self.devices)
-
-    def rows(self) -> list[dict]:
-        """One row per device: peak, heaviest phase, and its parts summed by kind (what the doctor prints)."""
-        rows = []
+    def record(self) -> PlanRecord:
+        """The plan reduced to each device's peak, heaviest phase and its parts by kind."""
+        devices = []
         for d in self.devices:
             phase = self.heaviest(d)
             total = sum((p.bytes for p in phase.parts if self._on(p) == d), Footprint())
-            rows.append({"notebook": self.notebook, "rig": self.rig.kind, "device": d,
-                         "planned peak": fmt_bytes(self.peak(d)), "of": fmt_bytes(self.capacity),
-                         "fits (<= 85%)": self.peak(d) <= self.budget, "heaviest moment": phase.name,
-                         **{k: fmt_bytes(v) for k, v in total.as_dict().items() if k != "total"}})
-        return rows
+            devices.append(DevicePeak(d, self.peak(d), phase.name,
+                                      {k: v for k, v in total.as_dict().items() if k != "total"}))
+        steps = {p.replay: p.what for phase in self.phases for p in phase.parts if p.replay is not None}
+        return PlanRecord(self.notebook, self.rig.kind, self.knob_text(), tuple(devices),
+                          tuple((what, step) for step, what in steps.items()), self.capacity)
+
+    @property
+    def budget(self) -> int:
+        return self.record().budget
+
+    @property
+    def fits(self) -> bool:
+        return self.record().fits
+
+    def describe(self) -> str:
+        return self.record().describe()
+
+    def rows(self) -> list[dict]:
+        return self.record().rows()
 
 
-# --- the notebooks' own constants -----------------------------------------------------------------------------------
-
-def notebook_path(notebook: str) -> Path:
-    found = sorted(NOTEBOOKS_DIR.glob(f"{notebook}_*.ipynb"))
-    if len(found) != 1:
-        raise ValueError(f"no single notebook {notebook}_*.ipynb in {NOTEBOOKS_DIR} (found {len(found)})")
-    return found[0]
-
-
-def _code_cells(path: Path) -> list[str]:
-    cells = json.loads(path.read_text())["cells"]
-    return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
-
-
-def _is_plan_check(node: ast.stmt) -> bool:
-    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name) and node.value.func.id == "check_plan")
-
-
-@lru_cache(maxsize=64)
-def _parameters_source(notebook: str) -> tuple[str, str]:
-    """(the setup cell's imports that the parameters cell uses, the parameters cell without its check_plan call):
-    the setup cell is the first code cell (imports, then `rig = setup(...)`), the parameters cell the next one."""
-    setup_cell, params_cell = _code_cells(notebook_path(notebook))[:2]
-    params = ast.parse(params_cell)
-    used = {n.id for n in ast.walk(params) if isinstance(n, ast.Name)}
-    imports = [node for node in ast.parse(setup_cell).body if isinstance(node, (ast.Import, ast.ImportFrom))
-               and any((a.asname or a.name).split(".")[0] in used for a in node.names)]
-    body = [node for node in params.body if not _is_plan_check(node)]
-    return ast.unparse(ast.Module(imports, [])), ast.unparse(ast.Module(body, []))
-
-
-def notebook_constants(notebook: str, rig: Rig) -> dict[str, object]:
-    """The constants the parameters cell of notebook `notebook` ("05") sets on `rig`: the cell is executed as the
-    notebook runs it (with `rig` given, the imports it needs from the setup cell, its prints swallowed and any
-    temporary directory it makes created inside one that is removed again), so no constant is copied anywhere."""
-    imports, params = _parameters_source(notebook)
-    namespace: dict[str, object] = {"rig": rig}
-    with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stdout(io.StringIO()):
-        saved, tempfile.tempdir = tempfile.tempdir, scratch
-        try:
-            exec(imports, namespace)
-            exec(params, namespace)
-        finally:
-            tempfile.tempdir = saved
-    return {k: v for k, v in namespace.items() if k.isupper()}
-
-
-# --- planning and checking -------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Inventory:
-    """How a notebook is planned: its phases from its constants and rig, and the constants that shrink them."""
-
-    phases: Callable[[Mapping[str, object], Rig], Sequence[Phase]]
-    knobs: tuple[str, ...]
-
-
-def inventories() -> dict[str, Inventory]:
-    from helpers.gpu_sizes.notebooks import INVENTORIES
-
-    return INVENTORIES
-
-
-def plan_notebook(notebook: str, rig: Rig, constants: Mapping[str, object] | None = None) -> NotebookPlan:
-    """Notebook `notebook`'s plan on `rig` (a GPU rig), with `constants` (default: its parameters cell's own)."""
+def plan_of(notebook: str, rig: Rig, constants: Mapping[str, object], phases: Phases,
+            knobs: Sequence[str]) -> NotebookPlan:
+    """Notebook `notebook`'s plan on `rig` (a GPU rig): `phases(rig)`, declared by the notebook from its constants
+    (`constants`, e.g. its `globals()`; the upper-case names are kept for the message), and `knobs`, the constants
+    that shrink it."""
     if rig.is_cpu:
         raise ValueError("plans are for GPU rigs: give rtx3090_rigs()['two_gpus'] or ['one_gpu']")
-    known = inventories()
-    if notebook not in known:
-        raise ValueError(f"no memory plan for notebook {notebook!r}; planned: {', '.join(known)}")
-    inventory = known[notebook]
-    constants = dict(notebook_constants(notebook, rig) if constants is None else
-                     {k: v for k, v in constants.items() if k.isupper()})
-    phases = tuple(inventory.phases(constants, rig))
-    return NotebookPlan(notebook, rig, constants, inventory.knobs, phases)
+    missing = [k for k in knobs if k not in constants]
+    if missing:
+        raise ValueError(f"notebook {notebook}'s knobs {missing} are not among its constants")
+    return NotebookPlan(notebook, rig, {k: v for k, v in constants.items() if k.isupper()}, tuple(knobs),
+                        tuple(phases(rig)))
 
 
-def notebook_plans(rig: Rig | str = "two_gpus") -> list[NotebookPlan]:
-    """Every planned notebook at its own GPU constants: on two RTX 3090s ("two_gpus"), one ("one_gpu"), or a detected
-    GPU rig (its cards' capacity). What `python -m helpers.doctor` prints: each plan says `fits`, `peaks()` per
-    device and `rows()` for a table."""
+def recorded_plans() -> dict[str, dict[str, PlanRecord]]:
+    """Every notebook's plan at its GPU sizes on two RTX 3090s and on one, as data/gpu_plans.json records them:
+    {notebook: {"two_gpus": PlanRecord, "one_gpu": PlanRecord}}."""
+    if not RECORDED.exists():
+        raise FileNotFoundError(f"{RECORDED} is missing: write it with `python -m tests.notebook_plans`")
+    data = json.loads(RECORDED.read_text())["notebooks"]
+    return {nb: {rig: PlanRecord.from_dict(nb, rig, d) for rig, d in rigs.items()} for nb, rigs in data.items()}
+
+
+def write_recorded(records: Mapping[str, Mapping[str, PlanRecord]]) -> None:
+    """Write data/gpu_plans.json (what `recorded_plans` reads), notebooks in course order."""
+    body = {"about": "each notebook's GPU-size plan on two RTX 3090s and on one, computed by helpers.gpu_sizes from "
+                     "the plan each notebook declares after its parameters; written by `python -m "
+                     "tests.notebook_plans`, and tests/test_gpu_sizes.py fails while it is stale",
+            "notebooks": {nb: {rig: r.as_dict() for rig, r in records[nb].items()} for nb in sorted(records)}}
+    RECORDED.write_text(json.dumps(body, indent=1) + "\n")
+
+
+def notebook_plans(rig: Rig | str = "two_gpus") -> list[PlanRecord]:
+    """Every notebook's recorded plan: on two RTX 3090s ("two_gpus"), one ("one_gpu"), or against a detected GPU rig
+    (the record of its kind, with its cards' capacity). What `python -m helpers.doctor` prints."""
+    kind = rig if isinstance(rig, str) else rig.kind
+    if kind not in RIG_NAMES:
+        raise ValueError(f"unknown rig kind {kind!r}; choose one of {list(RIG_NAMES)} or give a GPU rig")
+    records = [per_rig[kind] for per_rig in recorded_plans().values()]
     if isinstance(rig, str):
-        rigs = rtx3090_rigs()
-        if rig not in rigs:
-            raise ValueError(f"unknown rig kind {rig!r}; choose one of {list(rigs)} or give a GPU rig")
-        return [plan_notebook(nb, rigs[rig]) for nb in inventories()]
+        return records
     capacity = sum(rig.capacity_bytes) if rig.kind == "one_gpu" else min(rig.capacity_bytes)
-    return [replace(plan_notebook(nb, rig), capacity=capacity) for nb in inventories()]
+    return [replace(r, capacity=capacity) for r in records]
 
 
 def plans_table(rig: Rig | str = "two_gpus") -> str:
@@ -243,19 +264,28 @@ def shortfalls(plan: NotebookPlan, free: Mapping[str, int], already_used: int = 
     return messages
 
 
-def check_plan(notebook: str, rig: Rig, constants: Mapping[str, object] | None = None) -> None:
-    """Before a notebook's first big step. On GPUs: plan the notebook with its constants as they are now
-    (`constants`, e.g. `globals()`), compare each GPU's planned peak with the memory CUDA says is free, and raise
-    `NotEnoughMemory`, naming the constants to lower, instead of running out of memory halfway. On the CPU rig:
-    print the plan of the notebook's GPU sizes on RTX 3090s, one line (CUDA is never touched there)."""
+def check_plan(notebook: str, rig: Rig, constants: Mapping[str, object], phases: Phases,
+               knobs: Sequence[str]) -> None:
+    """Before a notebook's first big step, with the plan the notebook declares (`phases`, a function of the rig;
+    `knobs`, the constants that shrink it; `constants`, its `globals()`). On GPUs: compare each GPU's planned peak
+    with the memory CUDA says is free, and raise `NotEnoughMemory`, naming the constants to lower, instead of running
+    out of memory halfway. On the CPU rig: print the plan of the notebook's GPU sizes on RTX 3090s as recorded in
+    data/gpu_plans.json, one line (CUDA is never touched there)."""
+    if not callable(phases) or not knobs:
+        raise TypeError(f"notebook {notebook}: declare its plan, check_plan({notebook!r}, rig, globals(), "
+                        "phases=gpu_plan, knobs=('BATCH', ...)) with gpu_plan(rig) -> [Phase(...), ...]")
     if rig.is_cpu:
-        plans = [plan_notebook(notebook, r) for r in rtx3090_rigs().values()]
+        recorded = recorded_plans().get(notebook)
+        if recorded is None:
+            raise LookupError(f"notebook {notebook} has no plan in {RECORDED.name}: write it with "
+                              "`python -m tests.notebook_plans`")
+        plans = list(recorded.values())
         print(f"GPU sizes planned for RTX 3090s ({fmt_bytes(plans[0].capacity)} each, at most "
               f"{1 - HEADROOM:.0%} used): " + "; ".join(p.describe() for p in plans))
         return
     import torch
 
-    plan = plan_notebook(notebook, rig, constants)
+    plan = plan_of(notebook, rig, constants, phases, knobs)
     free = {d: torch.cuda.mem_get_info(torch.device(d))[0] for d in plan.devices}
     own_context = runtime_reserve()["context"]  # this process's context is already taken from the free memory
     problems = shortfalls(plan, free, own_context)

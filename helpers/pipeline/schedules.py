@@ -391,9 +391,10 @@ def split_backwards(actions: Sequence[Action]) -> set[tuple[int, int]]:
     return {(a.chunk, a.microbatch) for a in actions if a.kind == "W"}
 
 
-def peak_in_flight(actions: Sequence[Action]) -> int:
+def peak_in_flight(actions: Sequence[Action], weight: Callable[[int], int] = lambda chunk: 1) -> int:
     """The most micro-batches (per chunk) whose forward ran and whose backward has not finished with them
-    (activations held) on one device: a backward frees them, or its W where it is split."""
+    (activations held) on one device: a backward frees them, or its W where it is split. `weight(chunk)`: what one
+    micro-batch of that chunk holds (bytes, say) to sum instead of counting."""
     split = split_backwards(actions)
     alive: set[tuple[int, int]] = set()
     peak = 0
@@ -403,7 +404,7 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
             alive.add(key)
         elif a.kind == "W" or key not in split:
             alive.discard(key)
-        peak = max(peak, len(alive))
+        peak = max(peak, sum(weight(chunk) for chunk, _ in alive))
     return peak
 
 

@@ -13,8 +13,9 @@ linear layer's `AddmmBackward`, a layer norm's backward; a *fork*).
 - `WeightGradients.run`: at each fork, autograd again from the kept gradient, asked only for the weights behind that
   fork: it computes exactly what the first pass skipped, nothing of the spine again. Forks whose weights overlap (a
   weight used twice) are run together, each fork's gradient pinned to the kept one so no path counts twice (such a
-  group may run a stretch of spine between its forks again, so every call keeps the graph: it goes, with the
-  activations, when the last fork is done and nothing refers to it).
+  group may run a stretch of spine between its forks again, so every call but the last keeps the graph: it goes,
+  with the activations, when the last group is done and nothing refers to it). The weight gradients accumulate
+  into `.grad` inside autograd, as in a plain backward.
 
 A stage whose input needs no gradient (the first stage gets token ids) has no spine: its input half is empty and
 its weight half is the whole backward. torch.distributed.pipelining does the same split (`stage_backward_input`,
@@ -54,17 +55,18 @@ class WeightGradients:
         self.groups = groups
 
     def run(self) -> None:
-        for edges, grads, weights in self.groups:
+        """Each group's weight gradients accumulated into `.grad` by autograd itself (`backward(inputs=...)`, as a
+        plain backward's AccumulateGrad does: no gradient tensor of our own to add); every group but the last keeps
+        the graph, the last frees what it passes through as it goes, as a plain backward does."""
+        last = len(self.groups) - 1
+        for k, (edges, grads, weights) in enumerate(self.groups):
             pins = [edge.node.register_prehook(_pin(edges, grads, edge.node)) for edge in edges] \
                 if len({e.node for e in edges}) > 1 else []
             try:
-                found = torch.autograd.grad(edges, weights, grads, retain_graph=True, allow_unused=True)
+                torch.autograd.backward(edges, grads, retain_graph=k < last, inputs=weights)
             finally:
                 for handle in pins:
                     handle.remove()
-            for w, g in zip(weights, found):
-                if g is not None:
-                    w.grad = g if w.grad is None else w.grad.add_(g)
         self.groups = []
 
 

@@ -77,6 +77,9 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
     errors: list[tuple[int, BaseException]] = []
     mine = [[executors[k] for k in layout.stages_of(d)] for d in range(p)]
     devices = [chunks[0].device for chunks in mine]
+    # the caller's streams, read in the caller's thread: a stream is current per thread, so a worker asking for the
+    # current stream would get its own thread's default stream, not the one the caller made the inputs on
+    callers = [torch.cuda.current_stream(d) if stream is not None else None for d, stream in zip(devices, compute)]
 
     def worker(s: int) -> None:
         ex = mine[s]
@@ -84,7 +87,7 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
         try:
             if compute[s] is not None:
                 torch.cuda.set_device(devices[s])
-                compute[s].wait_stream(torch.cuda.current_stream(devices[s]))  # inputs and zeroed grads exist
+                compute[s].wait_stream(callers[s])  # the inputs and zeroed grads exist
                 with torch.cuda.stream(compute[s]):
                     loss = run_stage(ex, schedule[s], transport, microbatches, layout, normalizer, loss_scale,
                                      plan[s])
@@ -106,9 +109,9 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
     if errors:
         s, exc = errors[0]
         raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
-    for device, stream in zip(devices, compute):
+    for caller, stream in zip(callers, compute):
         if stream is not None:  # the caller's stream (optimizer step, next zero_grad) waits for the stages
-            torch.cuda.current_stream(device).wait_stream(stream)
+            caller.wait_stream(stream)
     return losses[0]
 
 

@@ -13,8 +13,10 @@ device-strict mode a CPU rank is set up the way a GPU rank is:
    kernels of the `c10d` operators (which otherwise return without communicating, for tracing) refuse.
 
 CI and the test suite run every rank in this mode (`LAB_DEVICE_STRICT=1`, set by the tests' conftest and inherited by
-the ranks); `python -m helpers.doctor` on the CPU rig too. Notebooks and the bench run without it: the default-device
-mode costs a little Python work on every torch call, which the bench would time.
+the ranks): the engines', the bench's, the take-home scripts' and those that notebook kernels start (but for the
+notebooks conftest.NOT_STRICT names, each with its reason); `python -m helpers.doctor` on the CPU rig too. The
+kernels themselves never are, nor a notebook or the bench run by hand: the default-device mode costs a little Python
+work on every torch call, which the bench would time.
 """
 from __future__ import annotations
 
@@ -28,9 +30,13 @@ STAND_IN = torch.device("meta")  # where a tensor created without device= lands 
 _refusing: list = []  # the torch.library registrations, kept alive (dropping them would restore the meta kernels)
 
 
+TRUTHY = {"1", "true", "yes", "on", "y", "t"}
+
+
 def strict_requested() -> bool:
-    """Whether this process was asked to run its ranks device-strict (LAB_DEVICE_STRICT=1)."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes"}
+    """Whether this process was asked to run its ranks device-strict (LAB_DEVICE_STRICT=1, or true, yes, on, any
+    case): the one parser of the flag, which the take-home scripts share."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in TRUTHY
 
 
 def strict_backend(device: torch.device, backend: str) -> str:

@@ -121,9 +121,9 @@ class WholeModelTimer:
         with self.ledgers[id(model)].track_activations("model"):
             return self.loss_fn(model(x), y)
 
-    def sample(self, microbatch: int, key: Hashable | None = None) -> None:
+    def sample(self, microbatch: int, key: Hashable | None = None, keys: Sequence[Hashable] = ()) -> None:
         """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
-        with `key`, also kept as one of that key's samples."""
+        with `key` (or `keys`: jobs of one launch at this size), also kept as one of that key's samples."""
         xb, yb, device = *self._microbatch(microbatch), self.x.device
         if microbatch not in self.samples:  # the first call at a size warms up, untimed
             self.samples[microbatch] = []
@@ -137,8 +137,8 @@ class WholeModelTimer:
         _sync(device)
         timed = (t1 - t0, time.perf_counter() - t1)
         self.samples[microbatch].append(timed)
-        if key is not None:
-            self.keyed.setdefault((key, microbatch), []).append(timed)
+        for k in ([key] if key is not None else []) + list(keys):
+            self.keyed.setdefault((k, microbatch), []).append(timed)
 
     def sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
         return lambda: self.sample(microbatch, key)
@@ -227,6 +227,57 @@ def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeat
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     return _median_time(lambda: dst.copy_(src), repeats, device) / nbytes
+
+
+def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                            rounds: int = 7) -> float:
+    """What splitting a backward costs beyond a plain one (`Workload.split_overhead`): on the second half of `model`'s
+    layers, a pipeline's last stage (its input, the first half's output, needs a gradient, as every stage's but the
+    first does), for one micro-batch (`x`, `y`), each round times (on a CPU in CPU seconds) a plain backward and
+    then the zero-bubble engines' input pass plus weight pass (`helpers.pipeline.split_backward`), each after its
+    own forward; the median of the rounds' ratios, minus 1, never below 0 (the two halves compute exactly a plain
+    backward's FLOPs: what is left is one autograd call per group of forks and each weight gradient reading its
+    saved tensors a second time)."""
+    from helpers.pipeline.split_backward import backward_input
+    from helpers.pipeline.stages import as_layers
+
+    layers = as_layers(model)
+    cut = max(1, len(layers) // 2)
+    rest = list(layers[cut:])
+    weights = [p for layer in rest for p in layer.parameters()]
+    with torch.no_grad():
+        h = x
+        for layer in layers[:cut]:
+            h = layer(h)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        inp = h.detach().requires_grad_()
+        out = inp
+        for layer in rest:
+            out = layer(out)
+        return inp, loss_fn(out, y)
+
+    # on a CPU the work itself, in the thread's CPU seconds: what other processes on the cores take is not in it
+    clock = time.thread_time if x.device.type == "cpu" else time.perf_counter
+
+    def timed(backward: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
+        inp, loss = forward()
+        _sync(x.device)
+        t0 = clock()
+        backward(inp, loss)
+        _sync(x.device)
+        return clock() - t0
+
+    def split(inp: torch.Tensor, loss: torch.Tensor) -> None:
+        backward_input(loss, torch.ones_like(loss), inp, weights)[1].run()
+
+    ratios = []
+    for r in range(1 + rounds):  # the first round warms both up
+        plain_s, split_s = timed(lambda inp, loss: loss.backward()), timed(split)
+        if r and plain_s > 0:
+            ratios.append(split_s / plain_s)
+    model.zero_grad(set_to_none=True)
+    return max(0.0, statistics.median(ratios) - 1) if ratios else 0.0
 
 
 # --- the rig ---------------------------------------------------------------------------------------------------------
@@ -474,6 +525,7 @@ class RigModel:
     copy_bandwidth: float = float("inf")  # bytes/s one device copies memory at
     samples: tuple = ()  # the link benchmark's LinkSamples
     fsdp2_host_s: float = 0.0  # fully_shard's host work per collective (fsdp2_host_seconds)
+    split_overhead: float = 0.0  # a split backward beyond a plain one, minus 1 (split_backward_overhead)
 
     @property
     def host_computes(self) -> bool:
@@ -489,8 +541,8 @@ class RigModel:
         return replace(self, thread_cores=replace(self.thread_cores, slowdown=slowdown))
 
     def calibrated(self, workload: Workload) -> Workload:
-        """`workload` with this rig's measured copy bandwidth."""
-        return replace(workload, copy_bandwidth=self.copy_bandwidth)
+        """`workload` with this rig's measured copy bandwidth and split backward's overhead."""
+        return replace(workload, copy_bandwidth=self.copy_bandwidth, split_overhead=self.split_overhead)
 
     def simulate(self, workload: Workload, job, engine: str = "processes"):
         """`job` on `workload` as this rig runs it with `engine` ("threads": one process, or "processes"): the
@@ -512,7 +564,8 @@ class RigModel:
         lines = [f"point-to-point (processes): {self.p2p}", f"collectives (processes): {self.collectives}",
                  f"threaded engine's hand-over: {self.threads_link}",
                  f"memory copies: {self.copy_bandwidth / 1e9:.3g} GB/s",
-                 f"FSDP2's host work: {self.fsdp2_host_s * 1e3:.2f} ms per collective"]
+                 f"FSDP2's host work: {self.fsdp2_host_s * 1e3:.2f} ms per collective",
+                 f"split backward (input pass + weight pass): {1 + self.split_overhead:.3g}x a plain backward"]
         if self.thread_cores is not None:
             lines += [f"threads: {self.thread_cores}", f"processes: {self.process_cores}"]
         return lines
@@ -543,8 +596,9 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
     """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that
     shares the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast
     (its latency: the measured cost of each further tensor, what ZeRO-1 pays per tensor) and the busy-core
-    slowdown of two processes in one more launch, and of two threads here. On gloo the collectives add and copy on
-    the CPU, so they take cores too."""
+    slowdown of two processes in one more launch, and of two threads here; what a split backward costs beyond a
+    plain one (`split_backward_overhead`). On gloo the collectives add and copy on the CPU, so they take cores
+    too."""
     from helpers.pipeline.comm import default_sizes, link_benchmark
 
     sizes = list(sizes) if sizes else default_sizes()
@@ -569,4 +623,4 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
         process_cores = SharedCores(cores, max(1.0, typical_slowdown(measured["ratios"])),
                                     COMPUTE_TASKS | COLLECTIVES)
     return RigModel(p2p, collectives, threads_link, thread_cores, process_cores, copy_bandwidth, tuple(samples),
-                    measured["fsdp2_host_s"])
+                    measured["fsdp2_host_s"], split_backward_overhead(model, x, y, loss_fn, rounds))

@@ -99,14 +99,16 @@ class Playground:
         import ipywidgets as w
 
         k = self.knobs
+        label = {"style": {"description_width": "initial"}}  # the whole name: "micro-batches", not "micro-bat..."
         return {
-            "stages": w.IntSlider(k.stages, min=1, max=8, description="stages"),
-            "microbatches": w.IntSlider(k.microbatches, min=1, max=32, description="micro-batches"),
-            "schedule": w.Dropdown(options=SCHEDULES, value=k.schedule, description="schedule"),
-            "imbalance": w.FloatSlider(k.imbalance, min=0.0, max=2.0, step=0.1, description="imbalance"),
-            "bandwidth_gb_s": w.FloatLogSlider(k.bandwidth_gb_s, base=10, min=-1, max=3, description="GB/s"),
-            "latency_us": w.FloatSlider(k.latency_us, min=0.0, max=200.0, step=1.0, description="latency (us)"),
-            "checkpoint": w.Checkbox(k.checkpoint, description="checkpointing"),
+            "stages": w.IntSlider(k.stages, min=1, max=8, description="stages", **label),
+            "microbatches": w.IntSlider(k.microbatches, min=1, max=32, description="micro-batches", **label),
+            "schedule": w.Dropdown(options=SCHEDULES, value=k.schedule, description="schedule", **label),
+            "imbalance": w.FloatSlider(k.imbalance, min=0.0, max=2.0, step=0.1, description="imbalance", **label),
+            "bandwidth_gb_s": w.FloatLogSlider(k.bandwidth_gb_s, base=10, min=-1, max=3, description="GB/s", **label),
+            "latency_us": w.FloatSlider(k.latency_us, min=0.0, max=200.0, step=1.0, description="latency (us)",
+                                        **label),
+            "checkpoint": w.Checkbox(k.checkpoint, description="checkpointing", **label),
         }
 
     def show(self):

@@ -60,6 +60,9 @@ class Job:
     cut: tuple[int, ...] | None = None  # first layer of each model stage after the first; default: time-balanced
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
+    # DDP's gradients are views of its buckets (gradient_as_bucket_view=True, as helpers' apply_ddp sets): no copy
+    # of each gradient into its bucket, none back after the all-reduce; False: PyTorch's default, both copies
+    bucket_views: bool = True
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
     host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
@@ -268,10 +271,13 @@ class _Builder:
         return self.size * self._sum(a, b, "backward_s" if a == 0 else "weight_s")
 
     def backward_weights(self, dev: int, a: int, b: int, mb: int, after, stage: int) -> int:
-        """The weight gradients a split backward left for later; they free the micro-batch's activations."""
+        """The weight gradients a split backward left for later; they free the micro-batch's activations. Where the
+        stage's input needs a gradient (not the first: its weight pass is its whole backward, one call), the split
+        costs the workload's `split_overhead` of the backward beyond it, paid in the weight pass."""
         self.traces[dev].backward(self.held(a, b), 0.0, (stage, mb), True)
-        return self.graph.add(self.weight_s(a, b), [("compute", dev)], "weight", [dev], after, microbatch=mb,
-                              stage=stage)
+        overhead = self.w.split_overhead * self.size * self._sum(a, b, "backward_s") if a > 0 else 0.0
+        return self.graph.add(self.weight_s(a, b) + overhead, [("compute", dev)], "weight", [dev], after,
+                              microbatch=mb, stage=stage)
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
@@ -394,8 +400,8 @@ class _Builder:
     def local_steps(self, devices: list[int], copy_passes: int = 0) -> dict[tuple[int, int], int]:
         """Forward and per-layer backward of every micro-batch on every replica; the last micro-batch's backward
         task per (device, layer). In the last (synchronising) micro-batch each layer's backward also makes
-        `copy_passes` passes over its gradient bytes (DDP copies each gradient into its bucket, our hook divides
-        the bucket)."""
+        `copy_passes` passes over its gradient bytes (our hook divides the bucket; without bucket views DDP also
+        copies each gradient into its bucket)."""
         n, m = len(self.layers), self.job.microbatches
         g = self.w.bytes_per_param[1]
         last = {}
@@ -410,10 +416,11 @@ class _Builder:
     def run_ddp(self, zero1: bool) -> None:
         devices = list(range(self.job.replicas))
         r = len(devices)
-        ready = self.local_steps(devices, copy_passes=2)  # gradient into its bucket, the hook's division
+        views = self.job.bucket_views
+        ready = self.local_steps(devices, copy_passes=1 if views else 2)  # [into its bucket,] the hook's division
         reduced = [self.collective("allreduce", devices, collective_s(self.coll, "allreduce", nbytes, r), "comm",
                                    [ready[(d, layer)] for d in devices]) for layer, nbytes in self.buckets()]
-        grads = self.w.bytes_per_param[1] * self.w.n_params  # averaged buckets copied back into the gradients
+        grads = 0 if views else self.w.bytes_per_param[1] * self.w.n_params  # buckets copied back into the grads
         copied = [self.copy(d, grads, reduced[-1:]) for d in devices]
         updates = [self.optimizer(d, 1 / r if zero1 else 1.0, [c]) for d, c in zip(devices, copied)]
         if zero1:  # each owner broadcasts its updated parameters, tensor by tensor, one after another

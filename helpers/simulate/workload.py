@@ -57,13 +57,18 @@ class LayerCost:
 class Workload:
     """A model to simulate: its layers in order, the training recipe (bytes per parameter for weights, gradients
     and optimizer state, `helpers.sizing.state.BYTES_PER_PARAM`), the seconds of one optimizer step over all
-    parameters on one device, and how fast the device copies memory (the data-parallel engines copy gradients and
-    parameters into and out of their communication buffers; infinite: free)."""
+    parameters on one device, how fast the device copies memory (the data-parallel engines copy gradients and
+    parameters into and out of their communication buffers; infinite: free), and what splitting a backward costs
+    beyond it (`split_overhead`)."""
 
     layers: tuple[LayerCost, ...]
     recipe: str = "fp32 + Adam"
     optimizer_s: float = 0.0
     copy_bandwidth: float = math.inf  # bytes/s the device copies memory at (data-parallel engines' buffer copies)
+    # a split backward's input pass + weight pass over the plain backward it replaces, minus 1, for a stage whose
+    # input needs a gradient: one autograd call per group of forks and each weight gradient reading its saved input
+    # and output gradient a second time (measured: helpers.simulate.calibrate.split_backward_overhead); 0: free
+    split_overhead: float = 0.0
 
     def __post_init__(self):
         if not self.layers:
@@ -74,6 +79,8 @@ class Workload:
             raise ValueError(f"optimizer step time must be >= 0 seconds, got {self.optimizer_s}")
         if not self.copy_bandwidth > 0:
             raise ValueError(f"copy bandwidth must be positive (bytes per second), got {self.copy_bandwidth}")
+        if not (self.split_overhead >= 0 and math.isfinite(self.split_overhead)):
+            raise ValueError(f"a split backward's overhead must be a fraction >= 0, got {self.split_overhead}")
 
     @property
     def bytes_per_param(self) -> tuple[int, int, int]:

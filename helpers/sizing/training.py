@@ -18,7 +18,8 @@ from helpers.sizing.state import training_data
 
 METHODS = ("full", "lora", "qlora")
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_DTYPE = {"full": "bf16", "lora": "bf16", "qlora": "nf4"}
+DEFAULT_DTYPE = {"full": "bf16", "lora": "bf16", "qlora": "nf4-torchao"}  # QLoRA as the course's scripts run it
+TORCHAO_NF4 = "nf4-torchao"
 FP32 = 4  # bytes: RMSNorm's upcast input, rsqrt, the attention log-sum-exp, the fp32 loss
 INT64 = 8  # bytes: token ids the embedding saves, labels the loss saves
 
@@ -139,7 +140,8 @@ def training_shape(model="llama-2-7b", method: str = "qlora", dtype: str | Weigh
 
     full: every parameter trains, in the compute dtype `dtype` (default bf16). lora: the base stays frozen in `dtype`
     (default bf16) and each targeted linear of every decoder layer gets A (r x in) and B (out x r). qlora: as lora, on a
-    base whose decoder linears are quantized (`dtype` default nf4: 4 bits plus an fp32 absmax per 64 weights).
+    base whose decoder linears are quantized (`dtype` default nf4-torchao, what the course runs: 4 bits, an 8-bit scale
+    per 64 weights; nf4 and nf4-dq are bitsandbytes').
     """
     method = check_method(method)
     fmt = weight_format(dtype or DEFAULT_DTYPE[method])
@@ -171,6 +173,8 @@ def _training_shape(base: ModelShape, method: str, rank: int | None, targets: tu
         linears = _linears(module, head) if layer.kind == "decoder" else []
         quantized = [m.weight.shape for _, m in linears] if fmt.quantized else []
         constants = sum(fmt.tensor_bytes(s, True) - math.ceil(math.prod(s) * fmt.weight_bits / 8) for s in quantized)
+        if fmt.name.startswith(TORCHAO_NF4):  # torchao keeps the scales inside the NF4 tensor: FSDP2 shards them too
+            constants = 0
         if method == "full":
             params = [p.numel() for p in module.parameters()] if layer.params else []
             units.append(Unit(layer.name, layer.kind, layer.params, buffers, 0, buffers, tuple(params)))

@@ -50,6 +50,11 @@ class TrainResult:
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
     losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
     state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
+    # per rank, the median timed step's CPU seconds: of the rank's own thread (compute and the host work around it),
+    # and of its whole process (with gloo's threads). Unlike the step's wall time, other processes on the cores do
+    # not stretch them: wall - CPU is what the rank waited (messages, collectives, a core)
+    thread_cpu_s: list[float] = field(default_factory=list)
+    process_cpu_s: list[float] = field(default_factory=list)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -88,7 +93,9 @@ def _combine(parts: list[dict]) -> TrainResult:
     return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
                        phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for _, grads in by_layer for g in grads], cuda_peak=[p["cuda_peak"] for p in parts],
-                       losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()})
+                       losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()},
+                       thread_cpu_s=[statistics.median(p["cpu"][0]) for p in parts if p["cpu"][0]],
+                       process_cpu_s=[statistics.median(p["cpu"][1]) for p in parts if p["cpu"][1]])
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -322,6 +329,7 @@ def train_worker(job: TrainJob) -> dict:
     r = _Rank(job)
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
+    cpu: tuple[list[float], list[float]] = ([], [])  # the timed steps' thread and process CPU seconds
     for i in range(job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
         if i == job.timed_steps + 1:
@@ -331,7 +339,7 @@ def train_worker(job: TrainJob) -> dict:
         r.module.zero_grad(set_to_none=False)
         dist.barrier()
         _synchronize(r.device)
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         token_loss = r.step_fn(i)
         if i == 0 and job.return_grads:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
@@ -339,6 +347,8 @@ def train_worker(job: TrainJob) -> dict:
         _synchronize(r.device)
         if 0 < i <= job.timed_steps:
             times.append(time.perf_counter() - t0)
+            for spent, was, now in zip(cpu, c0, _cpu_seconds()):
+                spent.append(now - was)
             phases.append(phase_seconds(r.rec.events()))
         total = token_loss.detach().float().clone().reshape(1)
         dist.all_reduce(total)
@@ -350,7 +360,12 @@ def train_worker(job: TrainJob) -> dict:
     state = _trained_state(r.module, r.owned) if job.return_state else {}
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
-            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}}
+            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu}
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds so far of the calling thread and of the whole process (user + system)."""
+    return time.thread_time(), time.process_time()
 
 
 def train_workers(jobs: Sequence[TrainJob]) -> list[dict]:

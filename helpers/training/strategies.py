@@ -58,7 +58,7 @@ def apply_ddp(module: nn.Module, group, device: torch.device, bucket_mb: float, 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
-              bucket_cap_mb=bucket_mb)
+              bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     ddp.register_comm_hook(None, allreduce_hook(rec, group))
     return ddp
 

@@ -1,0 +1,3 @@
+from helpers.bench.cli import main
+
+main()

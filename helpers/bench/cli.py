@@ -1,0 +1,121 @@
+"""`python -m helpers.bench`: every strategy side by side on this rig in one run, each row with the simulator's
+prediction calibrated in the same run; the extras; bench.json and the timelines."""
+from __future__ import annotations
+
+from helpers.bench.blocks import MachineLoad
+from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
+from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
+from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
+                                  compare_runs, describe_comparison, display_rows, misses, row_dicts,
+                                  write_results)
+from helpers.bench.rows import Progress, bench_refusals, default_config, run_bench
+from helpers.models import lm_loss
+from helpers.timeline import PHASES
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from helpers.report import table
+    from helpers.runtime.rig import detect_rig
+    from helpers.simulate.calibrate import measure_rig
+
+    parser = argparse.ArgumentParser(prog="python -m helpers.bench",
+                                     description="Every strategy side by side on this rig, in one run, each with the "
+                                                 "simulator's prediction calibrated in the same run. The default run: "
+                                                 "5 interleaved rounds of the threaded rows, every two-rank job in one "
+                                                 "launch per round, 2 rounds of 3 steps in opposite orders.")
+    parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true",
+                        help="smoke test: a smaller model (hidden 256, 4 blocks, batch 16), one micro-batch count, "
+                             "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
+                             "is predicted")
+    length.add_argument("--precise", action="store_true",
+                        help="the default run's rows and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
+                             "the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats of the "
+                             "split comparison and checkpoint sweep")
+    parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
+    parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--against", metavar="PATH",
+                        help="a previous run's bench.json: print each row's speed-up (and the extras' ratios) beside "
+                             "that run's, and whether all agree within 5%%")
+    ns = parser.parse_args(argv)
+    previous = read_previous(ns.against) if ns.against else None
+    progress = Progress(not ns.no_progress)
+    load = MachineLoad()
+    rig = detect_rig(force_cpu=ns.cpu or None)
+    config = default_config("quick" if ns.quick else "precise" if ns.precise else "default", rig)
+    print(rig.describe(), flush=True)
+    from helpers.models import SyntheticTokens, build_stack
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    tx, ty = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    timer = WholeModelTimer(build_stack(config.cfg).to(rig.devices[0]), tx.to(rig.devices[0]), ty.to(rig.devices[0]),
+                            lm_loss)
+    rows = run_bench(config, rig, progress, timer)
+
+    progress.phase("calibrating: link benchmark (point-to-point, all-reduce) and busy-core slowdown")
+    probe = build_stack(config.cfg).to(rig.devices[0])
+    mb = min(microbatch_size(r, config.batch) for r in rows)
+    px, py = SyntheticTokens(mb, config.cfg.seq_len, config.cfg.vocab).batch(0, mb)
+    rig_model = measure_rig(rig, probe, px.to(rig.devices[0]), py.to(rig.devices[0]), lm_loss, config.link_sizes)
+    calibrated = predict_rows(rows, config, rig, rig_model, progress, timer)
+    extras = {"split backward": split_backward_rows(rows)}
+    if not ns.skip_extras:
+        extras |= {"splits": split_comparison_rows(rig, ns.quick, rig_model, progress, config.extra_repeats),
+                   "checkpointing": checkpoint_sweep_rows(rig, ns.quick, rig_model, progress, config.extra_repeats)}
+    load.stop()
+    calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
+    timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
+                  **{name: extra_rows[0].get("core_slowdown") for name, extra_rows in extras.items() if extra_rows}}
+    compared = compare_runs({"rows": row_dicts(rows, config.batch), **extras}, previous) \
+        if previous else None
+    calibration["summary"] += [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
+                               for name, s in timed_with.items() if s is not None]
+    dicts = write_results(rows, config, rig, ns.out, extras, calibration, compared)
+    print(table(display_rows(dicts), BENCH_COLUMNS))
+    for name, extra_rows in extras.items():
+        shown = [{**r, "predicted": r.get("predicted_samples_per_s"), "spread": _plus_minus(r.get("spread")),
+                  **{phase: _signed(r.get(f"{phase}_vs_predicted")) for phase in PHASES},
+                  "error": _percent(r.get("error"), r.get("excluded_from_target")),
+                  "split / plain": _times(r.get("split / plain"), SPLIT_TARGET),
+                  "wall: split / plain": _times(r.get("wall: split / plain"))} for r in extra_rows]
+        print(f"\n{name}:\n" + table(shown, EXTRA_COLUMNS[name]))
+    print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
+    missed = misses(dicts) + [line for name, extra_rows in extras.items() for line in misses(extra_rows, "split")]
+    print(f"\npredictions outside {TARGET:.0%} or excluded: " + ("none" if not missed else "\n" + "\n".join(missed)))
+    refused = bench_refusals(rig)
+    if refused:
+        print("\nnot run on this rig:\n" + "\n".join(f"  {s} ({e}): {why}" for (s, e), why in refused.items()))
+    if compared is not None:
+        print("\n" + describe_comparison(compared, ns.against))
+    print("\n" + load.describe())
+    print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
+    print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
+
+
+def read_previous(path: str) -> dict:
+    """A previous run's bench.json, read before anything runs (a wrong path stops the run at once)."""
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    file = file / "bench.json" if file.is_dir() else file
+    if not file.is_file():
+        raise SystemExit(f"--against {path}: no bench.json there (give a previous run's bench.json or its folder)")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--against {path}: not a bench.json ({err})") from None
+    if "rows" not in data:
+        raise SystemExit(f"--against {path}: not a bench.json (no rows)")
+    return data
+
+
+def _times(ratio: float | None, target: float | None = None) -> str:
+    """'1.03x', with '*' past `target`; '-' for none."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x" + ("*" if target is not None and ratio > target else "")

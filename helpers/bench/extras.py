@@ -1,0 +1,149 @@
+"""The bench's extras: notebook 02's splits of a non-uniform model and notebook 03's checkpointing sweep, each a
+table of threaded GPipe pipelines timed against their baseline and predicted."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+from helpers.bench.blocks import PipelineRun, make_pipeline_run, one_device_step, run_rows, time_pipeline_runs
+from helpers.bench.rows import Progress, _caller_seconds, compute_drift
+from helpers.models import StackConfig, lm_loss
+from helpers.timeline import PHASES, median_phases, phase_seconds
+
+
+def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict, workload, batch: int, m: int,
+                      rig_model, checkpoints: Sequence[Sequence[int]] | None = None) -> None:
+    """Add predicted samples/s, the error and the compute's drift (`compute_drift`) to `run_rows` rows of threaded
+    GPipe runs."""
+    from helpers.simulate import Job, simulate
+
+    for i, (row, run) in enumerate(zip(rows, runs)):
+        job = Job("gpipe", batch, microbatches=m, stages=2, cut=tuple(run.boundaries),
+                  checkpoint=tuple(checkpoints[i]) if checkpoints else False)
+        sim = simulate(workload, job, rig_model.threads_link, cores=rig_model.thread_cores)
+        step = sim.step_s + _caller_seconds(run)
+        row["predicted_samples_per_s"] = batch / step
+        row["error"] = times[run.name] / step - 1
+        row.update({f"{phase}_vs_predicted": compute_drift("gpipe", phase, median_phases(run.phases),
+                                                           phase_seconds(sim.events)) for phase in PHASES})
+        row["excluded_from_target"] = None
+        row["core_slowdown"] = getattr(rig_model.thread_cores, "slowdown", None)
+
+
+def calibration_samplers(timer, microbatch: int, rig) -> dict[str, Callable[[], None]]:
+    """The calibration timed in the same interleaved rounds as a section's threaded runs: the whole model at
+    `microbatch`, and on the CPU rig two copies of it at once (the busy-core slowdown of those minutes)."""
+    if timer is None:
+        return {}
+    together = {"calibration: two copies at once": timer.together_sampler(microbatch)} if rig.is_cpu else {}
+    return {"calibration: whole model": timer.sampler(microbatch), **together}
+
+
+def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False,
+                          repeats: int | None = None) -> list[dict]:
+    """Notebook 02's four splits of the non-uniform model, each trained as a 4-micro-batch GPipe pipeline and timed
+    against one device in the same interleaved rounds; with `rig_model` (a `RigModel` of this run), each row's
+    prediction from the same per-layer profile the splits were chosen on."""
+    from helpers.models import SyntheticTokens, build_stack, nonuniform_config
+    from helpers.partition import compare_splits
+    from helpers.profile import profile_layers
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    progress.phase("splits of a non-uniform model (notebook 02)")
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, repeats or 6)
+    cfg = nonuniform_config(1 if rig.is_cpu else 4)
+    model = build_stack(cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    prof = profile_layers(model, x[:batch // m], repeats=repeats, loss_fn=lm_loss, target=y[:batch // m])
+    splits = compare_splits(prof.costs("time"), prof.costs("params"), prof.memory_bytes())
+    runs = [make_pipeline_run(name, model, s.boundaries, rig.devices, rig.labels, "gpipe", m)
+            for name, s in splits.items()]
+
+    timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
+    calibration = calibration_samplers(timer, batch // m, rig)
+    times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss),
+                                                           **calibration}, progress=progress.bars)
+    rows = run_rows(runs, times, batch, baseline="one device")
+    for row, split in zip(rows, splits.values()):
+        row["predicted slowest/mean"] = split.imbalance
+    if rig_model is not None:
+        from helpers.simulate import Workload
+
+        fwd, bwd = timer.seconds(batch // m)
+        workload = Workload.from_profile(prof).rescaled(fwd / (batch // m), bwd / (batch // m))
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()))
+    return rows
+
+
+def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False,
+                          repeats: int | None = None) -> list[dict]:
+    """Notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline; step time and saved
+    activations per device; with `rig_model`, each row's prediction (the simulator recomputes the checkpointed
+    blocks' forward in backward) from one profile of the unchecked model."""
+    from helpers.checkpointing import checkpoint_layers, every_kth
+    from helpers.models import SyntheticTokens, build_stack
+
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    progress.phase("activation checkpointing sweep (notebook 03)")
+    batch, m, repeats = (16, 4, 2) if quick else (32, 4, repeats or 6)
+    cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
+    model = build_stack(cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    blocks = list(range(1, cfg.n_blocks + 1))
+    variants = {"none": [], **{f"every {k}": every_kth(blocks, k) for k in (4, 2, 1)}}
+    runs = [make_pipeline_run(name, checkpoint_layers(model, which), [len(model) // 2], rig.devices, rig.labels,
+                              "gpipe", m) for name, which in variants.items()]
+    from helpers.simulate.calibrate import WholeModelTimer, measure_workload
+
+    timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
+    calibration = calibration_samplers(timer, batch // m, rig)
+    times = time_pipeline_runs(runs, x, y, repeats, extra=calibration, progress=progress.bars)
+    rows = run_rows(runs, times, batch, baseline="none")
+    for row in rows:
+        row["step vs none"] = times[row["split"]] / times["none"]
+    if rig_model is not None:
+        workload = measure_workload(model, x, y, lm_loss, batch // m, repeats, whole=timer.seconds(batch // m)).workload
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()),
+                          list(variants.values()))
+    return rows
+
+
+SPLIT_TARGET = 1.1  # a split backward (input pass + weight pass) costs at most 1.1x a plain backward
+
+
+def _median_span_s(events, device: int, kind: str, cpu: bool) -> float:
+    """Median seconds of `device`'s spans of `kind` in a recorded step: the thread's CPU seconds where recorded
+    (`cpu`; CUDA spans have none: their GPU time), else the wall time; 0 where there are none."""
+    import statistics
+
+    spans = [e for e in events if e.device == device and e.kind == kind]
+    if not spans:
+        return 0.0
+    return statistics.median(e.cpu if cpu and e.cpu is not None else e.duration for e in spans)
+
+
+def split_backward_rows(rows: Sequence) -> list[dict]:
+    """What the split backward costs, per engine and device: in each engine's ZB-H1 row, the median input pass
+    ("backward" spans) plus the median weight pass ("weight"), over the median backward of the same engine's 1F1B
+    row (the same stages, the same micro-batches), from the rows' recorded steps; in CPU seconds of the thread that
+    ran them (not stretched by other processes on the cores) and, beside it, in wall time. The first stage's input
+    needs no gradient: its input pass is empty and its weight pass is its whole backward."""
+    out = []
+    by_key = {(r.strategy, r.engine, r.runner): r for r in rows}
+    for (strategy, engine, runner), split in by_key.items():
+        plain = by_key.get(("1f1b", engine, runner))
+        if strategy != "zbh1" or plain is None:
+            continue
+        for device in sorted({e.device for e in split.events if e.kind == "weight"}):
+            cost = {how: (_median_span_s(plain.events, device, "backward", how == "cpu"),
+                          _median_span_s(split.events, device, "backward", how == "cpu"),
+                          _median_span_s(split.events, device, "weight", how == "cpu")) for how in ("cpu", "wall")}
+            b, i, w = cost["cpu"]
+            out.append({"engine": engine, "runner": runner, "device": device, "plain backward (ms)": b * 1e3,
+                        "input pass (ms)": i * 1e3, "weight pass (ms)": w * 1e3,
+                        "split / plain": (i + w) / b if b else None,
+                        "wall: split / plain": sum(cost["wall"][1:]) / cost["wall"][0] if cost["wall"][0] else None})
+    return out

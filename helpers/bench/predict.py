@@ -1,0 +1,130 @@
+"""The bench's predictions: each row's job on the simulator (`helpers.simulate`), calibrated in the same run (per-layer
+profiles rescaled to the whole model timed with the row, the links, core sharing), and how a row's passes drifted
+from the simulated ones."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from helpers.bench.blocks import bench_cut
+from helpers.bench.rows import BenchConfig, BenchRow, Progress
+from helpers.catalog import strategy as catalog_entry
+from helpers.models import lm_loss
+from helpers.timeline import phase_seconds
+
+
+TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded with a reason aside
+
+
+# --- predictions: the simulator, calibrated in the same run ------------------------------------------------------
+
+def row_strategy(row: BenchRow):
+    """The catalog's entry of a bench row (helpers.catalog; "single_adam" is one device with Adam)."""
+    return catalog_entry("single" if row.strategy == "single_adam" else row.strategy)
+
+
+def microbatch_size(row: BenchRow, batch: int) -> int:
+    """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
+    replicas = 2 if row_strategy(row).data_parallel else 1
+    return batch // replicas // (row.microbatches or 1)
+
+
+def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
+    """The simulator's Job for a bench row: the same strategy on two devices per dimension (DP x PP: 2 x 2, 1F1B)."""
+    from helpers.simulate import Job
+
+    entry = row_strategy(row)
+    if entry.kind == "single":
+        return Job("single", batch)
+    cut = tuple(cut) or None if entry.pipeline else None
+    return Job(entry.name, batch, microbatches=row.microbatches or 1, cut=cut)
+
+
+def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[int] = (), adam_s: float = 0.0,
+                cores: int | None = None):
+    """The simulated step of `row`: its job on `workload` (costs at the row's micro-batch size), the row's links and
+    core sharing from `rig_model`, plus the work its calling thread does around the engine (`row.caller_s`).
+    Rows with Adam run it on every rank (`adam_s`: one device's Adam step over the whole model). Returns the
+    Simulation; `row.predicted_s` is set."""
+    from dataclasses import replace
+
+    if row.optimizer == "adam" and row.engine != "none":
+        workload = replace(workload, optimizer_s=adam_s)
+    engine = "threads" if row.runner in ("threads", "one thread") else "processes"
+    sim = rig_model.simulate(workload, simulation_job(row, batch, cut), engine)
+    row.predicted_s = sim.step_s + row.caller_s
+    row.predicted_phase_s = phase_seconds(sim.events)
+    row.predicted_busy = sum(sim.busy.values()) / len(sim.busy) if sim.busy else None
+    return sim
+
+
+def calibrate(model: nn.Module, x, y, sizes: Sequence[int], progress: Progress, repeats: int = 3,
+              timer=None) -> dict:
+    """{micro-batch size: Calibrated} for `model` on this rig (helpers.simulate.calibrate.measure_workload), with
+    the whole model's times from `timer` where it sampled that size (between the rows' measurements)."""
+    from helpers.simulate.calibrate import measure_workload
+
+    out = {}
+    bar = progress.bar(len(sizes), "profiles")
+    for b in sorted(set(sizes), reverse=True):
+        out[b] = measure_workload(model, x, y, lm_loss, b, repeats, whole=timer.seconds(b) if timer else None)
+        bar.update()
+    bar.close()
+    return out
+
+
+def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, progress: Progress,
+                 timer=None) -> dict:
+    """Give every row its predicted step time, from this run's per-layer profiles (one per micro-batch size the rows
+    use), each rescaled to the whole model's time sampled with the row (`timer`, under its `calibration_key`), link
+    fits and core sharing; returns the calibrations by micro-batch size (rescaled to all of `timer`'s samples)."""
+    from helpers.models import SyntheticTokens, build_stack
+
+    model = build_stack(config.cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    sizes = sorted({microbatch_size(r, config.batch) for r in rows}, reverse=True)
+    progress.phase(f"calibrating: per-layer profile and whole-model time at micro-batch sizes {sizes}")
+    calibrated = calibrate(model, x, y, sizes, progress, timer=timer)
+    adam_s = next((r.optimizer_s for r in rows if r.strategy == "single_adam"), 0.0)
+    for row in rows:
+        size = microbatch_size(row, config.batch)
+        workload, row.whole_model_s = calibrated[size].workload, (calibrated[size].forward_s,
+                                                                  calibrated[size].backward_s)
+        row_rig = rig_model
+        if timer is not None and row.calibration_key is not None:
+            row.whole_model_s = timer.seconds(size, row.calibration_key)
+            workload = workload.rescaled(*(t / size for t in row.whole_model_s))
+            if row.runner == "threads":
+                row_rig = rig_model.with_thread_slowdown(timer.slowdown(row.calibration_key))
+                row.core_slowdown = getattr(row_rig.thread_cores, "slowdown", None)
+        predict_row(row, workload, row_rig, config.batch, bench_cut(row.strategy, len(model)), adam_s)
+        if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
+            from helpers.simulate import simulate
+
+            own = simulate(rig_model.calibrated(workload), simulation_job(row, config.batch, [len(model) // 2]),
+                           rig_model.p2p, rig_model.collectives)
+            row.excluded = (f"4 ranks time-share 2 cores: the prediction shares the cores fairly but does not model "
+                            f"the operating system switching 4 processes on 2 cores (caches refilled, a waiting rank "
+                            f"woken late); on 4 devices of their own it predicts {config.batch / own.step_s:.3g} "
+                            f"samples/s")
+    return calibrated
+
+
+def calibration_record(rig_model, calibrated: dict) -> dict:
+    """What the predictions were calibrated from, for bench.json and the printout."""
+    summary = rig_model.describe() + [
+        f"micro-batch {b}: whole model {c.forward_s * 1e3:.1f} ms forward + {c.backward_s * 1e3:.1f} ms backward, "
+        f"{c.stream_factor:.2f}x the per-layer profile's sum" for b, c in sorted(calibrated.items())]
+    return {"summary": summary,
+            "links": {"p2p": [rig_model.p2p.latency_s, rig_model.p2p.bandwidth],
+                      **{kind: [getattr(rig_model.collectives, kind).latency_s,
+                                getattr(rig_model.collectives, kind).bandwidth]
+                         for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}},
+            "copy_bandwidth": rig_model.copy_bandwidth, "fsdp2_host_s": rig_model.fsdp2_host_s,
+            "split_overhead": rig_model.split_overhead,
+            "slowdown": {"threads": getattr(rig_model.thread_cores, "slowdown", None),
+                         "processes": getattr(rig_model.process_cores, "slowdown", None)},
+            "whole_model_s": {b: [c.forward_s, c.backward_s] for b, c in calibrated.items()},
+            "stream_factor": {b: c.stream_factor for b, c in calibrated.items()}}

@@ -1,0 +1,219 @@
+"""What the bench prints and writes: the table's columns and legend, bench.json with a timeline PNG and Perfetto trace
+per row, and the lines that name each row outside the target."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from helpers.bench.predict import TARGET
+from helpers.bench.rows import BenchConfig, BenchRow, bench_refusals
+from helpers.timeline import PHASES, chrome_trace
+
+
+BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", "spread", "predicted", "error",
+                 "forward", "backward", "speedup", "peak_activation_bytes"]
+
+
+LEGEND = f"""\
+strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), past 1F1B (notebook 06b:
+             ZB-H1; interleaved 1F1B, ZB-V, DualPipeV with 2 stages per device), DDP, ZeRO-1, FSDP2, DP x PP
+engine       ours = the course's schedule interpreter; torch = PyTorch's engine (torch.distributed.pipelining,
+             DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard); none = plain autograd
+runner       one thread; threads = one thread per device in this process; processes = one process per device (gloo
+             on the CPU rig, NCCL on GPUs)
+m            micro-batches per step (pipelines; DP x PP: per replica); '-' = the whole batch at once
+optimizer    what the timed step includes after backward: none, or Adam (compare with single_adam)
+samples/s    measured: global batch / median step time over interleaved repeats (threads) or launches (processes)
+spread       the noise of that median: half the interquartile range of the step times over their median (processes:
+             pooled over every launch); an error not much larger than it is within what the machine's jitter allows
+             one run to show. With one launch per job (--quick) it cannot show how launches a minute apart differ:
+             up to 26% on the 2-core CPU rig (the same DDP job, three launches in a row)
+predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
+             at the row's micro-batch size rescaled to the whole model's time per micro-batch measured with that row
+             (same interleaved rounds; multi-process rows: just before and after each launch), the measured
+             optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
+             reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
+             compute when both are busy (threads and processes share the cores fairly: processor sharing; for
+             threads, two copies of the model timed at once in the rows' own rounds)
+error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
+forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
+             simulator's, summed over devices, in the median timed step (every launch's, for processes): how fast
+             the machine computed during that row against the calibration. An error close to them is that speed; an
+             error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
+             the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
+             backward
+speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
+peak_activation_bytes  saved activations at their peak, per device (rank)"""
+
+
+EXTRA_COLUMNS = {
+    "split backward": ["engine", "runner", "device", "plain backward (ms)", "input pass (ms)", "weight pass (ms)",
+                       "split / plain", "wall: split / plain"],
+    "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "forward",
+               "backward", "speedup", "busy", "predicted slowest/mean"],
+    "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
+                      "step vs none", "activations"],
+}
+EXTRA_LEGEND = """\
+split backward  what ZB-H1's split backward costs on each engine: per device, the median input-gradient pass and
+             weight pass of the ZB-H1 row's recorded step against the median backward of the same engine's 1F1B row
+             (same stages, same micro-batches), in CPU seconds of the thread that ran them (other processes on the
+             cores do not stretch them; target at most 1.1x) and in wall time. The first stage's input needs no
+             gradient: its input pass is empty and its weight pass is the whole backward
+splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
+             threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
+             per device; predicted slowest/mean = the slowest stage's profiled cost over the mean
+checkpointing  notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline (m=4, threads); step vs
+             none = step time / the unchecked pipeline's; activations = peak saved activations per device
+             (predicted and error as above)"""
+
+
+def row_dicts(rows: Sequence[BenchRow], batch: int) -> list[dict]:
+    """The rows as bench.json holds them, each speed-up taken against its one-device row."""
+    reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
+    return [r.as_dict(batch, reference[r.reference]) for r in rows]
+
+
+def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
+                  extras: dict[str, list[dict]] | None = None, calibration: dict | None = None,
+                  against: list[dict] | None = None) -> list[dict]:
+    """bench.json (rig, rows, any extra tables, the calibration, the comparison with a previous run `against`) and
+    per row one timeline PNG and the same timeline as a Chrome / Perfetto trace (timeline_*.json) in `out_dir`;
+    returns the rows."""
+    import json
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from helpers.timeline import plot_timeline
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dicts = row_dicts(rows, config.batch)
+    refused = {f"{s} ({e})": why for (s, e), why in bench_refusals(rig).items()}
+    (out / "bench.json").write_text(json.dumps({"rig": rig.describe(), "batch": config.batch,
+                                                "model": repr(config.cfg), "rows": dicts, **(extras or {}),
+                                                "calibration": calibration or {}, "not_run_here": refused,
+                                                **({"against": against} if against is not None else {})}, indent=2))
+    for r in rows:
+        m = f", m={r.microbatches}" if r.microbatches else ""
+        ax = plot_timeline(r.events, title=f"{r.strategy} ({r.engine}, {r.runner}{m})")
+        ax.figure.savefig(out / timeline_name(r), dpi=90, bbox_inches="tight")
+        plt.close(ax.figure)
+        chrome_trace(r.events, (out / timeline_name(r)).with_suffix(".json"))  # for ui.perfetto.dev
+    return dicts
+
+
+def timeline_name(row: BenchRow) -> str:
+    """timeline_<strategy>_<engine>_<runner>[_m<m>].png, with only letters, digits, '-' and '_'."""
+    import re
+
+    parts = [row.strategy, row.engine, row.runner] + ([f"m{row.microbatches}"] if row.microbatches else [])
+    return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
+
+
+def _signed(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:+.0%}"
+
+
+def _percent(error: float | None, excluded: str | None = None) -> str:
+    if error is None:
+        return "-"
+    return f"{error:+.1%}" + ("*" if excluded or abs(error) > TARGET else "")
+
+
+def _plus_minus(spread: float | None) -> str:
+    return "-" if spread is None else f"±{spread:.0%}"
+
+
+def display_rows(dicts: Sequence[dict]) -> list[dict]:
+    """The printed table's rows: measured, predicted and the error side by side."""
+    return [{"strategy": d["strategy"], "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
+             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "spread": _plus_minus(d.get("spread")),
+             "predicted": d["predicted_samples_per_s"],
+             "error": _percent(d["error"], d["excluded_from_target"]),
+             "forward": _signed(d.get("forward_vs_predicted")), "backward": _signed(d.get("backward_vs_predicted")),
+             "speedup": d["speedup"],
+             "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+
+
+def _drift_said(d: dict) -> str:
+    """'; in its median step its forward passes took 4% longer ... than simulated', and for multi-process rows how
+    much of the step the ranks' threads ran against how much the simulated devices computed (ran less: they waited
+    longer than simulated; as much but the step is longer: each pass cost more CPU than calibrated), or ''."""
+    said = [f"{phase} passes took {abs(x):.0%} {'longer' if x >= 0 else 'less time'}" for phase in PHASES
+            if (x := d.get(f"{phase}_vs_predicted")) is not None]
+    known = d.get("cpu_share") is not None and d.get("predicted_busy") is not None
+    cpu = (f"; its ranks' threads ran {d['cpu_share']:.0%} of the step (CPU seconds over wall: the rest they "
+           f"waited), the simulated devices computed {d['predicted_busy']:.0%}" if known else "")
+    return (f"; in its median step its {' and '.join(said)} than simulated" if said else "") + cpu
+
+
+def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
+    """One line per row whose prediction is outside the target or excluded from it, with the reason."""
+    out = []
+    for d in dicts:
+        label = " ".join(str(d[k]) for k in (name_key, "engine", "runner", "microbatches") if d.get(k) is not None)
+        if d.get("excluded_from_target"):
+            out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
+        elif d.get("error") is not None and abs(d["error"]) > TARGET:
+            spread = d.get("spread")
+            noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
+            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
+    return out
+
+
+REPEAT_TOLERANCE = 0.05  # two runs in a row agree within 5% on every row's speed-up
+EXTRA_SPEEDUPS = {"splits": "speedup", "checkpointing": "step vs none"}  # each extra table's ratio within the run
+
+
+def row_label(d: dict) -> str:
+    """A row's name across runs: strategy (or split), engine, runner and micro-batches."""
+    m = d.get("microbatches")
+    parts = [d.get("strategy") or d.get("split"), d.get("engine"), d.get("runner"), f"m={m}" if m else None]
+    return " ".join(str(p) for p in parts if p)
+
+
+def prediction_errors(data: dict) -> dict[str, float | None]:
+    """Every predicted row of a bench.json (`data`: its rows and the extras' rows, by `row_label`, extras prefixed
+    with their table): predicted / measured - 1, None where the row is excluded from the target with a reason.
+    The hook a check of the predictions' bound reads (e.g. every |error| <= TARGET, their mean <= 7%)."""
+    tables = {"": data.get("rows", []), **{f"{name}: ": data.get(name, []) for name in EXTRA_SPEEDUPS}}
+    return {prefix + row_label(d): (None if d.get("excluded_from_target") else d["error"])
+            for prefix, dicts in tables.items() for d in dicts if d.get("error") is not None}
+
+
+def _ratios(data: dict) -> dict[str, float]:
+    """Each row's ratio within its run: the rows' speed-ups and the extras' (`EXTRA_SPEEDUPS`), by label."""
+    out = {row_label(d): d["speedup"] for d in data.get("rows", []) if d.get("speedup") is not None}
+    for name, key in EXTRA_SPEEDUPS.items():
+        out.update({f"{name}: {row_label(d)}": d[key] for d in data.get(name, []) if d.get(key) is not None})
+    return out
+
+
+def compare_runs(now: dict, then: dict, tolerance: float = REPEAT_TOLERANCE) -> list[dict]:
+    """This run's ratios (speed-ups, and the extras' ratios) beside a previous run's (`then`, its bench.json), row by
+    row: now / then - 1 and whether it is within `tolerance`. Ratios within one run, not samples/s: the machine's
+    speed may differ between the runs, the ratios should not."""
+    before = _ratios(then)
+    return [{"row": label, "now": ratio, "before": before[label], "difference": ratio / before[label] - 1,
+             "within": abs(ratio / before[label] - 1) <= tolerance}
+            for label, ratio in _ratios(now).items() if label in before]
+
+
+def describe_comparison(compared: list[dict], path: str, tolerance: float = REPEAT_TOLERANCE) -> str:
+    """The comparison's table and its verdict."""
+    from helpers.report import table
+
+    if not compared:
+        return f"against {path}: no row in common"
+    shown = [{**c, "difference": f"{c['difference']:+.1%}" + ("" if c["within"] else "*")} for c in compared]
+    worst = max(compared, key=lambda c: abs(c["difference"]))
+    outside = [c for c in compared if not c["within"]]
+    verdict = (f"all {len(compared)} rows within {tolerance:.0%}" if not outside else
+               f"{len(outside)} of {len(compared)} rows outside {tolerance:.0%}")
+    return (f"against {path} (speed-ups and the extras' ratios, this run vs that one):\n"
+            + table(shown, ["row", "now", "before", "difference"])
+            + f"\n{verdict}; largest difference {worst['difference']:+.1%} ({worst['row']})")

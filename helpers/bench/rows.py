@@ -1,0 +1,368 @@
+"""The bench's rows: what a run measures (`BenchConfig`, `default_config`), one device and every pipeline on threads
+(`_single_row`, `run_bench`), every two-rank job (pipelines, DDP, ZeRO-1, FSDP2) in one launch per round
+(`process_rows`, `run_in_rounds`) and DP x PP (`dp_x_pp_rows`); each kept as a `BenchRow`."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import torch
+from torch import nn
+
+from helpers.bench.blocks import PipelineRun, bench_cut, make_pipeline_run, one_device_step, time_pipeline_runs
+from helpers.catalog import BEYOND_1F1B
+from helpers.measure import relative_spread
+from helpers.sizing.ledger import ledger_for
+from helpers.models import StackConfig, lm_loss
+from helpers.runtime.rig import claim_cpu_device
+from helpers.timeline import PHASES, Event, Recorder, median_phases, phase_seconds
+from helpers.training.support import support
+
+
+# strategies whose recorded spans of a phase include communication, which the simulator keeps apart
+SPANS_INCLUDE_COMMUNICATION = {"forward": {"fsdp2"}, "backward": {"ddp", "zero1", "fsdp2"}}
+
+
+def compute_drift(strategy: str, phase: str, measured: dict[str, float], predicted: dict[str, float]) -> float | None:
+    """How much longer the measured spans of `phase` took than the simulator's (each a `phase_seconds`: `measured`
+    the median timed step's, `predicted` the simulated step's), or None where they are not comparable
+    (`SPANS_INCLUDE_COMMUNICATION`) or missing."""
+    measured_s, predicted_s = measured.get(phase), predicted.get(phase)
+    if strategy in SPANS_INCLUDE_COMMUNICATION[phase] or not predicted_s or not measured_s:
+        return None
+    return measured_s / predicted_s - 1
+
+
+@dataclass
+class BenchRow:
+    strategy: str
+    engine: str  # ours / torch / none
+    runner: str  # threads / processes / one thread
+    microbatches: int | None
+    step_s: float
+    events: list[Event]
+    peak_activation_bytes: list[int]
+    optimizer: str = "none"  # what the timed step includes besides forward and backward
+    reference: str = "single"  # the one-device row this row's speed-up is taken against
+    caller_s: float = 0.0  # measured work of the calling thread around the engine (zero_grad, optimizer step)
+    optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
+    predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
+    excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
+    spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
+    predicted_phase_s: dict[str, float] = field(default_factory=dict)  # simulated forward / backward seconds
+    measured_phase_s: dict[str, float] = field(default_factory=dict)  # their median over the timed steps
+    # the whole-model samples this row's prediction is calibrated from (a WholeModelTimer key; None: the run's)
+    calibration_key: Hashable | None = None
+    whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
+    core_slowdown: float | None = None  # threaded rows: the busy-core slowdown their prediction used
+    cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
+    predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
+
+    def as_dict(self, batch: int, reference_s: float) -> dict:
+        predicted = batch / self.predicted_s if self.predicted_s else None
+        return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
+                "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
+                "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
+                "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
+                "excluded_from_target": self.excluded, "spread": self.spread,
+                **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
+                                                          self.predicted_phase_s) for phase in PHASES},
+                "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown, "cpu_s": self.cpu_s,
+                "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
+                "predicted_busy": self.predicted_busy,
+                "speedup": reference_s / self.step_s,
+                "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the bench runs. Defaults: 8 blocks of hidden 384 (14.4 M parameters), batch 32: sized for a 2-core CPU."""
+
+    cfg: StackConfig
+    batch: int
+    steps: int  # timed steps of each multi-process job per launch
+    gpipe_microbatches: tuple[int, ...]
+    onefoneb_microbatches: int
+    torch_microbatches: tuple[int, ...]
+    rounds: int = 1  # launches of each multi-process job, interleaved across jobs
+    extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
+    link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
+    thread_repeats: int = 3  # interleaved rounds of one device and the threaded pipelines
+
+
+MODES = ("quick", "default", "precise")
+
+
+def default_config(mode: str | bool, rig) -> BenchConfig:
+    """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
+    model. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch count
+    (m=8) per pipeline, 5 interleaved rounds of the threaded rows, and every two-rank job in one launch per round,
+    2 rounds in opposite orders (6 timed steps of each job from two launches a minute or more apart: one
+    disturbed launch or step no longer decides a row). precise: GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
+    launches of 6 steps, 6 repeats of the extras."""
+    mode = {True: "quick", False: "default"}.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
+    scale = 1 if rig.is_cpu else 4
+    if mode == "quick":  # 3 steps, so their median is not the first: 2-18% slower on the CPU rig (DDP rebuilds)
+        return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=3,
+                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
+                           link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)), extra_repeats=2)
+    cfg = StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32)
+    if mode == "precise":
+        return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
+                           torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
+    return BenchConfig(cfg, batch=32, steps=3, gpipe_microbatches=(8,), onefoneb_microbatches=8,
+                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5)
+
+
+class Progress:
+    """One line on stderr per phase; on a terminal also tqdm bars, erased when done (leave=False), so nothing of
+    them runs into the table printed on stdout at the end."""
+
+    def __init__(self, enabled: bool = True):
+        import sys
+
+        self.enabled = enabled
+        self.bars = enabled and sys.stderr.isatty()
+
+    def phase(self, what: str) -> None:
+        import sys
+
+        if self.enabled:
+            print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    def bar(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, disable=not self.bars)
+
+
+def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = (),
+                progress: Progress | None = None, extra: dict | None = None):
+    """One device, without an optimizer and with Adam, timed in the same interleaved rounds as the threaded
+    pipelines; its activation peak as its ledger counts it."""
+    from helpers.simulate.calibrate import optimizer_seconds
+
+    rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
+    adam_model = copy.deepcopy(model)
+    adam = torch.optim.Adam(adam_model.parameters(), lr=1e-3)
+    ledger = ledger_for([model], ["device"])
+    one_device = one_device_step(model, x, y, loss_fn, rec=rec, ledger=ledger)
+    one_device_adam = one_device_step(adam_model, x, y, loss_fn, adam, rec)
+
+    phases: dict[str, list[dict[str, float]]] = {"single": [], "single_adam": []}
+    times = time_pipeline_runs(extra_runs, x, y, steps, extra={"single": one_device, "single_adam": one_device_adam,
+                                                               **(extra or {})},
+                               progress=bool(progress and progress.bars),
+                               after={k: (lambda k=k: phases[k].append(phase_seconds(rec.events()))) for k in phases})
+    ledger.reset_peaks()
+    one_device()
+    events, peak = rec.events(), ledger.device("device").activations
+    zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
+    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s,
+                            spread=times.spread("single"), measured_phase_s=median_phases(phases["single"])),
+                   BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
+                            optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
+                            spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))]
+
+
+def _caller_seconds(run: PipelineRun) -> float:
+    """What `PipelineRun.step` does in the calling thread around the pipeline: zero_grad and the optimizer's step
+    (SGD with lr=0 here), measured."""
+    from helpers.simulate.calibrate import optimizer_seconds
+
+    return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
+
+
+THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
+PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
+                ("1f1b", "torch"), *((s, e) for s in BEYOND_1F1B for e in ("processes", "torch")),
+                ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
+                ("dp_x_pp", "processes"))  # the bench's multi-process rows, as (strategy, engine) of the support matrix
+
+
+def bench_refusals(rig) -> dict[tuple[str, str], str]:
+    """The bench's multi-process rows this rig cannot run, with the support matrix's reason: left out of the run
+    (one GPU: torch's pipelining and FSDP2; fewer than 4 GPUs: DP x PP), instead of stopping it with nothing
+    written."""
+    out = {}
+    for strategy, engine in PROCESS_ROWS:
+        verdict = support(rig, strategy, engine, 4 if strategy == "dp_x_pp" else 2)
+        if not verdict.ok:
+            out[(strategy, engine)] = verdict.reason
+    return out
+
+
+def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
+    in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B. With `timer`
+    (a `helpers.simulate.calibrate.WholeModelTimer` of the same model), the whole model is timed at each row's
+    micro-batch size in the same interleaved rounds (threads) and around each launch (processes), each row's samples
+    kept under its `calibration_key`, for the predictions."""
+    from helpers.models import SyntheticTokens, build_stack
+
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    if rig.is_cpu:
+        claim_cpu_device(rig)
+    model = build_stack(config.cfg).to(rig.devices[0])
+    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
+    threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
+    runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
+            for s, m in threaded]
+    progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
+    sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
+    samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
+                if timer else {})
+    if timer and rig.is_cpu:
+        samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
+                                                                                                       THREADS_KEY)
+    times, rows = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
+    for (s, m), r in zip(threaded, runs):
+        rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
+                             [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
+                             spread=times.spread(r.name), measured_phase_s=median_phases(r.phases)))
+    for row in rows:  # one device and the threaded pipelines: timed in the same rounds as the samplers
+        row.calibration_key = THREADS_KEY
+    return rows + process_rows(config, rig, progress, timer)
+
+
+def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
+    """The keys of the bench's two-rank jobs this rig runs: pipelines as (strategy, engine, schedule, m, overlap),
+    data parallelism as (strategy, "dp")."""
+    m = config.onefoneb_microbatches
+    jobs = [("naive", "ours", "gpipe", 1, False)]
+    jobs += [("gpipe", "ours", "gpipe", k, True) for k in config.gpipe_microbatches]
+    jobs += [("1f1b", "ours", "1f1b", m, True)]
+    jobs += [(s, "torch", s, k, True) for k in config.torch_microbatches for s in ("gpipe", "1f1b")]
+    jobs += [(s, engine, s, m, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
+    jobs += [(s, "dp") for s in ("ddp", "zero1", "fsdp2")]
+    refused = bench_refusals(rig)
+    return [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
+
+
+def train_job(key: tuple, config: BenchConfig):
+    """The `TrainJob` of a `two_rank_jobs` key."""
+    from helpers.training.job import TrainJob
+
+    if key[1] == "dp":
+        return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, timed_steps=config.steps,
+                        optimizer="adam")
+    strategy, engine, schedule, m, overlap = key
+    return TrainJob(config.cfg, pp=2, boundaries=bench_cut(schedule, config.cfg.n_blocks + 2), schedule=schedule,
+                    microbatches=m, batch=config.batch, engine=engine, overlap=overlap, timed_steps=config.steps)
+
+
+def key_microbatch(key: tuple, config: BenchConfig) -> int:
+    """Samples one rank computes at a time in the job of `key`."""
+    return config.batch // 2 if key[1] == "dp" else config.batch // key[3]
+
+
+def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
+    """The whole model timed once at each micro-batch size a launch's jobs use, each time kept for every job of that
+    size (they ran in the same minutes)."""
+    for size in sorted({key_microbatch(k, config) for k in keys}):
+        timer.sample(size, keys=[k for k in keys if key_microbatch(k, config) == size])
+
+
+def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
+    rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
+    then DP x PP (4 ranks). With `timer`, the whole model timed at each job's micro-batch size just before and
+    after the launch that ran it (`calibration_key`: the job's key)."""
+    from helpers.training.loop import run_trainings
+
+    jobs = two_rank_jobs(config, rig)
+    results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
+                            config.rounds, "multi-process jobs", progress,
+                            around=(lambda keys: sample_launch(timer, keys, config)) if timer else None)
+    rows = []
+    for key, got in results.items():
+        if key[1] == "dp":
+            rows.append(BenchRow(key[0], "torch", "processes", None, got.step_s, got.last.events,
+                                 got.last.peak_activations, optimizer="adam", reference="single_adam",
+                                 spread=got.spread, measured_phase_s=got.phase_s, calibration_key=key,
+                                 cpu_s=got.cpu_s))
+        else:
+            rows.append(BenchRow(key[0], key[1], "processes", key[3], got.step_s, got.last.events,
+                                 got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
+                                 calibration_key=key, cpu_s=got.cpu_s))
+    return rows + dp_x_pp_rows(config, rig, progress, timer)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A multi-process job's launches taken together: over every launch's timed steps, the median step time, its
+    `relative_spread` and the median seconds of each phase (`median_phases`); the last launch's result (its
+    timeline and memory)."""
+
+    step_s: float
+    spread: float
+    phase_s: dict[str, float]
+    last: object
+    cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
+
+
+def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
+                  around: Callable | None = None) -> dict:
+    """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
+    them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch that runs the keys it is
+    given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
+    processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always the
+    first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
+    bench times its calibration there, so each row's calibration sees the minutes it ran)."""
+    import statistics
+
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    jobs = [k for group in launches for k in group]
+    progress.phase(f"{desc}: {len(jobs)} jobs in {len(launches)} launches x {rounds} round(s)")
+    steps: dict = {k: [] for k in jobs}
+    phases: dict = {k: [] for k in jobs}
+    cpu: dict = {k: [] for k in jobs}  # per launch, per rank: the median step's thread CPU seconds
+    last: dict = {}
+    bar = progress.bar(rounds * len(launches), desc)
+    for r in range(rounds):
+        for group, launch in launches.items():
+            order = group if r % 2 == 0 else group[::-1]
+            if around is not None:
+                around(order)
+            for key, got in zip(order, launch(order)):
+                last[key] = got
+                steps[key].extend(got.step_times)
+                phases[key].extend(got.phase_times)
+                cpu[key].append(got.thread_cpu_s)
+            if around is not None:
+                around(order)
+            bar.update()
+    bar.close()
+    return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k],
+                      [statistics.median(c) for c in zip(*cpu[k])] if all(cpu[k]) else None)
+            for k in jobs}
+
+
+DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
+
+
+def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds;
+    with `timer`, the whole model timed at its micro-batch size around them."""
+    from helpers.training.job import TrainJob
+    from helpers.training.loop import run_training
+
+    rows = []
+    refused = bench_refusals(rig)
+    if ("dp_x_pp", "processes") not in refused:
+        m = DP_X_PP_MICROBATCHES(config)
+        results = run_in_rounds({("dp_x_pp",): lambda keys: [run_training(
+            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
+                     timed_steps=config.steps),
+            rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
+            around=(lambda keys: timer.sample(config.batch // 2 // m, keys=keys)) if timer else None)
+        got = results["dp_x_pp"]
+        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
+                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
+                             calibration_key="dp_x_pp", cpu_s=got.cpu_s))
+    return rows

@@ -1,0 +1,103 @@
+"""The GPU check of the plans: every notebook's training step at its GPU sizes, replayed alone on one GPU, its
+measured peak (`torch.cuda.max_memory_allocated` over the second step) beside its plan (`python -m helpers.doctor
+--gpu-suite`). The steps come from data/gpu_plans.json, where each notebook's plan records the whole-model steps it
+is made of (`helpers.gpu_sizes.parts.step`); on the CPU rig each runs at small sizes, so the path is exercised in CI
+without a GPU (there is no allocator peak to read there: the plan is printed alone).
+
+Sized for about 10 minutes of one GPU: a step of each distinct (model, batch, optimizer) once, three steps each.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from helpers.gpu_sizes.footprint import stage_bytes, training_step
+from helpers.models.data import SyntheticTokens, lm_loss
+from helpers.models.stack import StackConfig, build_stack
+
+SMALL = dict(hidden=64, n_blocks=2, seq_len=16, heads=2)  # the CPU rig's sizes: the path, not the figures
+OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.0), "none": lambda p: torch.optim.SGD(p, lr=0.0),
+              "momentum": lambda p: torch.optim.SGD(p, lr=0.0, momentum=0.9),
+              "adam": lambda p: torch.optim.Adam(p, lr=0.0)}
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One whole-model training step of a notebook's plan, as the suite can rebuild it: the block stack's sizes, the
+    batch, the optimizer and whether it runs under bf16 autocast."""
+
+    model: StackConfig
+    batch: int
+    optimizer: str = "sgd"
+    autocast: bool = False
+
+    def as_dict(self) -> dict:
+        model = asdict(self.model)
+        model["ffn_widths"] = None if self.model.ffn_widths is None else list(self.model.ffn_widths)  # as JSON has it
+        return {"model": model, "batch": self.batch, "optimizer": self.optimizer, "autocast": self.autocast}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Replay":
+        widths = d["model"]["ffn_widths"]
+        model = StackConfig(**{**d["model"], "ffn_widths": None if widths is None else tuple(widths)})
+        return cls(model, d["batch"], d["optimizer"], d["autocast"])
+
+    def small(self) -> "Replay":
+        widths = None if self.model.ffn_widths is None else (4 * SMALL["hidden"],) * SMALL["n_blocks"]
+        return replace(self, model=replace(self.model, **SMALL, vocab=256, ffn_widths=widths), batch=2)
+
+    def planned(self) -> int:
+        """The plan of this step alone (weights, grads, optimizer state, activations, workspace), what
+        max_memory_allocated sees."""
+        stage = stage_bytes(self.model, self.batch, autocast=self.autocast)
+        return training_step(stage, self.optimizer, autocast=self.autocast).total
+
+
+def run_step(step: Replay, device: torch.device, steps: int = 3) -> int | None:
+    """Train `step`'s model for `steps` steps on `device`; on a GPU return the peak the allocator saw over the second
+    (after reset_peak_memory_stats, the model and its state already there), elsewhere None."""
+    cuda = device.type == "cuda"
+    model = build_stack(step.model, device=device)
+    optimizer = OPTIMIZERS[step.optimizer](model.parameters())
+    x, y = SyntheticTokens(step.batch, step.model.seq_len, step.model.vocab).batch(0, step.batch)
+    x, y = x.to(device), y.to(device)
+    peak = None
+    for k in range(steps):
+        if cuda and k == 1:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        optimizer.zero_grad(set_to_none=False)
+        with torch.autocast(device.type, torch.bfloat16, enabled=step.autocast):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if cuda and k == 1:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+    del model, optimizer
+    if cuda:
+        torch.cuda.empty_cache()
+    return peak
+
+
+def gpu_suite(device: torch.device) -> list[dict]:
+    """Every notebook's recorded whole-model steps on `device`: at their GPU sizes on a GPU, small on the host. One
+    row per step: notebook, what, planned, measured (GPU) and measured / planned."""
+    from helpers.gpu_sizes.plans import recorded_plans
+
+    rows = []
+    for notebook, per_rig in recorded_plans().items():
+        for what, step in per_rig["one_gpu"].steps:
+            run = step if device.type == "cuda" else step.small()
+            t0 = time.perf_counter()
+            measured = run_step(run, device)
+            planned = run.planned()
+            rows.append({"notebook": notebook, "step": what, "sizes": f"{run.model.hidden} x {run.model.n_blocks}, "
+                         f"{run.batch} x {run.model.seq_len}, {run.optimizer}" + (", bf16" if run.autocast else ""),
+                         "planned GiB": planned / 2**30,
+                         "measured GiB": None if measured is None else measured / 2**30,
+                         "measured / planned": None if measured is None else measured / planned,
+                         "seconds": time.perf_counter() - t0})
+    return rows
