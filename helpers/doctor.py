@@ -7,7 +7,8 @@ It prints, and with `--json PATH` writes:
 2. what NCCL needs of the machine: /dev/shm's size (Docker's 64 MB default breaks it), IOMMU and PCIe ACS (which
    make GPU-to-GPU traffic hang or slow), and on two GPUs a copy between them checked byte for byte;
 3. the links: the multi-process engines' point-to-point and all-reduce (NCCL, or gloo), and on GPUs the threaded
-   engine's GPU-to-GPU copies and host transfers, over a size sweep, fitted as latency + bytes / bandwidth;
+   engine's GPU-to-GPU copies and host transfers, over a size sweep, fitted as latency + bytes / bandwidth (the
+   all-reduce fitted again over hidden-state sizes alone: the small-message latency tensor parallelism pays);
 4. a one-step parity check of every engine and strategy (threads, processes, torch.distributed.pipelining; naive,
    GPipe, 1F1B; DDP, ZeRO-1, ZeRO-2, FSDP2; DP x PP) against one device: PASS, FAIL, or REFUSED with the reason
    this rig cannot run it; the CUDA-only paths (CUDA-event timelines, copy and compute streams, the NVML panel);
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -199,16 +200,26 @@ def system_checks(rig: Rig) -> list[Check]:
 
 # --- 3. links ----------------------------------------------------------------------------------------------------
 
+SMALL_MESSAGE_BYTES = 256 * 1024  # a hidden state: rows x hidden x 2 bytes is a few KiB to a few hundred KiB
+
+
 def links(rig: Rig, sizes: list[int], repeats: int) -> list[dict]:
-    """Each link the engines use, fitted as latency + bytes / bandwidth from the sweep."""
+    """Each link the engines use, fitted as latency + bytes / bandwidth from the sweep; the all-reduce fitted again
+    over the hidden-state sizes alone (<= 256 KiB), whose latency is what tensor parallelism pays twice per layer."""
     from helpers.pipeline.comm import link_benchmark
     from helpers.simulate.hardware import fit_link
 
+    from helpers.simulate.calibrate import fit_small_messages
+
     samples = link_benchmark(rig, sizes, repeats)
+    small = [s for s in samples if "all-reduce" in s.path and s.bytes <= SMALL_MESSAGE_BYTES]
+    if len({s.bytes for s in small}) >= 2:
+        samples = samples + [replace(s, path=f"{s.path}, hidden-state sizes") for s in small]
     out = []
     for path in dict.fromkeys(s.path for s in samples):
         pts = [s for s in samples if s.path == path]
-        link = fit_link([s.bytes for s in pts], [s.seconds for s in pts], path)
+        fit = fit_small_messages if path.endswith("hidden-state sizes") else fit_link
+        link = fit([s.bytes for s in pts], [s.seconds for s in pts], path)
         out.append({"path": path, "latency_us": link.latency_s * 1e6, "GB/s": link.bandwidth / 1e9,
                     "largest message GB/s": pts[-1].gb_per_s,
                     "samples": [{"bytes": s.bytes, "seconds": s.seconds} for s in pts]})

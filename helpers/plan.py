@@ -5,8 +5,11 @@ will a fine-tune fit, and if not, what would?
     python -m helpers.plan --model llama-2-70b --dtype nf4 --gpus "RTX 3090, RTX 4090" --json
     python -m helpers.plan --compare          # the six bundled shapes: our plan vs accelerate's maps
     python -m helpers.plan --train --model llama-2-70b --method qlora --context 2048 --batch 2 --offload cpu --json
+    python -m helpers.plan --speed --model llama-2-70b --dtype nf4 --batch 1 --context 1024 --rig "2x3090 PCIe P2P"
 
-Only parses arguments and prints; the planning lives in helpers.inference.plan and helpers.finetune.memory_plan.
+Only parses arguments and prints; the planning lives in helpers.inference.plan and helpers.finetune.memory_plan, the
+speed prediction (--speed: prefill and decode tokens/s of the layer split, pipelined requests and tensor parallelism)
+in helpers.inference.speed.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from helpers.sizing.training import METHODS, default_lora_rank
 from helpers.finetune.memory_plan import PLAN_STRATEGIES, plan_training
 from helpers.sizing.state import known_optimizers
 from helpers.inference.plan import LOGITS_MODES, DoesNotFit, plan
+from helpers.inference.speed import predict_speed, speed_rigs
 from helpers.sizing.gpus import describe_gpus, parse_gpus
 from helpers.sizing.shape import known_formats, known_models
 from helpers.units import parse_size
@@ -45,8 +49,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true",
                         help="our plan vs accelerate's balanced / balanced_low_0 / sequential maps on the bundled "
                              "shapes (ignores --model, --dtype and --context)")
+    speed = parser.add_argument_group("speed (--speed)", "prefill and decode tokens/s of each engine, predicted "
+                                      "(helpers.inference.speed): memory bandwidth and compute per phase, per-layer "
+                                      "all-reduces with their small-message latency")
+    speed.add_argument("--speed", action="store_true", help="predict tokens/s instead of planning memory")
+    speed.add_argument("--rig", default="2x3090 PCIe",
+                       help="a named rig (" + ", ".join(speed_rigs()) + "), 'all', or your GPUs as "
+                            "`python -m helpers.doctor --json doctor.json` measured them: doctor.json")
+    speed.add_argument("--prompt", type=int, help="prompt tokens for prefill (default: --context)")
+    speed.add_argument("--requests", type=int, default=2, help="requests in flight for the pipelined split")
     _training_arguments(parser)
     return parser
+
+
+def _speed(ns: argparse.Namespace) -> None:
+    """Print (or --json) the predicted tokens/s of every engine on the chosen rig(s)."""
+    rigs = speed_rigs() if ns.rig == "all" else [ns.rig]
+    predictions = [predict_speed(ns.model, ns.dtype or "fp16", rig, ns.batch, ns.context, ns.prompt, ns.requests)
+                   for rig in rigs]
+    if ns.json:
+        print(json.dumps([row for p in predictions for row in p.as_dicts()]))
+    else:
+        print("\n\n".join(p.describe() for p in predictions))
 
 
 TRAINING_FLAGS = ("method", "strategy", "offload", "checkpointing", "lora_rank", "lora_targets", "optimizer",
@@ -100,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if ns.train:
             return _train(parser, ns)
+        if ns.speed:
+            return _speed(ns)
         gpus = parse_gpus(ns.gpus)
         if ns.compare:
             from helpers.inference.compare import compare_with_accelerate, comparison_table

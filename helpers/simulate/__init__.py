@@ -14,6 +14,9 @@
 - `Playground().show()`: the pipeline playground widget.
 - `predictions_vs_published()`: predictions beside published results, with the error; `gpu_orders(rows)`: the
   GPUs fastest first per model, predicted and published; `fitted_constants()`: the constants fitted on them.
+- `predict_speed(model, dtype, rig, batch, context)`, `speed_rig(name)`, `crossovers(...)`: inference, prefill and
+  decode tokens/s of the layer split, pipelined requests and tensor parallelism (`helpers.inference.speed`, loaded
+  on first use).
 """
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, block_tflops, decision_table,
@@ -30,6 +33,9 @@ from helpers.simulate.roofline import (Efficiency, Kernel, efficiency, kernels_s
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
+INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "breakeven_latency", "crossovers", "predict_speed", "speed_rig",
+                   "speed_rigs")
+
 __all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
            "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
            "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s",
@@ -37,4 +43,14 @@ __all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "
            "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named", "on_gpu",
            "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s", "resnet50_workload",
            "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs", "trace_kernels",
-           "transformer_workload"]
+           "transformer_workload", *INFERENCE_SPEED]
+
+
+def __getattr__(name: str):
+    """The inference speed model lives with the inference engines; it is loaded on first use (it imports this
+    package's hardware module, so importing it here eagerly would be circular)."""
+    if name in INFERENCE_SPEED:
+        from helpers.inference import speed
+
+        return getattr(speed, name)
+    raise AttributeError(f"module 'helpers.simulate' has no attribute {name!r}")

@@ -1,0 +1,279 @@
+"""Predicted beside measured: the speed model of `helpers.inference.speed` calibrated on the rig you have, and the
+engines timed on the same model, batches and contexts.
+
+- `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
+  with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
+  other device streams too), its matmul rate at the row counts the workload multiplies, the host time per
+  dispatched op (a tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the
+  all-reduce at hidden-state sizes (`helpers.simulate.calibrate.small_allreduce_link`) and DTensor's host time per
+  sharded linear.
+- `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
+  flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats).
+- `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
+
+The command line, for a quiet machine: `python -m helpers.inference.speed_bench` (see --help). Wall-clock figures
+mean something only on a machine nothing else is using; tests never assert on them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from helpers.sizing.shape import ModelShape, model_shape
+from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer,
+                                     pipelined, tensor_parallel, tiny_model)
+from helpers.models.hf import HFModel
+from helpers.simulate.hardware import FREE_LINK
+
+ENGINES = SPLITS  # the two-device engines measured
+REQUESTS = 2  # in flight for the pipelined engine
+
+
+def _median(fn, repeats: int, warmup: int = 1) -> float:
+    times = []
+    for r in range(warmup + repeats):
+        t0 = time.perf_counter()
+        fn()
+        if r >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
+    """MLP-shaped matrices adding up to the model's decoder weights: the working set a decode step streams."""
+    one = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
+    total = sum(layer.weight_bytes for layer in shape.decoder_layers)
+    return [one] + [torch.randn_like(one) for _ in range(max(0, total // (one.numel() * one.element_size()) - 1))]
+
+
+def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s alone, slowdown while the other virtual device streams too): one row through every matrix of the
+    working set, as decoding one token reads every weight once."""
+    from helpers.simulate.calibrate import run_together
+
+    mats = [_weights(shape, dtype), _weights(shape, dtype)]
+    x = torch.randn(1, shape.hidden, dtype=dtype)
+    nbytes = sum(w.numel() * w.element_size() for w in mats[0])
+
+    def sweep(ws) -> None:
+        for w in ws:
+            F.linear(x, w)
+
+    alone = _median(lambda: sweep(mats[0]), repeats)
+    together = statistics.median(max(run_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])]))
+                                 for _ in range(repeats))
+    return nbytes / alone, max(1.0, together / alone)
+
+
+def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], repeats: int = 5) -> tuple:
+    """(rows, FLOP/s) of the model's MLP matrix multiplied by that many rows, one point per row count."""
+    w = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
+    out = []
+    for r in sorted(set(rows)):
+        x = torch.randn(r, shape.hidden, dtype=dtype)
+        out.append((r, 2.0 * r * shape.hidden * shape.intermediate / _median(lambda: F.linear(x, w), repeats)))
+    return tuple(out)
+
+
+def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
+    """Host time of one dispatched op: a decode step of a tiny model of the family (hidden 64, where the arithmetic
+    is nothing) with 4 layers against 1, per layer, divided by the ops a layer dispatches."""
+    steps = {}
+    for layers in (1, 4):
+        model = tiny_model(model_type, layers)
+        ids = torch.ones(1, 8, dtype=torch.long)
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).cache
+            steps[layers] = _median(lambda: (model(ids[:, :1], cache=cache, use_cache=True), cache.crop(-1)), repeats)
+    return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
+
+
+def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int, dtype: torch.dtype,
+                                repeats: int) -> dict:
+    """Rank worker: the all-reduce at hidden-state sizes, and DTensor's host time per column-parallel linear (the
+    same matmul through parallelize_module against on plain tensors), both ranks at once."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from helpers.runtime.launch import rank_device
+    from helpers.simulate.calibrate import small_allreduce_link
+
+    device = rank_device()
+    link = small_allreduce_link(sizes, repeats, device, dtype)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    linear = parallelize_module(nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device), mesh,
+                                ColwiseParallel())
+    x = torch.zeros(1, 1, hidden, dtype=dtype, device=device)
+    local = linear.weight.to_local()
+    with torch.no_grad():
+        wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
+        plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
+    dist.barrier()
+    return {"latency_s": link.latency_s, "bandwidth": link.bandwidth, "sharded_linear_s": max(wrapped - plain, 0.0)}
+
+
+def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5) -> SpeedRig:
+    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
+    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode)."""
+    from helpers.inference.generate import weight_format_name
+    from helpers.runtime.launch import run
+    from helpers.simulate.hardware import Link
+
+    if not rig.is_cpu:
+        raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
+                         "links: python -m helpers.doctor --json doctor.json, then speed_rig('doctor.json')")
+    dtype = model.weights_dtype
+    shape = model_shape(model.path, weight_format_name(dtype))
+    bandwidth, slowdown = stream_rates(shape, dtype, repeats)
+    device = Device("CPU virtual device", bandwidth, matmul_rates(shape, dtype, rows, repeats),
+                    host_seconds_per_op(shape.config.model_type), slowdown)
+    sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
+    if len(sizes) < 2:
+        sizes.append(2 * sizes[0])
+    from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
+
+    tp = run(worker, sizes, shape.hidden, shape.intermediate, dtype, repeats, rig=rig)[0]
+    return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
+                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce, hidden-state sizes"),
+                    host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"],
+                    note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
+                         f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
+                         f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s, DTensor "
+                         f"{tp['sharded_linear_s'] * 1e6:.0f} us per sharded linear")
+
+
+# --- the engines, measured ----------------------------------------------------------------------------------------
+
+def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequence[int], new_tokens: int,
+                    repeats: int = 3) -> list[dict]:
+    """Prefill and decode tokens per second of the layer split (one request of `batch` prompts), the pipelined split
+    (2 such requests in flight) and tensor parallelism (one request), for every batch and prompt length (prompts of
+    equal length: no padding). The split cuts the decoder layers in half, as the prediction does."""
+    from helpers.inference.generate import LayerSplit, make_requests, stages_from_cuts
+    from helpers.inference.pipelined import Pipelined
+    from helpers.inference.throughput import measure
+    from helpers.inference.tensor_parallel import run_tensor_parallel
+
+    split = LayerSplit(model, stages_from_cuts(model, [1 + model.config.num_hidden_layers // 2]), rig.devices)
+    pipe = Pipelined.from_split(split)
+    rows = []
+    for batch in batches:
+        for prompt in prompts:
+            requests = make_requests(REQUESTS, model.config.vocab_size, batch, (prompt, prompt))
+            results = measure({"layer split": lambda: split.generate(requests[:1], new_tokens),
+                               "pipelined": lambda: pipe.generate(requests, new_tokens)}, repeats=repeats)
+            results["tensor parallel"] = run_tensor_parallel(model, requests[:1], new_tokens, rig,
+                                                             repeats=repeats).throughput
+            for engine, t in results.items():
+                rows += [{"engine": engine, "phase": "prefill", "batch": batch, "prompt": prompt,
+                          "new_tokens": new_tokens, "tok/s": t.prefill_tok_s, "measured": True},
+                         {"engine": engine, "phase": "decode", "batch": batch, "prompt": prompt,
+                          "new_tokens": new_tokens, "tok/s": t.decode_tok_s, "measured": True}]
+    return rows
+
+
+def _phase(phase: str, batch: int, prompt: int, new_tokens: int) -> Phase:
+    """Prefill of the prompt; decode at the mean context of its steps (a step's time grows linearly with the
+    context, so the mean step is the step at the mean context)."""
+    if phase == "prefill":
+        return Phase("prefill", batch, prompt, prompt)
+    return Phase("decode", batch, 1, prompt + max(new_tokens - 1, 1) // 2 + 1)
+
+
+def predicted(shape: ModelShape, rig: SpeedRig, engine: str, phase: str, batch: int, prompt: int | Sequence[int],
+              new_tokens: int) -> float:
+    """tokens/s of `engine` in `phase` as the engines count them, for requests of `batch` prompts each of the given
+    length(s): one request after another (layer split, tensor parallel: their times add), or all in flight at once
+    (pipelined, at the mean length)."""
+    ops = op_counts(shape.config.model_type)
+    prompts = [prompt] if isinstance(prompt, int) else list(prompt)
+    if engine == "pipelined":
+        p = _phase(phase, batch, round(statistics.mean(prompts)), new_tokens)
+        return pipelined(shape, p, rig, ops, len(prompts) if len(prompts) > 1 else REQUESTS).tok_s
+    run = {"layer split": layer_split, "tensor parallel": tensor_parallel}[engine]
+    speeds = [run(shape, _phase(phase, batch, n, new_tokens), rig, ops) for n in prompts]
+    tokens = [batch * n if phase == "prefill" else batch for n in prompts]
+    steps = [1 if phase == "prefill" else new_tokens - 1 for _ in prompts]
+    return sum(t * k for t, k in zip(tokens, steps)) / sum(s.seconds * k for s, k in zip(speeds, steps))
+
+
+def compare(measured: Sequence[dict], rig: SpeedRig, shape: ModelShape) -> list[dict]:
+    """Each measured row with its prediction and the error (predicted / measured - 1)."""
+    out = []
+    for row in measured:
+        pred = predicted(shape, rig, row["engine"], row["phase"], row["batch"], row["prompt"], row["new_tokens"])
+        out.append({**{k: v for k, v in row.items() if k != "measured"}, "predicted tok/s": pred,
+                    "error": pred / row["tok/s"] - 1})
+    return out
+
+
+def error_summary(rows: Sequence[dict]) -> list[dict]:
+    """Per engine and phase: the largest and the median absolute error."""
+    out = []
+    for engine in ENGINES:
+        for phase in ("prefill", "decode"):
+            errs = [abs(r["error"]) for r in rows if r["engine"] == engine and r["phase"] == phase]
+            if errs:
+                out.append({"engine": engine, "phase": phase, "median |error|": statistics.median(errs),
+                            "max |error|": max(errs), "rows": len(errs)})
+    return out
+
+
+def save_model(directory: str, hidden: int, layers: int, vocab: int, dtype: torch.dtype = torch.float32) -> HFModel:
+    """A Llama-family model with random weights, saved with save_pretrained (the notebook's shape by default)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=11 * hidden // 4,
+                         num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64),
+                         num_key_value_heads=max(2, hidden // 256), max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(directory)
+    return HFModel(directory)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from helpers.report import table
+    from helpers.runtime.rig import claim_cpu_device, detect_rig
+    from helpers.runtime.scratch import scratch_dir
+
+    parser = argparse.ArgumentParser(prog="python -m helpers.inference.speed_bench",
+                                     description="The speed model calibrated on this (CPU) rig beside both engines "
+                                                 "measured: prefill and decode tokens/s, predicted and measured.")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--prompts", default="16,64", help="prompt lengths (tokens)")
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the rows here")
+    ns = parser.parse_args(argv)
+    rig = detect_rig(force_cpu=True)
+    claim_cpu_device(rig)
+    batches = [int(b) for b in ns.batches.split(",")]
+    prompts = [int(p) for p in ns.prompts.split(",")]
+    model = save_model(str(scratch_dir("speed-bench-")), ns.hidden, ns.layers, ns.vocab)
+    rows_used = sorted({b * p for b in batches for p in prompts} | set(batches))
+    speed = calibrate_cpu_rig(model, rig, rows_used, ns.repeats)
+    print(speed.note)
+    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats)
+    shape = model_shape(model.path, "fp32")
+    rows = compare(measured, speed, shape)
+    print(table(rows))
+    print(table(error_summary(rows)))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"rig": speed.note, "rows": rows, "summary": error_summary(rows)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

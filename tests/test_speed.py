@@ -1,0 +1,224 @@
+"""The inference speed model (helpers.inference.speed): its structure checked against the arithmetic it claims
+(bandwidth-bound decode, halved reads under tensor parallelism, per-layer all-reduces at the small-message latency,
+the pipeline's cycle), the named rigs' data and sources, the crossovers, the CLI; on the CPU rig the calibration and
+the engines' measurement run end to end on a tiny model. Never a wall-clock assertion."""
+import json
+import math
+
+import pytest
+
+from helpers.course import load_data
+from helpers.sizing.shape import model_shape
+from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_over, breakeven_latency, crossover_table,
+                                     crossovers, layer_cost, op_counts, predict_speed, speed_data, speed_rig,
+                                     speed_rig_from_doctor, speed_rigs, speed_vs_batch, split_layers)
+from helpers.plan import main as plan_main
+from helpers.simulate.hardware import FREE_LINK, Link, gpu_named
+
+RIGS_3090 = ("2x3090 PCIe", "2x3090 PCIe P2P", "2x3090 NVLink")
+
+
+def test_every_named_rig_has_sourced_links_and_marks_its_estimates():
+    hardware = load_data("hardware")
+    for name, entry in speed_data()["rigs"].items():
+        assert entry["link"] in hardware["links"] and all(g in hardware["gpus"] for g in entry["gpus"])
+        rig = speed_rig(name)
+        assert rig.allreduce.latency_s >= 2 * rig.hop.latency_s - 1e-12  # two ring steps, at least one message each
+        assert all(rig.sources.values())
+    small = speed_data()["allreduce_small"]
+    assert small["nccl_floor_estimate"] and "estimate" in small["nccl_floor_source"] and small["rule_estimate"]
+    assert {"2x3090 PCIe", "2x3090 PCIe P2P", "2x3090 NVLink", "3090 + 4090"} <= set(speed_rigs())
+    with pytest.raises(ValueError, match="known rigs"):
+        speed_rig("8x H100")
+
+
+def test_small_message_allreduce_is_latency_bound_and_p2p_cuts_it():
+    """A decode all-reduce carries a hidden state (16 KiB for Llama-2 70B's 8192 x 2 bytes): the latency is most of
+    its cost, and P2P (1.01 us copies) brings it down to the NCCL floor from hardware.json's P2P-less all-reduce."""
+    off, on = speed_rig("2x3090 PCIe").allreduce, speed_rig("2x3090 PCIe P2P").allreduce
+    published = load_data("hardware")["links"]["3090_gpu_to_gpu_no_p2p"]["allreduce"]
+    assert off.latency_s == pytest.approx(published["small_message_us"] * 1e-6)
+    assert off.bandwidth == pytest.approx(published["busbw_gb_s"] * 1e9)
+    assert on.latency_s == pytest.approx(speed_data()["allreduce_small"]["nccl_floor_us"] * 1e-6)
+    hidden = 8192 * 2
+    assert off.latency_s > 3 * hidden / off.bandwidth
+    assert allreduce_over(Link(1e-3, 1e9)).latency_s == pytest.approx(2e-3)
+
+
+def test_decode_is_bandwidth_bound_and_tensor_parallel_halves_the_reads():
+    p = predict_speed("llama-2-70b", "nf4", "2x3090 PCIe", batch=1, context=1024)
+    shape = model_shape("llama-2-70b", "nf4")
+    read = sum(layer_cost(layer, shape, Phase("decode", 1, 1, 1024))[0] for layer in shape.layers)
+    one = next(r for r in p.rows if r.engine == "one device" and r.phase == "decode")
+    assert one.seconds == pytest.approx(read / gpu_named("RTX 3090").memory_bandwidth, rel=0.05)  # bandwidth-bound
+    split = next(r for r in p.rows if r.engine == "layer split" and r.phase == "decode")
+    tp = next(r for r in p.rows if r.engine == "tensor parallel" and r.phase == "decode")
+    assert split.tok_s == pytest.approx(one.tok_s, rel=0.02)  # one card at a time: the split buys memory
+    assert tp.parts["device 0"] == pytest.approx(one.seconds / 2, rel=0.05)
+    ar = speed_rig("2x3090 PCIe").allreduce.seconds(8192 * 2)
+    assert tp.parts["link"] == pytest.approx(80 * 2 * ar + speed_rig("2x3090 PCIe").allreduce.seconds(32000), rel=1e-6)
+    assert p.tok_s("pipelined", "decode") == pytest.approx(2 * split.tok_s, rel=0.03)  # both cards, two requests
+
+
+def test_p2p_speeds_tensor_parallel_decode_not_the_layer_split():
+    off = predict_speed("llama-2-70b", "nf4", "2x3090 PCIe", 1, 1024)
+    on = predict_speed("llama-2-70b", "nf4", "2x3090 PCIe P2P", 1, 1024)
+    assert on.tok_s("tensor parallel", "decode") > 1.1 * off.tok_s("tensor parallel", "decode")
+    assert on.tok_s("layer split", "decode") == pytest.approx(off.tok_s("layer split", "decode"), rel=0.01)
+    assert on.tok_s("tensor parallel", "prefill") > off.tok_s("tensor parallel", "prefill")  # MiB-sized: bandwidth
+
+
+def test_four_bit_batches_read_a_dequantised_copy():
+    """bitsandbytes' fast 4-bit kernels serve one row; more rows dequantise to 16 bits first."""
+    shape = model_shape("llama-2-7b", "nf4")
+    layer = shape.decoder_layers[0]
+    one, four = (layer_cost(layer, shape, Phase("decode", b, 1, 1))[0] for b in (1, 4))
+    assert four - one == pytest.approx(2 * layer.params * 2, rel=0.01)
+    bf16 = model_shape("llama-2-7b", "bf16")
+    assert layer_cost(bf16.decoder_layers[0], bf16, Phase("decode", 4, 1, 1))[0] == pytest.approx(
+        layer_cost(bf16.decoder_layers[0], bf16, Phase("decode", 1, 1, 1))[0], rel=0.01)
+
+
+def test_unequal_cards_split_by_bandwidth_and_prefill_is_compute_bound():
+    shape = model_shape("llama-2-13b", "fp16")
+    rig = speed_rig("3090 + 4090")
+    devices = split_layers(shape, rig)
+    assert devices[0] == 0 and devices[-1] == 1 and devices == sorted(devices)
+    p = predict_speed("llama-2-13b", "fp16", rig, 1, 2048)
+    split = next(r for r in p.rows if r.engine == "layer split" and r.phase == "prefill")
+    assert split.parts["device 1"] < 0.7 * split.parts["device 0"]  # the 4090 computes ~2.2x faster
+
+
+def test_host_floor_counts_the_ops_a_layer_dispatches():
+    ops = op_counts("llama")
+    assert 20 <= ops.per_layer <= 120 and ops.outside > 0
+    slow = Device("slow host", 1e15, ((1, 1e18),), 1e-3)
+    rig = SpeedRig("host-bound", (slow, slow), FREE_LINK, Link(0.0, math.inf), host_overlaps=True)
+    p = predict_speed("llama-2-7b", "bf16", rig, 1, 128)
+    decode = next(r for r in p.rows if r.engine == "one device" and r.phase == "decode")
+    assert decode.seconds == pytest.approx((32 * ops.per_layer + ops.outside) * 1e-3, rel=0.01)
+
+
+def test_crossovers_state_where_and_why():
+    rows = crossovers("llama-2-70b", "nf4", "2x3090 PCIe", batches=(1, 4), contexts=(512, 4096))
+    assert {(c.phase, c.axis) for c in rows} == {(p, a) for p in ("prefill", "decode") for a in ("batch", "context")}
+    decode = next(c for c in rows if c.phase == "decode" and c.axis == "batch")
+    assert decode.start_winner == "tensor parallel" and "all-reduces" in decode.reason
+    table = crossover_table("llama-2-7b", "nf4", ["2x3090 PCIe"])
+    assert len(table) == 4 and all(row["why"] for row in table)
+
+
+def test_the_link_crossover_is_where_the_all_reduces_eat_the_saving():
+    """70B nf4, batch 1 decode on the P2P-less pair: tensor parallelism saves about half of a 42 ms step, spread over
+    160 all-reduces; it stops paying where they cost that much. A 7B at batch 1 is host-bound: no link helps."""
+    latency = breakeven_latency("llama-2-70b", "nf4", "2x3090 PCIe")
+    p = predict_speed("llama-2-70b", "nf4", "2x3090 PCIe", 1, 1024)
+    tp = next(r for r in p.rows if r.engine == "tensor parallel" and r.phase == "decode")
+    split = next(r for r in p.rows if r.engine == "layer split" and r.phase == "decode")
+    per_allreduce_now = speed_rig("2x3090 PCIe").allreduce.latency_s
+    saved = split.seconds - tp.seconds
+    assert latency == pytest.approx(per_allreduce_now + saved / 161, rel=0.05)  # 2 x 80 layers + the logits
+    assert breakeven_latency("llama-2-7b", "nf4", "2x3090 PCIe") is None
+
+
+def test_speed_vs_batch_rows_cover_every_engine_and_phase():
+    rows = speed_vs_batch("llama-2-7b", "nf4", "2x3090 PCIe", [1, 4], 512)
+    assert len(rows) == 2 * 2 * 4 and all(r["tok/s"] > 0 for r in rows)
+
+
+def test_cli_speed(capsys):
+    plan_main(["--speed", "--model", "llama-2-70b", "--dtype", "nf4", "--batch", "1", "--context", "1024",
+               "--rig", "all", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["rig"] for r in rows} == set(speed_rigs()) and {r["phase"] for r in rows} == {"prefill", "decode"}
+    plan_main(["--speed", "--model", "llama-2-7b", "--dtype", "4bit", "--rig", "2x3090 NVLink"])
+    assert "tensor parallel" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_main(["--speed", "--rig", "nope"])
+    with pytest.raises(SystemExit):
+        plan_main(["--speed", "--batch", "0"])
+
+
+def test_a_doctor_report_is_a_rig(tmp_path):
+    """Your GPUs by name, the doctor's point-to-point link as the hop, its hidden-state-size all-reduce fit."""
+    report = {"topology": {"gpus": [{"name": "NVIDIA GeForce RTX 3090"}, {"name": "NVIDIA GeForce RTX 4090"}]},
+              "links": [{"path": "processes: point-to-point (nccl)", "latency_us": 20.0, "GB/s": 10.0},
+                        {"path": "processes: all-reduce (nccl)", "latency_us": 30.0, "GB/s": 8.0},
+                        {"path": "processes: all-reduce (nccl), hidden-state sizes", "latency_us": 42.0,
+                         "GB/s": 5.0}]}
+    (tmp_path / "doctor.json").write_text(json.dumps(report))
+    rig = speed_rig(str(tmp_path / "doctor.json"))
+    assert [d.name for d in rig.devices] == ["RTX 3090", "RTX 4090"]
+    assert rig.allreduce.latency_s == pytest.approx(42e-6) and rig.hop.latency_s == pytest.approx(20e-6)
+    assert predict_speed("llama-2-13b", "nf4", rig).tok_s("tensor parallel", "decode") > 0
+    with pytest.raises(ValueError, match="two"):
+        speed_rig_from_doctor({"topology": {}, "links": []})
+    with pytest.raises(ValueError, match="helpers.doctor --json"):
+        speed_rig(str(tmp_path / "missing.json"))
+
+
+def test_bad_workloads_are_refused():
+    with pytest.raises(ValueError, match="batch"):
+        predict_speed("llama-2-7b", "bf16", "2x3090 PCIe", batch=0)
+    with pytest.raises(ValueError, match="prompt"):
+        predict_speed("llama-2-7b", "bf16", "2x3090 PCIe", context=128, prompt=256)
+
+
+def test_the_simulator_exports_the_speed_model():
+    import helpers.simulate as simulate
+
+    assert simulate.predict_speed is predict_speed and "predict_speed" in simulate.__all__
+
+
+def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
+    """The in-process calibration (weight streaming, matmul rates by rows, host time per op) gives rates, for a model
+    given as a config directory; the comparison puts a prediction and its error beside each measured row."""
+    import torch
+    from transformers import LlamaConfig
+
+    from helpers.inference.speed_bench import compare, host_seconds_per_op, matmul_rates, stream_rates
+
+    LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    small = model_shape(str(tmp_path), "fp32")
+    rate, slowdown = stream_rates(small, torch.float32, repeats=1)
+    assert rate > 0 and slowdown >= 1
+    assert [r for r, _ in matmul_rates(small, torch.float32, [4, 1, 4], repeats=1)] == [1, 4]
+    assert host_seconds_per_op("llama", repeats=2) >= 0
+    dev = Device("cpu", rate, ((1, 1e9),), 1e-6)
+    rig = SpeedRig("measured", (dev, dev), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
+    measured = [{"engine": e, "phase": p, "batch": 1, "prompt": 8, "new_tokens": 4, "tok/s": 10.0, "measured": True}
+                for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")]
+    rows = compare(measured, rig, small)
+    assert all(r["error"] == pytest.approx(r["predicted tok/s"] / 10 - 1) for r in rows)
+    assert predict_speed(str(tmp_path), "fp32", rig, 2, 64).tok_s("tensor parallel", "decode") > 0
+
+
+@pytest.mark.full
+def test_cpu_rig_calibration_and_measurement_run_end_to_end(tmp_path):
+    """The measured rig: micro-benchmarks (two ranks for the all-reduce and DTensor), both engines measured at two
+    batches, every measured row beside its prediction. Rates only checked to be rates: the machine is shared."""
+    from helpers.inference.speed_bench import (calibrate_cpu_rig, compare, error_summary, measure_engines,
+                                               save_model)
+    from helpers.runtime.rig import cpu_rig
+
+    rig = cpu_rig(threads=1)
+    model = save_model(str(tmp_path / "m"), hidden=64, layers=2, vocab=96)
+    speed = calibrate_cpu_rig(model, rig, [1, 2, 8, 16], repeats=1)
+    assert speed.devices[0].bandwidth > 0 and speed.allreduce.latency_s > 0 and not speed.host_overlaps
+    measured = measure_engines(model, rig, [1, 2], [8], new_tokens=3, repeats=1)
+    assert {(r["engine"], r["phase"], r["batch"]) for r in measured} == {
+        (e, p, b) for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")
+        for b in (1, 2)}
+    rows = compare(measured, speed, model_shape(model.path, "fp32"))
+    assert all(r["predicted tok/s"] > 0 and math.isfinite(r["error"]) for r in rows)
+    assert len(error_summary(rows)) == 6
+
+
+def test_doctor_fits_the_all_reduce_over_hidden_state_sizes():
+    from helpers.doctor import links
+    from helpers.runtime.rig import cpu_rig
+
+    rows = links(cpu_rig(threads=1), [2**12, 2**14, 2**16, 2**23], 3)  # one large message: the whole sweep fits
+    small = [r for r in rows if r["path"].endswith("hidden-state sizes")]
+    assert len(small) == 1 and [s["bytes"] for s in small[0]["samples"]] == [2**12, 2**14, 2**16]
