@@ -56,6 +56,12 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
                    help="master weights and optimizer state, whatever dtype the checkpoint was saved in (a bf16 "
                         "checkpoint loads as bf16 by default): fp32, computing in --autocast; or bf16 throughout")
     p.add_argument("--save-to", help="save the trained model here with save_pretrained")
+    p.add_argument("--checkpoint-dir", help="save the training state here with torch.distributed.checkpoint every "
+                                            "--checkpoint-every steps, and resume from its latest complete checkpoint "
+                                            "(after a crash, or under torchrun --max-restarts)")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints kept (older ones are deleted)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (dcp.async_save)")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args()
     if ns.batch % ns.microbatches:
@@ -197,3 +203,31 @@ def report(step: int, loss: float) -> None:
     """One JSON line per step on rank 0 (tests and plots read them)."""
     if dist.get_rank() == 0:
         print(json.dumps({"step": step, "loss": loss}), flush=True)
+
+
+def checkpointer(ns: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None):
+    """With --checkpoint-dir, the run's checkpoints (helpers.training.checkpoint: model through DCP's
+    get_state_dict, so FSDP2 shards and peft's frozen base are handled as PyTorch intends: a LoRA checkpoint holds
+    the adapters; optimizer, scaler, step, RNG); else None. `model`: what holds this rank's trainable weights, its
+    names unique across ranks (a pipeline stage: helpers.training.checkpoint.layer_view)."""
+    if not ns.checkpoint_dir:
+        return None
+    from helpers.training.checkpoint import Checkpointer, CheckpointSpec
+
+    spec = CheckpointSpec(ns.checkpoint_dir, every=ns.checkpoint_every, keep=ns.keep, async_save=ns.async_save)
+    enabled = scaler is not None and scaler.is_enabled()
+    return Checkpointer(spec, model, [optimizer], scaler=scaler if enabled else None)
+
+
+def training_steps(ns: argparse.Namespace, checkpoints=None):
+    """The steps still to run: from 0, or from the latest complete checkpoint's step; after each step a checkpoint
+    is saved when due, and the last save is waited for at the end."""
+    first = checkpoints.resume() if checkpoints is not None else 0
+    if first and dist.get_rank() == 0:
+        print(f"resumed from {ns.checkpoint_dir} at step {first}", file=sys.stderr, flush=True)
+    for step in range(first, ns.steps):
+        yield step
+        if checkpoints is not None:
+            checkpoints.after_step(step + 1, ns.steps)
+    if checkpoints is not None:
+        checkpoints.close()

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, batches, init, parse, report, token_loss_sum
+from _common import IGNORE_INDEX, batches, checkpointer, init, parse, report, token_loss_sum, training_steps
 
 
 def quantize_blocks(model: nn.Module) -> None:
@@ -79,8 +79,9 @@ def main() -> None:
         model.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=ns.lr, weight_decay=0.0)
+    checkpoints = checkpointer(ns, model, optimizer)  # the adapters, their Adam state, the step, RNG
     per_rank = ns.batch // world
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.config.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)

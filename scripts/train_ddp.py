@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
+from _common import (IGNORE_INDEX, autocast, batches, checkpointer, init, parse, report, token_loss_sum,
+                     training_steps, weights_dtype)
 
 
 def main() -> None:
@@ -20,8 +21,9 @@ def main() -> None:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=ns.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=ns.autocast == "fp16")
+    checkpoints = checkpointer(ns, ddp.module, optimizer, scaler)
     per_rank = ns.batch // world
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.config.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()  # real tokens in the whole global batch
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)

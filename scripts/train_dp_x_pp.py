@@ -8,9 +8,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
+from _common import (IGNORE_INDEX, autocast, batches, checkpointer, init, parse, report, token_loss_sum,
+                     training_steps, weights_dtype)
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
+from helpers.training.checkpoint import layer_view
 
 
 def main() -> None:
@@ -37,8 +39,10 @@ def main() -> None:
     schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[ns.schedule](
         stage, ns.microbatches, scale_grads=False, loss_fn=lambda out, target: token_loss_sum(out, target) * scale[0])
     optimizer = torch.optim.AdamW(module.parameters(), lr=ns.lr)
+    checkpoints = checkpointer(ns, layer_view(module.layers, range(first, first + len(module.layers))),
+                               optimizer)
     per_replica = ns.batch // dp
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()  # the whole global batch's: replicas' gradients are summed
         scale[0] = 1.0 / real

@@ -11,7 +11,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from transformers import AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, batches, init, parse, report, token_loss_sum, weights_dtype
+from _common import (IGNORE_INDEX, batches, checkpointer, init, parse, report, token_loss_sum, training_steps,
+                     weights_dtype)
 
 
 def main() -> None:
@@ -28,8 +29,9 @@ def main() -> None:
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr)
     scaler = ShardedGradScaler(device.type, enabled=ns.autocast == "fp16")
+    checkpoints = checkpointer(ns, model, optimizer, scaler)
     per_rank = ns.batch // world
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.config.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)

@@ -12,11 +12,13 @@ from torch.distributed import pipelining
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.pipelining import PipelineStage
 
-from _common import IGNORE_INDEX, autocast, batches, init, parse, report, token_loss_sum, weights_dtype
+from _common import (IGNORE_INDEX, autocast, batches, checkpointer, init, parse, report, token_loss_sum,
+                     training_steps, weights_dtype)
 from _stages import build_stage, save_pipeline, tied_copy
 from helpers.models.hf import HFModel
 from helpers.pipeline.schedules import layout_for
 from helpers.catalog import schedule_entry  # a schedule's torch.distributed.pipelining class, among the rest
+from helpers.training.checkpoint import layer_view
 
 
 def main() -> None:
@@ -38,9 +40,11 @@ def main() -> None:
     parameters = [p for module, _ in built.values() for p in module.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=ns.lr)
     scaler = ShardedGradScaler(device.type, enabled=ns.autocast == "fp16")  # overflow agreed by every stage
+    owned = [(a + j, layer) for module, a in built.values() for j, layer in enumerate(module.layers)]
+    checkpoints = checkpointer(ns, layer_view([l for _, l in owned], [i for i, _ in owned]), optimizer, scaler)
     scaler.scale(torch.ones((), device=device))
     first, last = 0 in mine, layout.stages - 1 in mine
-    for step in range(ns.steps):
+    for step in training_steps(ns, checkpoints):
         x, y = batches(ns, model.vocab_size, step)
         real = (y != IGNORE_INDEX).sum().item()
         scale[0] = scaler.get_scale() / real if scaler.is_enabled() else 1.0 / real

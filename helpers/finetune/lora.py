@@ -358,22 +358,24 @@ def finetune(model: str | Path | None = None, method: str = "qlora", steps: int 
              base_dtype: str = "fp32", checkpointing: bool = True, offload: str | None = None,
              text: str | Path | None = None, lr: float = 3e-3, save_to: str | Path | None = None,
              prompt: str = "def ", workdir: str | Path | None = None, rig=None, timeout: float = 600.0,
-             held_out_windows: int = 32, max_chars: int = 200_000) -> Finetuned:
+             held_out_windows: int = 32, max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> Finetuned:
     """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
     default the standard library), FSDP2 over 2 ranks, for `steps` optimizer steps (>= 3) of Adam on the adapters.
+    `checkpoint`, `restarts`: as in `helpers.training.train` (the checkpoints hold the adapters, not the base).
     Bad input is refused before any process starts."""
     return _finetune(model, (method,), {method: save_to}, steps=steps, batch=batch, seq_len=seq_len, rank=rank,
                      alpha=alpha, targets=targets, base_dtype=base_dtype, checkpointing=checkpointing,
                      offload=offload, text=text, lr=lr, prompt=prompt, workdir=workdir, rig=rig, timeout=timeout,
-                     held_out_windows=held_out_windows, max_chars=max_chars)[method]
+                     held_out_windows=held_out_windows, max_chars=max_chars, checkpoint=checkpoint,
+                     restarts=restarts)[method]
 
 
 def finetune_each(model: str | Path | None = None, methods: Sequence[str] = METHODS,
                   save_to: str | Path | None = None, **options) -> dict[str, Finetuned]:
     """`finetune` of the same base on the same text with each of `methods` (default LoRA and QLoRA), one after the
     other in one launch of the ranks (`helpers.training.loop.run_trainings`): one start-up of the processes for all of
-    them. `save_to`: a folder; each method's adapters go to its own subfolder (save_to/lora, ...). `options`: those of
-    `finetune`."""
+    them. `save_to`: a folder; each method's adapters go to its own subfolder (save_to/lora, ...), and so do its
+    checkpoints (checkpoint/lora, ...). `options`: those of `finetune`."""
     methods = tuple(dict.fromkeys(methods))
     if not methods:
         raise ValueError(f"no fine-tuning method given: choose among {METHODS}")
@@ -386,12 +388,13 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
               targets: tuple[str, ...] | str = ALL_LINEAR, base_dtype: str = "fp32", checkpointing: bool = True,
               offload: str | None = None, text: str | Path | None = None, lr: float = 3e-3, prompt: str = "def ",
               workdir: str | Path | None = None, rig=None, timeout: float = 600.0, held_out_windows: int = 32,
-              max_chars: int = 200_000) -> dict[str, Finetuned]:
+              max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> dict[str, Finetuned]:
     """Every method's job checked, then all of them run in one launch; each measured before and after."""
     from helpers.models.layered import Stage
     from helpers.models.text import greedy_sample, load_rows, model_text, text_loss
     from helpers.runtime.rig import detect_rig
     from helpers.runtime.scratch import scratch_dir
+    from helpers.training.checkpoint import as_checkpoint_spec
     from helpers.training.job import job_for
     from helpers.training.loop import run_trainings
 
@@ -404,11 +407,14 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
     workdir = Path(workdir or scratch_dir("lab-lora-"))
     base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
     loras = {m: LoraModel(base, spec) for m, spec in specs.items()}
+    spec = as_checkpoint_spec(checkpoint)
+    checkpoints = {m: spec if spec is None or len(methods) == 1 else replace(spec, folder=str(Path(spec.folder) / m))
+                   for m in methods}
     train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",
                                                   max_chars=max_chars)
     jobs = [job_for(lora, "fsdp2", batch=batch, seq_len=seq_len, timed_steps=steps - 2, optimizer="adam", lr=lr,
-                    data=str(train_rows), checkpointing=checkpointing, offload=offload, return_state=True)
-            for lora in loras.values()]
+                    data=str(train_rows), checkpointing=checkpointing, offload=offload, return_state=True,
+                    checkpoint=checkpoints[m]) for m, lora in loras.items()]
     held = load_rows(held_rows)[:held_out_windows]
     context = getattr(base.config, "max_position_embeddings", None)
 
@@ -417,7 +423,8 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
         return text_loss(stage, held), greedy_sample(stage, tokenizer, prompt, 40, context)
 
     before = {m: measure(lora, None) for m, lora in loras.items()}
-    results = run_trainings(jobs, rig, timeout=timeout, oversubscribe=rig.is_cpu)  # checks every job first
+    results = run_trainings(jobs, rig, timeout=timeout, oversubscribe=rig.is_cpu,  # checks every job first
+                            restarts=restarts)
     out = {}
     for (m, lora), res in zip(loras.items(), results):
         after = measure(lora, res.state)

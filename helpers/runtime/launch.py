@@ -174,10 +174,12 @@ class _Rank:
             return ""
 
 
-def _child_env(rig: Rig, rank: int, world: int, port: int) -> dict[str, str]:
-    """The caller's environment, plus the rendezvous and the caller's rig (so a rank never re-detects it)."""
+def _child_env(rig: Rig, rank: int, world: int, port: int, attempt: int = 0) -> dict[str, str]:
+    """The caller's environment, plus the rendezvous, the caller's rig (so a rank never re-detects it) and the
+    restart count."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
+               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
+               LAB_RESTART_COUNT=str(attempt))
     if rig.is_cpu:
         env.update({FORCE_CPU_ENV: "1", CPU_BUDGET_ENV: str(rig.capacity_bytes[0] / 2**30),
                     "OMP_NUM_THREADS": str(rig.threads_per_device)})
@@ -187,14 +189,15 @@ def _child_env(rig: Rig, rank: int, world: int, port: int) -> dict[str, str]:
     return env
 
 
-def _start(rank: int, world: int, port: int, rig: Rig, payload: Path, lifeline_r: int, workdir: Path) -> _Rank:
+def _start(rank: int, world: int, port: int, rig: Rig, payload: Path, lifeline_r: int, workdir: Path,
+           attempt: int = 0) -> _Rank:
     result_r, result_w = os.pipe()
     out, err = workdir / f"rank{rank}.out", workdir / f"rank{rank}.err"
     cmd = [sys.executable, "-m", "helpers.runtime.bootstrap", "--parent", str(os.getpid()),
            "--lifeline", str(lifeline_r), "--result", str(result_w), "--payload", str(payload), "--rank", str(rank)]
     try:
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            proc = subprocess.Popen(cmd, env=_child_env(rig, rank, world, port), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, env=_child_env(rig, rank, world, port, attempt), stdin=subprocess.DEVNULL,
                                     stdout=fo, stderr=fe, pass_fds=(lifeline_r, result_w), close_fds=True,
                                     start_new_session=True)  # Ctrl-C in a terminal reaches only the caller
     finally:
@@ -320,19 +323,36 @@ def release_cached_gpu_memory(rig: Rig) -> None:
 
 
 def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIMEOUT_S, rig: Rig | None = None,
-        oversubscribe: bool = False, **kwargs: Any) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `nranks` processes; return the list of their return values, rank order."""
+        oversubscribe: bool = False, restarts: int = 0, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `nranks` processes; return the list of their return values, rank order.
+    `restarts`: when a rank dies or fails, stop them all and start every rank again, up to this many times (torchrun's
+    --max-restarts; each attempt sees LAB_RESTART_COUNT, as torchrun's workers see TORCHELASTIC_RESTART_COUNT): a
+    worker that resumes from its latest checkpoint then finishes the run."""
     check_system()
     rig = rig or detect_rig()
     check_ranks(rig, nranks, oversubscribe)
     check_importable(fn)
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    if not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"restarts must be a whole number >= 0, got {restarts!r}")
     try:
         body = pickle.dumps((fn, args, kwargs, rig))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the worker's arguments cannot be sent to another process: {exc}") from None
     release_cached_gpu_memory(rig)
+    for attempt in range(restarts + 1):
+        try:
+            return _run_once(body, nranks, timeout, rig, attempt)
+        except WorkerError as exc:
+            if attempt == restarts:
+                raise
+            print(f"restarting every rank ({attempt + 1} of {restarts}) after: {_first_line(str(exc))}", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_once(body: bytes, nranks: int, timeout: float, rig: Rig, attempt: int) -> list[Any]:
+    """One start of every rank (`run`); `attempt` counts the restarts before it."""
     port = free_port()
     ranks: list[_Rank] = []
     lifeline_r, lifeline_w = os.pipe()
@@ -344,7 +364,7 @@ def run(fn: Callable, *args: Any, nranks: int = 2, timeout: float = DEFAULT_TIME
                                           "live": live_folder}))
         try:
             for rank in range(nranks):
-                ranks.append(_start(rank, nranks, port, rig, payload, lifeline_r, workdir))
+                ranks.append(_start(rank, nranks, port, rig, payload, lifeline_r, workdir, attempt))
             os.close(lifeline_r)
             lifeline_r = -1
             results = _collect(ranks, timeout)

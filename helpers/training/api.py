@@ -28,6 +28,7 @@ from helpers.pipeline.stages import split_model
 from helpers.precision import make_scaler
 from helpers.runtime.rig import Rig, detect_rig
 from helpers.runtime.scratch import scratch_dir
+from helpers.training.checkpoint import CheckpointSpec, as_checkpoint_spec
 from helpers.training.job import TrainJob, check_choice, check_job, job_for
 from helpers.training.loop import global_batch, run_training
 
@@ -44,6 +45,8 @@ class Trained:
     tokenizer: object | None = None  # with text=: the tokenizer of the text
     step_times: list[float] = field(default_factory=list)  # engine processes: every timed step (slowest rank)
     memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.sizing.ledger)
+    first_step: int = 0  # with checkpoint=: the step the run resumed from (losses[k] is step first_step + k)
+    save_blocked: list[float] = field(default_factory=list)  # with checkpoint=: seconds each save blocked a step
 
 
 def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
@@ -121,16 +124,23 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
           optimizer: str = "adam", lr: float = 1e-3, dtype: str = "fp32", autocast: str | None = None,
           padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0,
           text: str | Path | None = None, data: str | Path | None = None, workdir: str | Path | None = None,
-          checkpointing: bool = False) -> Trained:
+          checkpointing: bool = False, checkpoint: str | Path | CheckpointSpec | None = None,
+          restarts: int = 0) -> Trained:
     """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic tokens,
     real `text` or token windows `data`, and, with `save_to`, save it with `save_pretrained` (and the text's
     tokenizer beside it). `checkpointing`: recompute each decoder layer's activations in backward (the data-parallel
-    strategies). Bad input is refused before anything starts."""
+    strategies). `checkpoint`: a folder (or a CheckpointSpec: every, keep, async_save) where the run saves its
+    training state with DCP and from whose latest complete checkpoint it resumes; `restarts`: start every rank
+    again after one fails, up to this many times (torchrun's --max-restarts). Bad input is refused before anything
+    starts."""
     check_choice(strategy, engine)
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
     if text is not None and data is not None:
         raise ValueError("give text= or data= (token windows), not both")
+    spec = as_checkpoint_spec(checkpoint)
+    if spec is not None and engine == "threads":
+        raise ValueError("checkpoints (DCP) are saved by the ranks of engine 'processes' or 'torch', not 'threads'")
     rig = rig or detect_rig()
     hf = as_hf_model(model, seed=model_seed)
     held_out = tokenizer = None
@@ -142,13 +152,14 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     job = job_for(hf, strategy, engine, timed_steps=steps - 2, return_state=True, batch=batch, seq_len=seq_len,
                   microbatches=microbatches, optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast,
                   padding=padding, data_seed=data_seed, data=str(data) if data is not None else None,
-                  checkpointing=checkpointing)
+                  checkpointing=checkpointing, checkpoint=spec)
     if engine == "threads":
         check_job(job, rig)
         out = _train_threads(hf, job, rig)
     else:
-        res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu)
-        out = Trained(res.losses, res.state, events=res.events, step_times=res.step_times, memory=res.memory)
+        res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu, restarts=restarts)
+        out = Trained(res.losses, res.state, events=res.events, step_times=res.step_times, memory=res.memory,
+                      first_step=res.first_step, save_blocked=res.save_blocked)
     if save_to is not None:
         out.saved = save_trained(hf, out.state, save_to)
         if tokenizer is not None:

@@ -17,6 +17,7 @@ from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
 from helpers.runtime.rig import Rig
+from helpers.training.checkpoint import CheckpointSpec, check_spec
 from helpers.training.support import support
 from helpers.units import fmt_bytes
 
@@ -61,6 +62,7 @@ class TrainJob:
     # windows k*batch..; None: synthetic tokens, the same batch every step
     checkpointing: bool = False  # recompute each block's activations in backward (dp strategies, one stage)
     offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
+    checkpoint: CheckpointSpec | None = None  # save / resume training state with DCP (helpers.training.checkpoint)
 
     @property
     def layered(self) -> LayeredModel:
@@ -226,6 +228,8 @@ def _check_extras(job: TrainJob) -> None:
         raise ValueError(f"offload must be None or 'cpu', got {job.offload!r}")
     if job.offload and not (job.pp == 1 and job.fully_sharded):
         raise ValueError("CPU offload is FSDP2's CPUOffloadPolicy: use data_parallel='fsdp2' (or 'zero2') with dp >= 2")
+    if job.checkpoint is not None:
+        check_spec(job.checkpoint)
     if getattr(job.layered, "own_dtypes", False) and (job.dtype != "fp32" or job.autocast is not None):
         raise ValueError("this model keeps its own dtypes (a LoRA model: the frozen base in LoraSpec.base_dtype or "
                          "NF4, adapters in fp32): leave the job's dtype at 'fp32' and autocast at None")

@@ -33,6 +33,7 @@ from helpers.runtime.launch import rank_device, run
 from helpers.runtime.live import publish
 from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
+from helpers.training.checkpoint import rank_checkpointer
 from helpers.training.job import TrainJob, check_job
 from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, sum_replica_grads,
                                          tied_copies, weights_in)
@@ -50,6 +51,8 @@ class TrainResult:
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
     losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
     state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
+    first_step: int = 0  # the step the run started from: a checkpoint's when it resumed; losses[k] is step first+k
+    save_blocked: list[float] = field(default_factory=list)  # seconds each checkpoint save blocked the step (rank 0)
     # per rank, the median timed step's CPU seconds: of the rank's own thread (compute and the host work around it),
     # and of its whole process (with gloo's threads). Unlike the step's wall time, other processes on the cores do
     # not stretch them: wall - CPU is what the rank waited (messages, collectives, a core)
@@ -61,14 +64,18 @@ class TrainResult:
         return [m.activations for m in self.memory]
 
 
-def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe: bool = False) -> TrainResult:
-    """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return."""
+def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
+                 restarts: int = 0) -> TrainResult:
+    """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return. `restarts`: start all
+    ranks again after a rank fails, up to this many times (with `job.checkpoint`, they resume from the latest
+    checkpoint)."""
     check_job(job, rig, oversubscribe)
-    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe))
+    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe,
+                        restarts=restarts))
 
 
-def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
-                  oversubscribe: bool = False) -> list[TrainResult]:
+def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
+                  restarts: int = 0) -> list[TrainResult]:
     """Several jobs of one world size in one launch, the same ranks running them one after the other: a comparison
     pays one start-up of the processes instead of one per job. Every job is checked before anything starts;
     `timeout` is per job."""
@@ -80,22 +87,25 @@ def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0,
     for job in jobs:
         check_job(job, rig, oversubscribe)
     parts = run(train_workers, list(jobs), nranks=worlds[0], rig=rig, timeout=timeout * len(jobs),
-                oversubscribe=oversubscribe)
+                oversubscribe=oversubscribe, restarts=restarts)
     return [_combine([rank[i] for rank in parts]) for i in range(len(jobs))]
 
 
 def _combine(parts: list[dict]) -> TrainResult:
     """One job's result from what its ranks returned (`train_worker`)."""
-    per_step = [max(p["times"][i] for p in parts) for i in range(len(parts[0]["times"]))]
+    per_step = [max(p["times"][i] for p in parts) for i in range(min(len(p["times"]) for p in parts))]
     phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
     replica0 = [p for p in parts if p["dp"] == 0]
     by_layer = sorted((i, g) for p in replica0 for i, g in p["grads"])
-    return TrainResult(loss=parts[0]["losses"][0], step_s=statistics.median(per_step), step_times=per_step,
+    first_loss = parts[0]["losses"][0] if parts[0]["losses"] else float("nan")  # none: resumed at its last step
+    return TrainResult(loss=first_loss, step_s=statistics.median(per_step) if per_step else float("nan"),
+                       step_times=per_step,
                        phase_times=phases, events=parts[0]["events"], memory=[p["memory"] for p in parts],
                        grads=[g for _, grads in by_layer for g in grads], cuda_peak=[p["cuda_peak"] for p in parts],
                        losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()},
                        thread_cpu_s=[statistics.median(p["cpu"][0]) for p in parts if p["cpu"][0]],
-                       process_cpu_s=[statistics.median(p["cpu"][1]) for p in parts if p["cpu"][1]])
+                       process_cpu_s=[statistics.median(p["cpu"][1]) for p in parts if p["cpu"][1]],
+                       first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"])
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -330,7 +340,9 @@ def train_worker(job: TrainJob) -> dict:
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
     cpu: tuple[list[float], list[float]] = ([], [])  # the timed steps' thread and process CPU seconds
-    for i in range(job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
+    checkpoints = rank_checkpointer(job, r.module, r.owned, r.optimizer, r.scaler)
+    first = checkpoints.resume() if checkpoints is not None else 0
+    for i in range(first, job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
         r.rec.clear()  # each step's spans alone: a timed step's phases, the recorded step's timeline
         if i == job.timed_steps + 1:
             r.ledger.reset_peaks()
@@ -355,12 +367,17 @@ def train_worker(job: TrainJob) -> dict:
         losses.append(total.item() / r.batch_at(i).normalizer)
         if i == 0:
             memory = _local_state(r.module, r.optimizer)
+        if checkpoints is not None:
+            checkpoints.after_step(i + 1, job.timed_steps + 2)
+    if checkpoints is not None:
+        checkpoints.close()
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
     state = _trained_state(r.module, r.owned) if job.return_state else {}
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
-            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu}
+            "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu,
+            "first_step": first, "save_blocked": checkpoints.blocked if checkpoints is not None else []}
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -377,14 +394,19 @@ def torchrun_job(hidden: int = 64, n_blocks: int = 4, **fields) -> str:
     """torchrun entry: JSON keyword arguments become TrainJob fields on a small block stack, e.g.
     `torchrun --nproc-per-node 4 -m helpers.runtime.launch helpers.training.loop:torchrun_job
     --kwargs '{"dp": 2, "pp": 2, "batch": 16, "schedule": "1f1b", "microbatches": 2}'`; across machines add
-    --nnodes/--node-rank/--rdzv-endpoint. torchrun already started the processes, so on the CPU rig they may share
-    cores."""
+    --nnodes/--node-rank/--rdzv-endpoint. `"checkpoint": {"folder": DIR, "every": 2}` checkpoints the run and resumes
+    it from DIR (with --max-restarts, after a rank dies). torchrun already started the processes, so on the CPU rig
+    they may share cores. Rank 0 says its first loss, its step time and every loss from the step it started at."""
     from helpers.models.stack import StackConfig
     from helpers.runtime.rig import detect_rig
+    from helpers.training.checkpoint import CheckpointSpec
 
+    if isinstance(fields.get("checkpoint"), dict):
+        fields["checkpoint"] = CheckpointSpec(**fields["checkpoint"])
     job = TrainJob(StackConfig(hidden=hidden, n_blocks=n_blocks, heads=2), **fields)
     rig = detect_rig()
     check_job(job, rig, oversubscribe=rig.is_cpu)
     out = train_worker(job)
-    return (f"rank {dist.get_rank()}: replica {out['dp']}, stage {out['pp']}, loss {out['losses'][0]:.4f}, "
-            f"step {statistics.median(out['times']) * 1e3:.1f} ms")
+    step = f"step {statistics.median(out['times']) * 1e3:.1f} ms" if out["times"] else "no timed step"
+    return (f"rank {dist.get_rank()}: replica {out['dp']}, stage {out['pp']}, loss {out['losses'][0]:.4f}, {step}; "
+            f"losses from step {out['first_step']}: {out['losses']}")

@@ -132,11 +132,20 @@ def _assign_shard(layer: nn.Module, name: str, param: nn.Parameter, shard: torch
     `load_state_dict(assign=True)`)."""
     from torch.distributed.tensor import DTensor
 
-    local = shard.to(param.to_local().device)
+    device = param.to_local().device
+    # torchao's NF4 `chunk` returns views of the whole weight and its `.to` is a no-op on the same device: under CPU
+    # offload every rank would keep the whole NF4 weight alive through its shard. A clone holds this rank's share.
+    local = _own_copy(shard) if shard.device == device else shard.to(device)
     owner, _, leaf = name.rpartition(".")
     sharded = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
     setattr(layer.get_submodule(owner) if owner else layer, leaf,
             nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass (NF4) rebuilt from copies of its inner tensors: no view of a larger tensor kept alive."""
+    names, meta = t.__tensor_flatten__()
+    return type(t).__tensor_unflatten__({n: getattr(t, n).clone() for n in names}, meta, t.size(), t.stride())
 
 
 def make_optimizer(name: str, params, lr: float, zero1: bool = False):
