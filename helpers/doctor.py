@@ -321,8 +321,8 @@ def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
 def _generation(rig: Rig, engine: str, workdir: str) -> str:
     """Greedy tokens of a small Llama (grouped-query attention, left-padded prompts) across the rig's devices, equal
     to Hugging Face's generate on one device: the layer split, pipelined requests, or tensor parallelism."""
-    from helpers.inference.generate import LayerSplit, OneDevice, Pipelined, make_requests, same_tokens
-    from helpers.inference.generate import stages_from_cuts
+    from helpers.inference.generate import LayerSplit, OneDevice, make_requests, same_tokens, stages_from_cuts
+    from helpers.inference.pipelined import Pipelined
     from helpers.inference.tensor_parallel import run_tensor_parallel
     from helpers.models.hf import hf_config, save_hf_model
 

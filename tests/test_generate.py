@@ -6,10 +6,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.inference.generate import (Generation, LayerSplit, OneDevice, Pipelined, Request, StageSpec, Stopping,
-                                        Throughput, left_pad, load_hf, make_requests, measure, merge, plan_for_rig,
-                                        plot_generation_timelines, same_tokens, stages_from_cuts,
-                                        stages_from_device_map, stopping_for, throughput_rows, throughput_table)
+from helpers.inference.generate import (Generation, LayerSplit, OneDevice, Request, StageSpec, Stopping, left_pad,
+                                        load_hf, make_requests, merge, plan_for_rig, same_tokens, stages_from_cuts,
+                                        stages_from_device_map, stopping_for)
+from helpers.inference.pipelined import Pipelined
+from helpers.inference.throughput import (Throughput, measure, plot_generation_timelines, throughput_rows,
+                                          throughput_table)
 from helpers.inference.tensor_parallel import check_shardable, run_tensor_parallel, tensor_parallel_support
 from helpers.runtime.launch import run
 from helpers.models import hf_config, save_hf_model
@@ -255,7 +257,7 @@ def test_from_pretrained_balances_with_transformers_own_copy():
 
 def test_decode_bounds_follow_the_bandwidth():
     from helpers.course import load_data
-    from helpers.inference.generate import decode_bounds
+    from helpers.inference.throughput import decode_bounds
 
     b = decode_bounds("llama-3-8b", "fp16", context=512)
     # the bytes a token reads, from Hugging Face's own model of that config (built on the meta device, 8,030,261,248

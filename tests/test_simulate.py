@@ -11,7 +11,8 @@ import torch  # noqa: E402
 
 from helpers.course import load_data  # noqa: E402
 from helpers.sizing.state import BYTES_PER_PARAM  # noqa: E402
-from helpers.sizing.activations import transformer_activation_bytes
+from helpers.sizing.activations import transformer_activation_bytes  # noqa: E402
+from helpers.sizing.gpus import gpu, runtime_reserve_bytes  # noqa: E402
 from helpers.models import build_hf_model, hf_layers  # noqa: E402
 from helpers.pipeline.schedules import bubble_fraction  # noqa: E402
 from helpers.profile import LayerProfile, Profile  # noqa: E402
@@ -470,8 +471,20 @@ def test_hardware_data_keeps_its_keys_and_cites_originals():
     rigs = {name: target_rig(name) for name in target_rigs()}
     assert {"2x3090 PCIe", "2x3090 NVLink", "2x4090", "2xA100"} <= set(rigs)
     assert rigs["2x3090 PCIe"].link.bandwidth == pytest.approx(11.28e9)
-    assert rigs["2x3090 PCIe"].gpu.memory_bytes == 24 * 10**9
+    assert rigs["2x3090 PCIe"].gpu.capacity_bytes == 24268 * 2**20  # as CUDA reports it (data/inference.json)
     assert rigs["2x3090 NVLink"].link.bandwidth > rigs["2x3090 PCIe"].link.bandwidth
+
+
+def test_one_gpu_description_for_the_planners_and_the_simulator():
+    """The simulator's GPU is the planners' (helpers.sizing.gpus.Gpu): one capacity (as CUDA reports it), one
+    runtime reserve, the specification's bandwidth and the sustained rates of data/hardware.json; a GPU given only by
+    its size has no rates, and the roofline says so instead of guessing."""
+    card = gpu("RTX 3090")
+    assert gpu_named("RTX 3090") == card == target_rig("2x3090 PCIe").gpu
+    assert card.usable_bytes == card.capacity_bytes - runtime_reserve_bytes()
+    assert (card.bandwidth_gb_s, card.memory_bandwidth, card.flops("bf16")) == (936, 798e9, 76.5e12)
+    with pytest.raises(ValueError, match="no sustained 'fp16' matmul figure"):
+        gpu("24GiB").flops("fp16")
 
 
 def test_flops_counted_on_meta_match_the_transformer_formula():

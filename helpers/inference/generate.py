@@ -7,10 +7,7 @@ that differ only in where the work runs, never in what is computed:
 - `LayerSplit`: the layers cut into one stage per device (from the planner's `device_map`, or given cuts), each stage
   with its own KV cache, run one after the other for one request at a time: what `from_pretrained(device_map=...)`
   does, where only one device works at any moment.
-- `Pipelined`: the same stages, one thread per device in this process, several requests in flight: stage 0 computes
-  request B's token while stage 1 computes request A's. Each stage keeps a KV cache per request. On GPUs each stage
-  computes on a CUDA stream of its own and hands tensors over with `helpers.pipeline.comm.send_to`; on the CPU rig a
-  thread is a virtual device (its ops run on its own intra-op threads), so the concurrency is real.
+- `helpers.inference.pipelined.Pipelined`: the same stages, one thread per device, several requests in flight.
 - `helpers.inference.tensor_parallel`: PyTorch's `parallelize_module`, one rank per device.
 
 A request is a left-padded batch of prompts (`Request`, `left_pad`, `make_requests`). Every engine stops a request
@@ -18,23 +15,18 @@ as `generate` does: at `new_tokens`, or once every row has produced an end-of-se
 early get the pad token, and are still fed back, as `generate` feeds them).
 
 Prefill and decode are timed apart (`Generation.prefill_s`, `decode_s`): prefill ends when every request has its
-first generated token. The pipelined engine runs the two phases one after the other (all prefills in flight, then all
-decodes), so that each phase's throughput is its own. Each engine records one timeline (`helpers.timeline` events of
-kinds "prefill" and "decode", one row per device); `measure` times several engines in interleaved rounds and keeps
-medians; `throughput_table` and `plot_generation_timelines` show them. `Pipelined.from_split` reuses a LayerSplit's
-stages (one copy of the weights for both). `LayerSplit.memory(rig.labels)` is what the memory panel draws while they
-generate: each device's weights and the KV caches it holds (counted after every step, with their peak).
-`decode_bounds`: the memory-bandwidth bounds of decoding on real GPUs.
+first generated token. Each engine records one timeline (`helpers.timeline` events of kinds "prefill" and "decode",
+one row per device); `helpers.inference.throughput` times engines against each other (`measure`, medians of
+interleaved rounds) and shows them. `same_tokens` compares two runs' tokens. `LayerSplit.memory(rig.labels)` is what
+the memory panel draws while they generate: each device's weights and the KV caches it holds (counted after every
+step, with their peak).
 """
 from __future__ import annotations
 
-import queue
-import statistics
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -117,7 +109,7 @@ def merge(requests: Sequence[Request], pad_token_id: int = 0) -> Request:
 
 # --- results ------------------------------------------------------------------------------------------------------
 
-class _Rates:
+class Rates:
     """Tokens per second of each phase, from the tokens it handled and the time it took."""
 
     prompt_tokens: int
@@ -135,7 +127,7 @@ class _Rates:
 
 
 @dataclass(frozen=True)
-class Generation(_Rates):
+class Generation(Rates):
     """What one run of an engine produced: the new tokens of every request (each [rows, steps], on the CPU), the
     wall time of each phase over the whole workload, the tokens each phase handled, and the timeline."""
 
@@ -336,7 +328,8 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _sync_all() -> None:
+def sync_devices() -> None:
+    """Wait for every GPU's queued work (before reading a clock); nothing to wait for on the CPU."""
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             torch.cuda.synchronize(i)
@@ -418,7 +411,8 @@ def _events(runners: Sequence[_StageRunner]) -> list[Event]:
     return sorted((e for r in runners for e in r.recorder.events()), key=lambda e: (e.device, e.start))
 
 
-def _resolve_stopping(model: HFModel, new_tokens: int, stopping: Stopping | None) -> Stopping:
+def resolve_stopping(model: HFModel, new_tokens: int, stopping: Stopping | None) -> Stopping:
+    """The rule an engine follows: the one given, else generate's own for the model (its end-of-sequence tokens)."""
     return stopping if stopping is not None else stopping_for(model, new_tokens)
 
 
@@ -480,7 +474,7 @@ class OneDevice:
         self.hf = load_hf(model, self.device)
 
     def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
-        rule = _resolve_stopping(self.model, new_tokens, stopping)
+        rule = resolve_stopping(self.model, new_tokens, stopping)
         return hf_generate(self.hf, requests, rule, self.device, self.name)
 
 
@@ -525,19 +519,19 @@ class LayerSplit:
             token, finished = rule.next_token(h, finished)
             out.append(token)
             if phase == "prefill":
-                _sync_all()
+                sync_devices()
                 t1, phase = time.perf_counter(), "decode"
             if rule.done(len(out), finished):
                 break
             x = token.to(self.first_device)
-        _sync_all()
+        sync_devices()
         t2 = time.perf_counter()
         for runner in self.runners:
             runner.reset()
         return torch.cat(out, dim=1).cpu(), t1 - t0, t2 - t1
 
     def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
-        rule = _resolve_stopping(self.model, new_tokens, stopping)
+        rule = resolve_stopping(self.model, new_tokens, stopping)
         for runner in self.runners:
             runner.recorder.clear()
         tokens, prefill, decode = [], 0.0, 0.0
@@ -547,7 +541,12 @@ class LayerSplit:
                 tokens.append(t)
                 prefill += p
                 decode += d
-        return Generation(self.name, tokens, prefill, decode, *_counts(requests, tokens), _events(self.runners))
+        return self._generation(requests, tokens, prefill, decode)
+
+    def _generation(self, requests: Sequence[Request], tokens: list[torch.Tensor], prefill_s: float,
+                    decode_s: float) -> Generation:
+        """This engine's result: the tokens, each phase's time and token counts, every stage's timeline."""
+        return Generation(self.name, tokens, prefill_s, decode_s, *_counts(requests, tokens), _events(self.runners))
 
 
 class SplitMemory:
@@ -570,290 +569,3 @@ class SplitMemory:
 
     def peak_parts(self, label: str) -> dict[str, int]:
         return {"params": self._weights[label], "kv_cache": sum(r.kv_peak for r in self._runners[label])}
-
-
-# --- (c) pipelined: one thread per device, several requests in flight --------------------------------------------
-
-_STOP = object()  # down the pipe: no more work
-_ABORT = object()  # to stage 0: another stage failed
-
-
-class _Aborted(Exception):
-    """A stage stops because another one failed (that one's error is reported)."""
-
-
-def _get(box: queue.Queue, timeout_s: float):
-    try:
-        item = box.get(timeout=timeout_s)
-    except queue.Empty:
-        raise TimeoutError(f"no message within {timeout_s:.0f} s: a stage stopped answering") from None
-    if item is _ABORT:
-        raise _Aborted()
-    return item
-
-
-class Pipelined(LayerSplit):
-    """The layer split with one thread per stage and every request in flight: while the last stage computes request
-    A's token, the first computes request B's. Stage s keeps a KV cache per request; tokens go from the last stage
-    back to the first. Each phase (all prefills, then all decode steps) runs as a pipeline over the requests; every
-    stage sees the requests in the order stage 0 sent them, so each inbox is a plain FIFO queue.
-
-    Needs one stage per device (a tied head placed with the embedding makes device 0 hold two stages: pass cuts).
-    """
-
-    name = "pipelined"
-
-    def __init__(self, model: HFModel, stages: Sequence[StageSpec] | Mapping[str, int],
-                 devices: Sequence[torch.device], timeout_s: float = 300.0):
-        specs = stages_from_device_map(model, stages) if isinstance(stages, Mapping) else list(stages)
-        used = [s.device for s in specs]
-        if len(specs) < 2 or len(set(used)) != len(used):
-            raise ValueError(f"a pipeline needs one contiguous stage per device, at least two; this split runs "
-                             f"{' -> '.join(f'device {d}' for d in used)} (a tied head placed with the embedding "
-                             "brings device 0 back at the end): give cuts instead, e.g. stages_from_cuts(model, [k])")
-        super().__init__(model, specs, devices)
-        self._streams(timeout_s)
-
-    @classmethod
-    def from_split(cls, split: LayerSplit, timeout_s: float = 300.0) -> "Pipelined":
-        """A pipeline over the very stages (weights) of a LayerSplit: no second copy of the model in memory."""
-        used = [s.device for s in split.specs]
-        if len(used) < 2 or len(set(used)) != len(used):
-            return cls(split.model, split.specs, split.devices, timeout_s)  # refuses, with the reason
-        self = cls.__new__(cls)
-        self.model, self.devices, self.specs, self.runners = split.model, split.devices, split.specs, split.runners
-        self._streams(timeout_s)
-        return self
-
-    def _streams(self, timeout_s: float) -> None:
-        from helpers.pipeline.comm import CopyStreams
-
-        self.timeout_s = timeout_s
-        self.compute = [torch.cuda.Stream(r.device) if r.device.type == "cuda" else None for r in self.runners]
-        self.copies = CopyStreams() if any(d.type == "cuda" for d in self.devices) else None
-
-    def _send(self, t: torch.Tensor, device: torch.device):
-        """Start moving `t` to the next stage's device: a Transfer whose `get()` the receiver calls (on GPUs the copy
-        runs on side streams and the receiver's stream waits for it; on the CPU nothing moves)."""
-        from helpers.pipeline.comm import send_to
-
-        return send_to(t, device, self.copies)
-
-    def _later_stage(self, s: int, requests: Sequence[Request], rule: Stopping, inboxes: list[queue.Queue],
-                     feedback: queue.Queue) -> None:
-        """Stages after the first: take (request, phase, transfer) from the inbox in order, compute, pass it on; the
-        last stage picks the token and sends it back to stage 0, with whether the request is done."""
-        runner, last = self.runners[s], s == len(self.runners) - 1
-        first_device = self.runners[0].device
-        finished: dict[int, torch.Tensor] = {}
-        steps: dict[int, int] = {}
-        while True:
-            msg = _get(inboxes[s], self.timeout_s)
-            if msg is _STOP:
-                if not last:
-                    inboxes[s + 1].put(_STOP)
-                return
-            r, phase, transfer = msg
-            h = runner.step(r, transfer.get(), requests[r], phase)
-            if not last:
-                inboxes[s + 1].put((r, phase, self._send(h, self.runners[s + 1].device)))
-                continue
-            if phase == "prefill":
-                finished[r] = torch.zeros(requests[r].rows, dtype=torch.bool, device=runner.device)
-                steps[r] = 0
-            token, finished[r] = rule.next_token(h, finished[r])
-            steps[r] += 1
-            feedback.put((r, self._send(token, first_device), rule.done(steps[r], finished[r])))
-
-    def _first_stage(self, requests: Sequence[Request], inboxes: list[queue.Queue], feedback: queue.Queue,
-                     out: dict) -> None:
-        """Stage 0 drives: every prefill, then (once all first tokens are back: the prefill phase ends) a decode
-        step for each request as soon as its previous token is back, until every request is done."""
-        runner, nxt = self.runners[0], self.runners[1].device
-
-        def send(r: int, x: torch.Tensor, phase: str) -> None:
-            h = runner.step(r, x, requests[r], phase)
-            inboxes[1].put((r, phase, self._send(h, nxt)))
-
-        tokens: dict[int, list] = {r: [] for r in range(len(requests))}
-        t0 = time.perf_counter()
-        for r, request in enumerate(requests):
-            send(r, request.ids.to(runner.device), "prefill")
-        firsts = [_get(feedback, self.timeout_s) for _ in requests]
-        _sync_all()
-        t1 = time.perf_counter()
-        in_flight = 0
-        for r, token, done in firsts:
-            tokens[r].append(token)
-            if not done:
-                send(r, token.get(), "decode")
-                in_flight += 1
-        while in_flight:
-            r, token, done = _get(feedback, self.timeout_s)
-            tokens[r].append(token)
-            in_flight -= 1
-            if not done:
-                send(r, token.get(), "decode")
-                in_flight += 1
-        inboxes[1].put(_STOP)
-        out.update(tokens=tokens, t0=t0, t1=t1)
-
-    def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
-        rule = _resolve_stopping(self.model, new_tokens, stopping)
-        _ = self.model.config  # read config.json once, before the threads share it
-        for runner in self.runners:
-            runner.recorder.clear()
-            runner.reset()
-        p = len(self.runners)
-        inboxes: list[queue.Queue] = [queue.Queue() for _ in range(p)]
-        feedback: queue.Queue = queue.Queue()
-        errors: list[tuple[int, BaseException]] = []
-        out: dict = {}
-
-        def worker(s: int) -> None:
-            try:
-                torch.set_grad_enabled(False)  # grad mode belongs to the thread
-                stream = self.compute[s]
-                if stream is not None:
-                    torch.cuda.set_device(self.runners[s].device)
-                    stream.wait_stream(torch.cuda.current_stream(self.runners[s].device))
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    if s == 0:
-                        self._first_stage(requests, inboxes, feedback, out)
-                    else:
-                        self._later_stage(s, requests, rule, inboxes, feedback)
-            except _Aborted:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - reported to the caller below
-                errors.append((s, exc))
-                for box in (*inboxes, feedback):
-                    box.put(_ABORT)
-
-        threads = [threading.Thread(target=worker, args=(s,), name=f"stage{s}", daemon=True) for s in range(p)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for runner, stream in zip(self.runners, self.compute):
-            if stream is not None:  # the caller's stream waits for the stages
-                torch.cuda.current_stream(runner.device).wait_stream(stream)
-        _sync_all()
-        t2 = time.perf_counter()
-        for runner in self.runners:
-            runner.reset()
-        if errors:
-            s, exc = errors[0]
-            raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
-        tokens = [torch.cat([t.get() for t in out["tokens"][r]], dim=1).cpu() for r in range(len(requests))]
-        return Generation(self.name, tokens, out["t1"] - out["t0"], t2 - out["t1"], *_counts(requests, tokens),
-                          _events(self.runners))
-
-
-# --- measurement ----------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Throughput(_Rates):
-    """Medians over repeats of one engine on one workload; `last`: the last run (tokens, timeline)."""
-
-    engine: str
-    prefill_s: float
-    decode_s: float
-    prompt_tokens: int
-    decode_tokens: int
-    repeats: int
-    last: Generation = field(repr=False)
-
-
-    @classmethod
-    def of(cls, engine: str, runs: Sequence[Generation]) -> "Throughput":
-        if not runs:
-            raise ValueError(f"no runs of {engine} to take medians of")
-        last = runs[-1]
-        return cls(engine, statistics.median(g.prefill_s for g in runs), statistics.median(g.decode_s for g in runs),
-                   last.prompt_tokens, last.decode_tokens, len(runs), last)
-
-
-def measure(runs: Mapping[str, Callable[[], Generation]], repeats: int = 3, warmup: int = 1,
-            progress: bool = False) -> dict[str, Throughput]:
-    """Time each run (a function returning a Generation) in interleaved rounds, a, b, c, a, b, c, ..., after
-    `warmup` untimed rounds, so a slow moment of a shared machine hurts every engine alike; medians per phase."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    for _ in range(warmup):
-        for fn in runs.values():
-            fn()
-    done: dict[str, list[Generation]] = {name: [] for name in runs}
-    rounds = range(repeats)
-    if progress:
-        from tqdm.auto import tqdm
-
-        rounds = tqdm(rounds, desc="timing", leave=False)
-    for _ in rounds:
-        for name, fn in runs.items():
-            done[name].append(fn())
-    return {name: Throughput.of(name, gens) for name, gens in done.items()}
-
-
-def throughput_rows(results: Mapping[str, Throughput], baseline: str | None = None) -> list[dict]:
-    """One row per engine: tokens/s of each phase, and each as a multiple of the baseline's (default: the first)."""
-    if not results:
-        return []
-    base = results[baseline or next(iter(results))]
-    return [{"engine": name, "prefill tok/s": t.prefill_tok_s, "decode tok/s": t.decode_tok_s,
-             "prefill x": t.prefill_tok_s / base.prefill_tok_s, "decode x": t.decode_tok_s / base.decode_tok_s,
-             "prefill ms": t.prefill_s * 1e3, "decode ms": t.decode_s * 1e3, "repeats": t.repeats}
-            for name, t in results.items()]
-
-
-def throughput_table(results: Mapping[str, Throughput], baseline: str | None = None) -> str:
-    from helpers.report import table
-
-    return table(throughput_rows(results, baseline))
-
-
-def plot_generation_timelines(results: Mapping[str, Throughput | Generation],
-                              device_names: dict[int, str] | None = None):
-    """One timeline per engine, stacked on one time axis (`helpers.timeline.plot_timelines`): prefill and decode
-    spans per device, the request's number on each bar, busy % per device."""
-    from helpers.timeline import plot_timelines
-
-    panels = {name: (r.last if isinstance(r, Throughput) else r).events for name, r in results.items()}
-    return plot_timelines(panels, device_names=device_names, busy_kinds=set(PHASES))
-
-
-# --- on two GPUs: the bandwidth bound of decoding ---------------------------------------------------------------------
-
-def decode_bounds(model: str = "llama-3-8b", dtype: str = "fp16", context: int = 512, gpu: str = "RTX 3090",
-                  link: str = "3090_gpu_to_gpu_no_p2p") -> dict:
-    """Upper bounds on single-stream decode speed from memory bandwidth alone (tokens/s), for one GPU and for two
-    joined by `link` (data/hardware.json): every weight and the KV cache of `context` tokens are read once per token.
-
-    - one GPU and the layer split: the same bytes, read by one card at a time (the split adds one hop of the hidden
-      state per token: the link's latency plus its bytes);
-    - pipelined, two or more requests in flight: both cards read at once, so the aggregate doubles (each request
-      still gets the one-card rate);
-    - tensor parallel: each card reads half, plus two all-reduces per layer, each costed as twice the link's
-      latency (the simulator's rule: an estimate; their bytes are negligible in decode).
-    """
-    from helpers.course import load_data
-    from helpers.sizing.shape import model_shape
-
-    hardware = load_data("hardware")
-    card, wire = hardware["gpus"][gpu], hardware["links"][link]
-    shape = model_shape(model, dtype)
-    read = sum(layer.read_bytes(context, 1) for layer in shape.layers)
-    bandwidth = card["memory_bandwidth_gb_s"] * 1e9
-    latency = wire["latency_us"] * 1e-6
-    hop = latency + shape.hidden * shape.format.activation_bytes / (wire["gb_s_per_direction"] * 1e9)
-    allreduces = 2 * len(shape.decoder_layers)
-    one = read / bandwidth
-    split = one + hop
-    tp = read / 2 / bandwidth + allreduces * 2 * latency
-    return {"model": model, "dtype": dtype, "context": context, "gpu": gpu, "link": link,
-            "read_bytes_per_token": read, "bandwidth_gb_s": card["memory_bandwidth_gb_s"],
-            "link_latency_us": wire["latency_us"], "allreduces_per_token": allreduces,
-            "ms": {"one GPU": one * 1e3, "layer split": split * 1e3, "pipelined (per request)": split * 1e3,
-                   "tensor parallel": tp * 1e3},
-            "tok_s": {"one GPU": 1 / one, "layer split": 1 / split, "pipelined (2 requests, total)": 2 / split,
-                      "tensor parallel": 1 / tp},
-            "sources": {"bandwidth": card["source"], "link": wire["source"]}}

@@ -157,7 +157,9 @@ def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequen
     """Prefill and decode tokens per second of the layer split (one request of `batch` prompts), the pipelined split
     (2 such requests in flight) and tensor parallelism (one request), for every batch and prompt length (prompts of
     equal length: no padding). The split cuts the decoder layers in half, as the prediction does."""
-    from helpers.inference.generate import LayerSplit, Pipelined, make_requests, measure, stages_from_cuts
+    from helpers.inference.generate import LayerSplit, make_requests, stages_from_cuts
+    from helpers.inference.pipelined import Pipelined
+    from helpers.inference.throughput import measure
     from helpers.inference.tensor_parallel import run_tensor_parallel
 
     split = LayerSplit(model, stages_from_cuts(model, [1 + model.config.num_hidden_layers // 2]), rig.devices)

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from helpers.inference.generate import Generation, Request, Stopping, Throughput, hf_generate, stopping_for
+from helpers.inference.generate import Generation, Request, Stopping, hf_generate, stopping_for
+from helpers.inference.throughput import Throughput
 from helpers.models.hf import HFModel
 from helpers.timeline import Event, Recorder
 from helpers.training.support import Support

@@ -21,7 +21,7 @@
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, block_tflops, decision_table,
                                     recommend, recommend_model, transformer_workload)
-from helpers.simulate.hardware import (FREE_LINK, GPU, Collectives, Link, SharedCores, TargetRig, allgather_s,
+from helpers.simulate.hardware import (FREE_LINK, Collectives, Link, SharedCores, TargetRig, allgather_s,
                                        allreduce_s, broadcast_s, collective_s, fit_collective_link, fit_collectives,
                                        fit_link, gpu_named, link_named, reducescatter_s,
                                        target_rig, target_rigs)
@@ -36,7 +36,7 @@ from helpers.simulate.workload import LayerCost, Workload
 INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "breakeven_latency", "crossovers", "predict_speed", "speed_rig",
                    "speed_rigs")
 
-__all__ = ["Collectives", "Efficiency", "FREE_LINK", "GPU", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
+__all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
            "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
            "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s",
            "collective_s", "decision_table", "efficiency", "excused_rows", "fit_collective_link", "fit_collectives",

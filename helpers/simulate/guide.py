@@ -19,9 +19,9 @@ import torch
 
 from helpers.units import fmt_bytes
 from helpers.sizing.activations import transformer_activation_bytes
-from helpers.sizing.gpus import runtime_reserve_bytes
+from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import ModelShape, decoder_shape
-from helpers.simulate.hardware import GPU, TargetRig, target_rig
+from helpers.simulate.hardware import TargetRig, target_rig
 from helpers.simulate.roofline import VALUE_BYTES, Efficiency, kernels_s, optimizer_s, step_s, trace_kernels
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
@@ -99,7 +99,7 @@ def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batc
     return tuple(kernels), tuple(params), tuple(tensors)
 
 
-def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
+def transformer_workload(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf16", attention: str = "sdpa",
                          recipe: str = "mixed precision + Adam", head_outputs: int | None = None, batch: int = 8,
                          eff: Efficiency | None = None) -> Workload:
     """Per-sample costs of a decoder (`helpers.sizing.shape.ModelShape`: `model_shape(config)`, `decoder_shape(...)`
@@ -126,7 +126,7 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf
     return Workload(tuple(layers), recipe, optimizer_s(n_params, recipe, gpu))
 
 
-def block_tflops(shape: ModelShape, seq: int, gpu: GPU, dtype: str = "bf16", attention: str = "sdpa",
+def block_tflops(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf16", attention: str = "sdpa",
                  batch: int = 8) -> float:
     """TFLOPS one of the model's blocks sustains forward + backward on `gpu` (its traced kernels' FLOPs over their
     time): a single figure for back-of-the-envelope compute times, from the same model as `transformer_workload`."""
@@ -209,7 +209,7 @@ def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: i
     """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice. Each GPU keeps
     `reserve_bytes` for the runtime (default: the CUDA context and allocator margin, helpers.sizing.gpus)."""
     rig = target_rig(rig) if isinstance(rig, str) else rig
-    capacity = rig.gpu.memory_bytes - (runtime_reserve_bytes() if reserve_bytes is None else reserve_bytes)
+    capacity = rig.gpu.capacity_bytes - (rig.gpu.reserve_bytes if reserve_bytes is None else reserve_bytes)
     options = tuple(best_option(workload, rig, s, batch, capacity) for s in GUIDE_STRATEGIES)
     fitting = [o for o in options if o.fits]
     if not fitting:

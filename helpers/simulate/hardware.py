@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from helpers.course import load_data
-
-DTYPES = ("fp32", "fp16", "bf16")
-
+from helpers.sizing.gpus import DTYPES, Gpu, gpu
 
 @dataclass(frozen=True)
 class Link:
@@ -205,36 +203,14 @@ def link_named(name: str) -> Link:
     return Link(entry["latency_us"] * 1e-6, entry["gb_s_per_direction"] * 1e9, name)
 
 
-@dataclass(frozen=True)
-class GPU:
-    """What the roofline needs of a GPU: its sustained matmul rate per dtype (a large matmul, measured), the memory
-    bandwidth element-wise kernels sustain, and capacity. Real layers reach less than the matmul rate:
-    `helpers.simulate.roofline` times each of their kernels against these two roofs."""
-
-    name: str
-    memory_bytes: int
-    memory_bandwidth: float  # bytes/s an element-wise kernel sustains (measured, or an estimate where marked)
-    matmul_flops: dict[str, float]  # FLOP/s of a large matmul, per dtype, measured
-    conv_efficiency: float | None = None  # this card's own (fitted) share of the matmul rate convolutions reach
-
-    def flops(self, dtype: str) -> float:
-        """The sustained matmul rate in `dtype` (FLOP/s)."""
-        if dtype not in self.matmul_flops:
-            raise ValueError(f"no sustained {dtype!r} matmul figure for the {self.name} in data/hardware.json; "
-                             f"known: {', '.join(sorted(self.matmul_flops))}")
-        return self.matmul_flops[dtype]
-
-
-def gpu_named(name: str) -> GPU:
-    """A GPU from data/hardware.json (`gpus`), e.g. 'RTX 3090'."""
-    entry = _known("GPU", name, load_data("hardware")["gpus"])
-    sustained = entry.get("sustained")
-    if sustained is None:
+def gpu_named(name: str) -> Gpu:
+    """A GPU from data/hardware.json (`gpus`), e.g. 'RTX 3090': `helpers.sizing.gpus.gpu`'s description, the one
+    the planners use, with the sustained rates the roofline needs."""
+    _known("GPU", name, load_data("hardware")["gpus"])
+    card = gpu(name)
+    if card.memory_bandwidth is None:
         raise ValueError(f"the {name} has no sustained figures in data/hardware.json; the roofline needs them")
-    matmul = sustained["matmul_tflops"]
-    conv = sustained.get("conv_efficiency")
-    return GPU(name, int(entry["memory_gb"] * 1e9), sustained["memory_gb_s"]["value"] * 1e9,
-               {d: matmul[d] * 1e12 for d in DTYPES if d in matmul}, conv["value"] if conv else None)
+    return card
 
 
 @dataclass(frozen=True)
@@ -243,7 +219,7 @@ class TargetRig:
     NCCL's all-reduce over them runs at `collectives`' bus bandwidth and latency (nccl-tests where published)."""
 
     name: str
-    gpu: GPU
+    gpu: Gpu
     link: Link
     devices: int
     collectives: Link

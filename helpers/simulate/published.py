@@ -20,8 +20,9 @@ from torch import nn
 
 from helpers.course import load_data
 from helpers.simulate.guide import transformer_workload
-from helpers.simulate.hardware import GPU, Link, allreduce_link, gpu_named, link_named, target_rig
+from helpers.simulate.hardware import Link, allreduce_link, gpu_named, link_named, target_rig
 from helpers.simulate.roofline import Efficiency, efficiency, kernels_s, trace_kernels, workload_from_traces
+from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import decoder_shape
 from helpers.simulate.strategies import Job, simulate
 from helpers.simulate.workload import Workload
@@ -80,7 +81,7 @@ def _traced(model: str, batch: int, size: int, dtype: str):
     return layers, trace_kernels([module for _, module, _ in layers], sample, dtype)
 
 
-def resnet50_workload(image: int, gpu: GPU, dtype: str, recipe: str, batch: int = 32,
+def resnet50_workload(image: int, gpu: Gpu, dtype: str, recipe: str, batch: int = 32,
                       eff: Efficiency | None = None) -> Workload:
     """ResNet-50 on `image` x `image` pictures on `gpu`, traced at a micro-batch of `batch` images."""
     return workload_from_traces(*_traced("ResNet-50", batch, image, dtype), batch, gpu, dtype, recipe, eff)
@@ -107,7 +108,7 @@ def bert_layers(name: str, classes: int = 2) -> list[tuple[str, nn.Module, int]]
                 ("head", nn.Linear(hidden, classes), 1)]
 
 
-def bert_workload(name: str, seq: int, gpu: GPU, dtype: str, recipe: str, batch: int,
+def bert_workload(name: str, seq: int, gpu: Gpu, dtype: str, recipe: str, batch: int,
                   eff: Efficiency | None = None) -> Workload:
     """BERT-base or BERT-large fine-tuning on `seq` tokens on `gpu`, traced at a micro-batch of `batch`."""
     if name not in BERT:
@@ -141,7 +142,7 @@ def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
     return rows
 
 
-def lambda_workloads(gpu: GPU, eff: Efficiency | None = None, only: str | None = None) -> dict[str, Workload]:
+def lambda_workloads(gpu: Gpu, eff: Efficiency | None = None, only: str | None = None) -> dict[str, Workload]:
     """Lambda's fp16 training runs as workloads on `gpu`, each at Lambda's per-GPU batch for that GPU: ResNet-50
     (AMP, SGD with momentum) and BERT SQuAD fine-tuning (apex O2: fp16 weights and gradients, fp32 master weights
     and Adam, eager attention, dropout 0.1)."""
@@ -174,7 +175,7 @@ def lambda_rows() -> list[dict]:
     return rows
 
 
-def bert_layer_tflops(seq: int, batch: int, gpu: GPU, hidden: int = 1024, heads: int = 16,
+def bert_layer_tflops(seq: int, batch: int, gpu: Gpu, hidden: int = 1024, heads: int = 16,
                       dtype: str = "fp16") -> float:
     """The TFLOPS `micro_bench.ipynb` reports for one BERT layer forward + backward: its formula's FLOPs
     (3 x (24 b s h^2 + 4 b s^2 h)) over the layer's time, here the traced `BertLayer`'s kernels on `gpu`."""

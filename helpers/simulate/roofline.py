@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from helpers.course import load_data
-from helpers.simulate.hardware import DTYPES, GPU, gpu_named
+from helpers.simulate.hardware import DTYPES, gpu_named
+from helpers.sizing.gpus import Gpu
 from helpers.simulate.workload import LayerCost, Workload
 
 VALUE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -209,7 +210,7 @@ def trace_kernels(layers: Sequence[nn.Module], sample: torch.Tensor, dtype: str 
     return traced
 
 
-def kernel_s(kernel: Kernel, gpu: GPU, dtype: str, eff: Efficiency) -> float:
+def kernel_s(kernel: Kernel, gpu: Gpu, dtype: str, eff: Efficiency) -> float:
     """Seconds of one kernel on `gpu`: the longer of its compute and memory roofs, and at least one launch."""
     memory_s = kernel.nbytes / gpu.memory_bandwidth
     if kernel.kind == "memory":
@@ -219,27 +220,27 @@ def kernel_s(kernel: Kernel, gpu: GPU, dtype: str, eff: Efficiency) -> float:
     return max(kernel.flops / (gpu.flops(dtype) * share), memory_s, eff.launch_s)
 
 
-def kernels_s(kernels: Sequence[Kernel], gpu: GPU, dtype: str, eff: Efficiency | None = None) -> float:
+def kernels_s(kernels: Sequence[Kernel], gpu: Gpu, dtype: str, eff: Efficiency | None = None) -> float:
     """Seconds of a sequence of kernels run one after another on `gpu`."""
     eff = eff or efficiency()
     return sum(kernel_s(k, gpu, dtype, eff) for k in kernels)
 
 
-def step_s(kernels: Sequence[Kernel], gpu: GPU, dtype: str, batch: int, eff: Efficiency | None = None) -> float:
+def step_s(kernels: Sequence[Kernel], gpu: Gpu, dtype: str, batch: int, eff: Efficiency | None = None) -> float:
     """Per-sample seconds of a layer's kernels (traced on `batch` samples) inside a whole training step: their time
     on `gpu` over the `framework` share."""
     eff = eff or efficiency()
     return kernels_s(kernels, gpu, dtype, eff) / batch / eff.framework
 
 
-def optimizer_s(n_params: int, recipe: str, gpu: GPU) -> float:
+def optimizer_s(n_params: int, recipe: str, gpu: Gpu) -> float:
     """One optimizer step over `n_params`: memory-bound, each parameter's state read and written once."""
     if recipe not in OPTIMIZER_BYTES_PER_PARAM:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {list(OPTIMIZER_BYTES_PER_PARAM)}")
     return OPTIMIZER_BYTES_PER_PARAM[recipe] * n_params / gpu.memory_bandwidth
 
 
-def traced_workload(layers: Sequence[tuple[str, nn.Module, int]], sample: torch.Tensor, gpu: GPU, dtype: str,
+def traced_workload(layers: Sequence[tuple[str, nn.Module, int]], sample: torch.Tensor, gpu: Gpu, dtype: str,
                     recipe: str, eff: Efficiency | None = None) -> Workload:
     """A model given as (name, layer, repeats): each layer traced once on the batch `sample` (`trace_kernels`),
     timed on `gpu` kernel by kernel and repeated (a stack of identical blocks): see `workload_from_traces`."""
@@ -248,7 +249,7 @@ def traced_workload(layers: Sequence[tuple[str, nn.Module, int]], sample: torch.
 
 
 def workload_from_traces(layers: Sequence[tuple[str, nn.Module, int]], traces: Sequence[LayerTrace], batch: int,
-                         gpu: GPU, dtype: str, recipe: str, eff: Efficiency | None = None) -> Workload:
+                         gpu: Gpu, dtype: str, recipe: str, eff: Efficiency | None = None) -> Workload:
     """Per-sample forward and backward seconds of each traced layer inside a training step (`step_s`), its
     parameters, saved activations (`LayerTrace.saved_bytes`) and output bytes, each layer repeated as often as
     given; the optimizer step memory-bound."""
@@ -282,13 +283,13 @@ def layer_flops(layers: Sequence[nn.Module], sample: torch.Tensor) -> list[tuple
     return counts
 
 
-def roofline_s(flops: float, nbytes: float, gpu: GPU, dtype: str, eff: Efficiency | None = None) -> float:
+def roofline_s(flops: float, nbytes: float, gpu: Gpu, dtype: str, eff: Efficiency | None = None) -> float:
     """Seconds for `flops` of matmuls and `nbytes` of memory traffic as one kernel on `gpu`: whichever roof is
     lower (for a whole layer's totals; `kernels_s` times a layer kernel by kernel)."""
     return kernel_s(Kernel("matmul", flops, nbytes), gpu, dtype, eff or efficiency())
 
 
-def on_gpu(workload: Workload, flops: Sequence[tuple[float, float]], gpu: GPU | str, dtype: str = "bf16",
+def on_gpu(workload: Workload, flops: Sequence[tuple[float, float]], gpu: Gpu | str, dtype: str = "bf16",
            value_bytes_here: int = 4) -> Workload:
     """`workload` (e.g. profiled on this rig) as it would run on `gpu` in `dtype`, from per-layer FLOP totals only:
     activation and output bytes rescaled from `value_bytes_here` bytes per value (4: the profiler runs in fp32) to

@@ -6,7 +6,8 @@
   ZeRO's sharding of it (`zero_formula`);
 - `activations`: saved activations of a transformer by formula (Korthikanti et al. 2022);
 - `shape`: a Hugging Face decoder's placement units priced in a weight format (`ModelShape`, `model_shape`);
-- `gpus`: GPUs as planners see them (`Gpu`, `gpu("RTX 3090")`) and the one runtime reserve (CUDA context + margin);
+- `gpus`: the one GPU description (`Gpu`, `gpu("RTX 3090")`: capacity, bandwidth, sustained matmul rates) of the
+  planners and the simulator, and the one runtime reserve (CUDA context + margin);
 - `training`: what fine-tuning saves and trains per decoder layer (`TrainShape`, `saved_activation_bytes`).
 The planners built on it: `helpers.inference.plan` (device maps), `helpers.finetune.memory_plan` (training),
 `helpers.gpu_sizes` (each notebook's GPU sizes). Units (`MiB`, `fmt_bytes`) are `helpers.units`.

@@ -1,29 +1,57 @@
-"""GPUs as the planners see them: the memory CUDA reports, the one runtime reserve (a CUDA context per process plus
-an allocator margin per device, data/inference.json with sources), the memory bandwidth; GPUs named the way a user
-says them ('2 x RTX 3090', 'RTX 5090=32GiB'); and the search for the largest workload that fits."""
+"""GPUs, one description for the planners and the simulator: the memory CUDA reports, the one runtime reserve (a CUDA
+context per process plus an allocator margin per device, data/inference.json with sources), the memory bandwidth of
+the specification and the rates a card sustains (data/hardware.json's `sustained`: what the simulator's roofline
+needs); GPUs named the way a user says them ('2 x RTX 3090', 'RTX 5090=32GiB'); and the search for the largest
+workload that fits."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 from helpers.course import load_data
 from helpers.sizing.shape import inference_data
 from helpers.units import MiB, fmt_bytes, is_size, parse_size
 
+DTYPES = ("fp32", "fp16", "bf16")  # the dtypes a matmul rate is given for
+
 
 @dataclass(frozen=True)
 class Gpu:
-    """One GPU as the planner sees it: the memory CUDA reports, the runtime reserve, the memory bandwidth."""
+    """One GPU: the memory CUDA reports, the runtime reserve, the memory bandwidth of its specification (GB/s, what
+    the inference planner's decode estimate reads) and, where data/hardware.json has them, the rates it sustains (the
+    simulator's roofline: the bandwidth element-wise kernels reach, a large matmul's FLOP/s per dtype, the share of
+    that rate convolutions reach). A GPU given only by its size knows none of the rates."""
 
     name: str
     capacity_bytes: int
     reserve_bytes: int
     bandwidth_gb_s: float | None = None
+    memory_bandwidth: float | None = None  # bytes/s an element-wise kernel sustains (measured, or an estimate)
+    matmul_flops: Mapping[str, float] = field(default_factory=dict)  # FLOP/s of a large matmul, per dtype, measured
+    conv_efficiency: float | None = None  # this card's own (fitted) share of the matmul rate convolutions reach
 
     @property
     def usable_bytes(self) -> int:
         return self.capacity_bytes - self.reserve_bytes
+
+    def flops(self, dtype: str) -> float:
+        """The sustained matmul rate in `dtype` (FLOP/s)."""
+        if dtype not in self.matmul_flops:
+            raise ValueError(f"no sustained {dtype!r} matmul figure for the {self.name} in data/hardware.json; "
+                             f"known: {', '.join(sorted(self.matmul_flops)) or 'none'}")
+        return self.matmul_flops[dtype]
+
+
+def _sustained(entry: dict) -> dict:
+    """The roofline's fields of a data/hardware.json `gpus` entry (none where it has no `sustained` figures)."""
+    sustained = entry.get("sustained")
+    if sustained is None:
+        return {}
+    matmul, conv = sustained["matmul_tflops"], sustained.get("conv_efficiency")
+    return {"memory_bandwidth": sustained["memory_gb_s"]["value"] * 1e9,
+            "matmul_flops": {d: rate * 1e12 for d, rate in matmul.items() if d in DTYPES},
+            "conv_efficiency": conv["value"] if conv else None}
 
 
 def runtime_reserve() -> dict[str, int]:
@@ -55,7 +83,7 @@ def gpu(spec: str) -> Gpu:
     if not size and is_size(name):
         name, size = f"GPU ({name})", name
     canonical = by_name.get(name.lower())
-    bandwidth = known[canonical]["memory_bandwidth_gb_s"] if canonical else None
+    entry = known[canonical] if canonical else {}
     if size:
         capacity = parse_size(size)
     elif canonical:
@@ -68,7 +96,7 @@ def gpu(spec: str) -> Gpu:
     if capacity <= reserve:
         raise ValueError(f"{name or spec} has {fmt_bytes(capacity)}, no more than the runtime reserve of "
                          f"{fmt_bytes(reserve)} (CUDA context + allocator margin): nothing would be left for a model")
-    return Gpu(canonical or name, capacity, reserve, bandwidth)
+    return Gpu(canonical or name, capacity, reserve, entry.get("memory_bandwidth_gb_s"), **_sustained(entry))
 
 
 def parse_gpus(text: str) -> list[Gpu]:

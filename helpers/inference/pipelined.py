@@ -1,0 +1,194 @@
+"""Pipelined generation: the layer split with one thread per device and several requests in flight.
+
+Stage 0 computes request B's token while stage 1 computes request A's; each stage keeps a KV cache per request and
+the tokens go from the last stage back to the first. On GPUs each stage computes on a CUDA stream of its own and
+hands tensors over with `helpers.pipeline.comm.send_to`; on the CPU rig a thread is a virtual device (its ops run on
+its own intra-op threads), so the concurrency is real. The stages, their KV caches and the result are
+`helpers.inference.generate`'s (`LayerSplit`, `Generation`): this module adds only the threads and their queues.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from contextlib import nullcontext
+from typing import Mapping, Sequence
+
+import torch
+
+from helpers.inference.generate import (Generation, LayerSplit, Request, StageSpec, Stopping, resolve_stopping,
+                                        stages_from_device_map, sync_devices)
+from helpers.models.hf import HFModel
+
+_STOP = object()  # down the pipe: no more work
+_ABORT = object()  # to stage 0: another stage failed
+
+
+class _Aborted(Exception):
+    """A stage stops because another one failed (that one's error is reported)."""
+
+
+def _get(box: queue.Queue, timeout_s: float):
+    try:
+        item = box.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"no message within {timeout_s:.0f} s: a stage stopped answering") from None
+    if item is _ABORT:
+        raise _Aborted()
+    return item
+
+
+class Pipelined(LayerSplit):
+    """The layer split with one thread per stage and every request in flight: while the last stage computes request
+    A's token, the first computes request B's. Stage s keeps a KV cache per request; tokens go from the last stage
+    back to the first. Each phase (all prefills, then all decode steps) runs as a pipeline over the requests; every
+    stage sees the requests in the order stage 0 sent them, so each inbox is a plain FIFO queue.
+
+    Needs one stage per device (a tied head placed with the embedding makes device 0 hold two stages: pass cuts).
+    """
+
+    name = "pipelined"
+
+    def __init__(self, model: HFModel, stages: Sequence[StageSpec] | Mapping[str, int],
+                 devices: Sequence[torch.device], timeout_s: float = 300.0):
+        specs = stages_from_device_map(model, stages) if isinstance(stages, Mapping) else list(stages)
+        used = [s.device for s in specs]
+        if len(specs) < 2 or len(set(used)) != len(used):
+            raise ValueError(f"a pipeline needs one contiguous stage per device, at least two; this split runs "
+                             f"{' -> '.join(f'device {d}' for d in used)} (a tied head placed with the embedding "
+                             "brings device 0 back at the end): give cuts instead, e.g. stages_from_cuts(model, [k])")
+        super().__init__(model, specs, devices)
+        self._streams(timeout_s)
+
+    @classmethod
+    def from_split(cls, split: LayerSplit, timeout_s: float = 300.0) -> "Pipelined":
+        """A pipeline over the very stages (weights) of a LayerSplit: no second copy of the model in memory."""
+        used = [s.device for s in split.specs]
+        if len(used) < 2 or len(set(used)) != len(used):
+            return cls(split.model, split.specs, split.devices, timeout_s)  # refuses, with the reason
+        self = cls.__new__(cls)
+        self.model, self.devices, self.specs, self.runners = split.model, split.devices, split.specs, split.runners
+        self._streams(timeout_s)
+        return self
+
+    def _streams(self, timeout_s: float) -> None:
+        from helpers.pipeline.comm import CopyStreams
+
+        self.timeout_s = timeout_s
+        self.compute = [torch.cuda.Stream(r.device) if r.device.type == "cuda" else None for r in self.runners]
+        self.copies = CopyStreams() if any(d.type == "cuda" for d in self.devices) else None
+
+    def _send(self, t: torch.Tensor, device: torch.device):
+        """Start moving `t` to the next stage's device: a Transfer whose `get()` the receiver calls (on GPUs the copy
+        runs on side streams and the receiver's stream waits for it; on the CPU nothing moves)."""
+        from helpers.pipeline.comm import send_to
+
+        return send_to(t, device, self.copies)
+
+    def _later_stage(self, s: int, requests: Sequence[Request], rule: Stopping, inboxes: list[queue.Queue],
+                     feedback: queue.Queue) -> None:
+        """Stages after the first: take (request, phase, transfer) from the inbox in order, compute, pass it on; the
+        last stage picks the token and sends it back to stage 0, with whether the request is done."""
+        runner, last = self.runners[s], s == len(self.runners) - 1
+        first_device = self.runners[0].device
+        finished: dict[int, torch.Tensor] = {}
+        steps: dict[int, int] = {}
+        while True:
+            msg = _get(inboxes[s], self.timeout_s)
+            if msg is _STOP:
+                if not last:
+                    inboxes[s + 1].put(_STOP)
+                return
+            r, phase, transfer = msg
+            h = runner.step(r, transfer.get(), requests[r], phase)
+            if not last:
+                inboxes[s + 1].put((r, phase, self._send(h, self.runners[s + 1].device)))
+                continue
+            if phase == "prefill":
+                finished[r] = torch.zeros(requests[r].rows, dtype=torch.bool, device=runner.device)
+                steps[r] = 0
+            token, finished[r] = rule.next_token(h, finished[r])
+            steps[r] += 1
+            feedback.put((r, self._send(token, first_device), rule.done(steps[r], finished[r])))
+
+    def _first_stage(self, requests: Sequence[Request], inboxes: list[queue.Queue], feedback: queue.Queue,
+                     out: dict) -> None:
+        """Stage 0 drives: every prefill, then (once all first tokens are back: the prefill phase ends) a decode
+        step for each request as soon as its previous token is back, until every request is done."""
+        runner, nxt = self.runners[0], self.runners[1].device
+
+        def send(r: int, x: torch.Tensor, phase: str) -> None:
+            h = runner.step(r, x, requests[r], phase)
+            inboxes[1].put((r, phase, self._send(h, nxt)))
+
+        tokens: dict[int, list] = {r: [] for r in range(len(requests))}
+        t0 = time.perf_counter()
+        for r, request in enumerate(requests):
+            send(r, request.ids.to(runner.device), "prefill")
+        firsts = [_get(feedback, self.timeout_s) for _ in requests]
+        sync_devices()
+        t1 = time.perf_counter()
+        in_flight = 0
+        for r, token, done in firsts:
+            tokens[r].append(token)
+            if not done:
+                send(r, token.get(), "decode")
+                in_flight += 1
+        while in_flight:
+            r, token, done = _get(feedback, self.timeout_s)
+            tokens[r].append(token)
+            in_flight -= 1
+            if not done:
+                send(r, token.get(), "decode")
+                in_flight += 1
+        inboxes[1].put(_STOP)
+        out.update(tokens=tokens, t0=t0, t1=t1)
+
+    def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
+        rule = resolve_stopping(self.model, new_tokens, stopping)
+        _ = self.model.config  # read config.json once, before the threads share it
+        for runner in self.runners:
+            runner.recorder.clear()
+            runner.reset()
+        p = len(self.runners)
+        inboxes: list[queue.Queue] = [queue.Queue() for _ in range(p)]
+        feedback: queue.Queue = queue.Queue()
+        errors: list[tuple[int, BaseException]] = []
+        out: dict = {}
+
+        def worker(s: int) -> None:
+            try:
+                torch.set_grad_enabled(False)  # grad mode belongs to the thread
+                stream = self.compute[s]
+                if stream is not None:
+                    torch.cuda.set_device(self.runners[s].device)
+                    stream.wait_stream(torch.cuda.current_stream(self.runners[s].device))
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    if s == 0:
+                        self._first_stage(requests, inboxes, feedback, out)
+                    else:
+                        self._later_stage(s, requests, rule, inboxes, feedback)
+            except _Aborted:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+                errors.append((s, exc))
+                for box in (*inboxes, feedback):
+                    box.put(_ABORT)
+
+        threads = [threading.Thread(target=worker, args=(s,), name=f"stage{s}", daemon=True) for s in range(p)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for runner, stream in zip(self.runners, self.compute):
+            if stream is not None:  # the caller's stream waits for the stages
+                torch.cuda.current_stream(runner.device).wait_stream(stream)
+        sync_devices()
+        t2 = time.perf_counter()
+        for runner in self.runners:
+            runner.reset()
+        if errors:
+            s, exc = errors[0]
+            raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
+        tokens = [torch.cat([t.get() for t in out["tokens"][r]], dim=1).cpu() for r in range(len(requests))]
+        return self._generation(requests, tokens, out["t1"] - out["t0"], t2 - out["t1"])
