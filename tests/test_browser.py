@@ -312,7 +312,13 @@ def check_panels(nb: Notebook) -> None:
 
 def check_playground(nb: Notebook) -> None:
     """Moving the micro-batches slider (its handle, by keyboard), then the schedule, redraws the timeline."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     box = nb.page.locator(".widget-vbox", has=nb.page.locator(".widget-dropdown")).last
+    try:  # the first drawing is the last output of its cell: it may reach the page after the kernel went idle
+        box.locator(".widget-output img").first.wait_for(timeout=30_000)
+    except PlaywrightTimeout:
+        pass
     assert box.locator(".widget-output img").count() > 0, \
         f"{nb.name}: the playground drew no timeline: {box.locator('.widget-output').first.inner_text()[:200]!r}"
     redrawn = """([box, before]) => {

@@ -23,6 +23,11 @@ CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
 STEPS = 4  # timed steps: the loop runs STEPS + 2 optimizer steps
 EVERY = 2
 FULL = pytest.mark.full
+# Not root-caused (issue 32 stays open on it): a worker that torchrun restarts sometimes fails gloo's connectFullMesh
+# in init_process_group ("Connection refused" to the port the killed worker had listened on), before any checkpoint
+# code runs: seen in 3 of 5 runs of the standalone cases, and once in the two-node case in a full-tier run.
+TORCHRUN_RESTART = pytest.mark.xfail(strict=False, reason="a worker torchrun restarts sometimes fails gloo's "
+                                     "connectFullMesh (Connection refused) before any checkpoint code runs")
 
 STACK_JOBS = {
     "ddp": dict(dp=2, data_parallel="ddp"),
@@ -119,9 +124,7 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method)
 
 
 @FULL
-@pytest.mark.xfail(strict=False, reason="under load, the worker torchrun --standalone restarts sometimes fails gloo's "
-                   "connectFullMesh in init_process_group (Connection refused), before any checkpoint code runs; "
-                   "seen 3 times in 5 runs here, never with one worker per agent (the two-node test)")
+@TORCHRUN_RESTART
 def test_torchrun_max_restarts_resumes_bit_for_bit(tmp_path):
     """torchrun --max-restarts=1 restarts both workers after one is killed; they resume from the checkpoint."""
     import json
@@ -196,9 +199,7 @@ def _script_losses(script: str, model_dir: Path, tmp: Path, *extra: str, kill: s
 
 
 @FULL
-@pytest.mark.xfail(strict=False, reason="under load, the worker torchrun --standalone restarts sometimes fails gloo's "
-                   "connectFullMesh in init_process_group (Connection refused), before any checkpoint code runs; "
-                   "seen 3 times in 5 runs here, never with one worker per agent (the two-node test)")
+@TORCHRUN_RESTART
 @pytest.mark.parametrize("script, extra", [("finetune_lora.py", ["--method", "qlora"]),
                                            ("train_fsdp2.py", []),
                                            ("train_pipeline.py", ["--schedule", "1f1b"])])
@@ -221,6 +222,7 @@ def test_scripts_resume_under_torchrun_max_restarts(tmp_path, script, extra):
 
 
 @FULL
+@TORCHRUN_RESTART
 def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path):
     """Multi-node torchrun on the loopback address: two agents (`--nnodes 2`, c10d rendezvous), one rank each; one
     agent's worker is killed after a checkpoint, the agents restart both workers together and they resume."""
