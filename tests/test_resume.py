@@ -110,11 +110,11 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method)
     from transformers import AutoModelForCausalLM
 
     from helpers.finetune.lora import base_for_merge
-    from helpers.training.export import export_hf, load_on_one
+    from helpers.training.export import export_hf, layers_logits, load_on_one
 
     one = load_on_one(job, tmp_path / "ckpt" / f"step-{STEPS + 2:08d}")
     x = torch.randint(128, (2, 16), device="cpu")
-    ours = _logits(one.layers, lora, x)
+    ours = layers_logits(lora, one.layers, x)
     merged = AutoModelForCausalLM.from_pretrained(export_hf(lora, one.layers, tmp_path / "merged")).eval()
     adapted = PeftModel.from_pretrained(base_for_merge(lora), str(export_hf(lora, one.layers, tmp_path / "adapters",
                                                                             merge=False))).eval()
@@ -145,14 +145,6 @@ def test_torchrun_max_restarts_resumes_bit_for_bit(tmp_path):
     assert json.loads(losses) == whole.losses[EVERY:]
 
 
-def _logits(layers, model, x):
-    from helpers.models.layered import Stage
-
-    ctx = model.context(x, None)
-    with torch.no_grad():
-        return Stage(layers).eval()(x, ctx) if ctx is not None else Stage(layers).eval()(x)
-
-
 @FULL
 @pytest.mark.parametrize("kw", [dict(dp=2, data_parallel="fsdp2"), dict(pp=2, schedule="1f1b", microbatches=4)],
                          ids=["fsdp2", "1f1b"])
@@ -164,7 +156,7 @@ def test_two_ranks_checkpoint_continues_on_one_and_exports_to_transformers(tmp_p
 
     from helpers.models.hf import hf_config, save_hf_model
     from helpers.training.checkpoint import step_folder
-    from helpers.training.export import continue_on_one, export_hf
+    from helpers.training.export import continue_on_one, export_hf, layers_logits
 
     hf = save_hf_model(hf_config("llama", n_layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16),
                        tmp_path / "base")
@@ -178,7 +170,7 @@ def test_two_ranks_checkpoint_continues_on_one_and_exports_to_transformers(tmp_p
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     x = torch.randint(64, (2, 16), device="cpu")
     with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=x).logits, _logits(one.layers, hf, x))
+        assert torch.equal(reloaded(input_ids=x).logits, layers_logits(hf, one.layers, x))
 
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"

@@ -47,6 +47,7 @@ class Trained:
     memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.sizing.ledger)
     first_step: int = 0  # with checkpoint=: the step the run resumed from (losses[k] is step first_step + k)
     save_blocked: list[float] = field(default_factory=list)  # with checkpoint=: seconds each save blocked a step
+    job: TrainJob | None = None  # the job that ran (helpers.training.export.continue_on_one takes it)
 
 
 def as_hf_model(model, workdir: Path | None = None, seed: int = 0) -> HFModel:
@@ -164,5 +165,5 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
         out.saved = save_trained(hf, out.state, save_to)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(save_to))
-    out.held_out, out.tokenizer = held_out, tokenizer
+    out.held_out, out.tokenizer, out.job = held_out, tokenizer, job
     return out

@@ -75,6 +75,15 @@ def continue_on_one(job: TrainJob, checkpoint: str | Path, steps: int,
     return one
 
 
+def layers_logits(model, layers: list[nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits of `layers` (the whole model of `model`, e.g. `OnOne.layers`) for `input_ids`, in eval mode
+    without gradients: what the folder `export_hf` writes must reproduce under `from_pretrained`."""
+    ctx = model.context(input_ids, None)
+    stage = Stage(layers).eval()
+    with torch.no_grad():
+        return stage(input_ids, ctx) if ctx is not None else stage(input_ids)
+
+
 def export_hf(model, layers: list[nn.Module], directory: str | Path, merge: bool = True) -> Path:
     """Write `layers` (the whole model, e.g. `OnOne.layers`) as a Hugging Face folder that
     `AutoModelForCausalLM.from_pretrained` loads. A LoRA model (`helpers.finetune.lora.LoraModel`): merged into its
