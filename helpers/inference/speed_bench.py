@@ -3,7 +3,8 @@ engines timed on the same model, batches and contexts.
 
 - `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
   with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
-  other device streams too), its matmul rate at the row counts the workload multiplies, the host time per
+  other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
+  set, out of the cache), the host time per
   dispatched op (a tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the
   all-reduce at hidden-state sizes (`helpers.simulate.calibrate.small_allreduce_link`) and DTensor's host time per
   sharded linear.
@@ -72,12 +73,17 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
 
 
 def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], repeats: int = 5) -> tuple:
-    """(rows, FLOP/s) of the model's MLP matrix multiplied by that many rows, one point per row count."""
-    w = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
+    """(rows, FLOP/s) of that many rows multiplied through every matrix of the model's working set, as a forward
+    does: the weights come from memory, not from the cache. One matrix timed alone stays in the cache, and at a few
+    rows it multiplies faster than the same rows swept through the working set: a CPU overlaps streaming and
+    multiplying only in part, so the roofline's max(bytes / bandwidth, FLOPs / rate) holds only with a rate measured
+    while streaming."""
+    mats = _weights(shape, dtype)
+    per_row = 2.0 * sum(w.numel() for w in mats)
     out = []
     for r in sorted(set(rows)):
         x = torch.randn(r, shape.hidden, dtype=dtype)
-        out.append((r, 2.0 * r * shape.hidden * shape.intermediate / _median(lambda: F.linear(x, w), repeats)))
+        out.append((r, per_row * r / _median(lambda: [F.linear(x, w) for w in mats], repeats)))
     return tuple(out)
 
 
