@@ -188,8 +188,8 @@ class LaunchReference:
     launch: the reference of those rows' speed-ups, measured in the minutes they ran. The machine's speed drifts over
     a run: in two quiet default runs the one-device step took 1.020 s and 0.973 s in the threaded rounds, while the
     whole model timed beside the launches was 4% faster than in those rounds in the first run and 7% slower in the
-    second, so every process row's speed-up moved together by up to 10% between the runs, their own step times
-    within 4% of each other. Rows with Adam add one
+    second, so every process row's speed-up moved the same way, by up to 12% between the runs, while most pipeline
+    rows' own step times stayed within 4%. Rows with Adam add one
     device's Adam step, measured (`adam_s`)."""
 
     step: Callable[[], None]
