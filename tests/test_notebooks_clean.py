@@ -141,3 +141,14 @@ def test_cuda_peaks_are_reset_before_they_are_read():
             at = code.find(reader)
             if at >= 0:
                 assert "reset_peak_memory_stats" in code[:at], f"{path.name} reads {reader} without resetting it"
+
+
+def test_course_tables_list_every_notebook_in_order():
+    """README's course table and INSTRUCTORS.md's run-time table are written by hand: each has one row per notebook,
+    in course order, so a new notebook cannot be left out of either (or a renamed one left behind)."""
+    ids = [p.name.split("_", 1)[0] for p in NOTEBOOKS]
+    readme = re.findall(r"^\| `(\w+)` \|", (ROOT / "README.md").read_text(), re.MULTILINE)
+    assert [name for name in readme if re.match(r"\d\d[a-z]?_", name)] == [p.stem for p in NOTEBOOKS], \
+        "README.md, The course: one row per notebook, `NN_topic` in course order"
+    times = re.findall(r"^\| (\d\d[a-z]?) [^|]+\| \d+ s \|", (ROOT / "INSTRUCTORS.md").read_text(), re.MULTILINE)
+    assert times == ids, "INSTRUCTORS.md, Run times: one row per notebook ('| NN name | S s | ...'), in course order"
