@@ -10,7 +10,7 @@ import pytest
 
 from helpers.runtime import workers
 from helpers.runtime.bootstrap import NO_DEATH_SIGNAL_ENV
-from helpers.runtime.launch import GRACE_S, WorkerError, WorkerTimeout, check_importable, run, run_command
+from helpers.runtime.launch import GRACE_S, WorkerError, WorkerTimeout, check_importable, ranks_peak_rss, run, run_command
 from helpers.runtime.rig import cpu_rig
 from tests import workers as bad
 
@@ -82,6 +82,12 @@ def test_rank_that_dies_is_reported():
 def test_no_children_after_success():
     pids = run(bad.pid_then_sleep, 0.1, rig=cpu_rig())
     assert _children_alive(pids) == []
+
+
+def test_ranks_peak_rss_is_the_largest_finished_child():
+    """A child that touched 300 MiB peaked at least there (VmHWM), in bytes, once it has ended (notebook 13)."""
+    subprocess.run([sys.executable, "-c", "b = b'x' * (300 * 2**20)"], check=True)
+    assert ranks_peak_rss() >= 300 * 2**20
 
 
 def test_notebook_function_is_refused_before_spawning():

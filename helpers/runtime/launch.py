@@ -380,6 +380,16 @@ def _run_once(body: bytes, nranks: int, timeout: float, rig: Rig, attempt: int) 
 
 # --- torchrun ------------------------------------------------------------------------------------------------------
 
+def ranks_peak_rss() -> int:
+    """The largest peak resident memory, in bytes, of any rank (any child process) this process started and that has
+    ended: each one's VmHWM, as getrusage(RUSAGE_CHILDREN) keeps the largest (Linux counts KiB, macOS bytes). What a
+    rank's host RAM must fit in, measured after the run: a rank reports its device memory live, not its host RAM."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def run_command(cmd: list[str], timeout_s: float, grace_s: float = 30.0, **popen: Any
                 ) -> subprocess.CompletedProcess:
     """Run a command that starts ranks (torchrun and its workers), capturing its output. Past `timeout_s`, or if the
