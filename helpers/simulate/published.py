@@ -8,7 +8,9 @@ Four constants are fitted here, each on one published figure of a different GPU 
 the share of a training step spent in traced kernels on Lambda's RTX 3090 BERT-large throughput, the convolution
 efficiency on its RTX 4090 ResNet-50, the A100's own convolution efficiency on its A100 ResNet-50, and the all-reduce
 bus bandwidth of two GeForce cards without peer-to-peer on Hugging Face's TITAN RTX NVLink / no-P2P ratio. Every
-other row is validation: no other published figure sets anything.
+other row is validation: no other published figure sets anything. Lambda's data-parallel speed-ups take the time
+each of its machines adds per step for exchanging gradients from that machine's own fp32 logs (a measurement, read
+off the logs without the simulator: `lambda_gradient_exchange`); its fp16 speed-ups check it.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from torch import nn
 
 from helpers.course import load_data
 from helpers.simulate.guide import transformer_workload
-from helpers.simulate.hardware import Link, allreduce_link, gpu_named, link_named, target_rig
+from helpers.simulate.hardware import (Collectives, Link, TargetRig, allreduce_link, gpu_named, link_named,
+                                      target_rig)
 from helpers.simulate.roofline import Efficiency, efficiency, kernels_s, trace_kernels, workload_from_traces
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import decoder_shape
-from helpers.simulate.strategies import Job, simulate
+from helpers.simulate.strategies import Job, Simulation, simulate
 from helpers.simulate.workload import Workload
 
 BERT = {"BERT-base": (12, 768, 12), "BERT-large": (24, 1024, 16)}  # layers, hidden, heads (intermediate 4 x hidden)
@@ -34,6 +37,7 @@ RESNET50_STAGES = (("layer1", 3, 64, 1), ("layer2", 4, 128, 2), ("layer3", 6, 25
 LAMBDA_RIGS = (("2x3090 PCIe", "lambda_2x3090_data_parallel"), ("2x4090", "lambda_2x4090_data_parallel"),
                ("2xA100", "lambda_2xa100_sxm4_data_parallel"))
 NO_P2P = "3090_gpu_to_gpu_no_p2p"
+AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 FITTED = {"framework": "Lambda one-GPU throughput, BERT-large (samples/s), RTX 3090",
           "conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), RTX 4090",
           "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM",
@@ -154,9 +158,33 @@ def lambda_workloads(gpu: Gpu, eff: Efficiency | None = None, only: str | None =
     return {name: make() for name, make in build.items() if only in (None, name)}
 
 
+def lambda_gradient_exchange(gpu: str) -> Collectives:
+    """The gradient exchange of Lambda's two-GPU runs on `gpu`, as their own fp32 BERT-large logs time it
+    (data/published.json `lambda_fp32_bert_large_steps`): the seconds two GPUs add to each step over one, for the
+    bytes of its fp32 gradients. Their machines pay it whole after the backward, at a rate set by the machine and
+    not by its link (the entry's `why`: the same per byte in fp16 and fp32, BERT-base and BERT-large, over NVLink
+    and over PCIe), so the fp16 speed-ups are predicted with it, all-reduced in one piece after the backward."""
+    entry = load_data("published")["lambda_fp32_bert_large_steps"]
+    run = entry["seconds_iterations_51_to_101"][gpu]
+    added_s = (run["two_gpus"] - run["one_gpu"]) / entry["steps"]
+    exchange = Link(0.0, entry["gradient_bytes_per_param"] * entry["params_with_gradients"] / added_s,
+                    f"Lambda's {gpu} gradient exchange")
+    return Collectives(exchange, exchange, exchange, exchange, name=exchange.name)
+
+
+def lambda_ddp(workload: Workload, rig: TargetRig, batch: int) -> Simulation:
+    """One step of Lambda's data-parallel run of `workload` on `rig`, `batch` samples per GPU: every gradient
+    exchanged in one piece after the backward, at the rate Lambda's logs show (`lambda_gradient_exchange`)."""
+    job = Job("ddp", rig.devices * batch, replicas=rig.devices, first_bucket_mb=AFTER_BACKWARD_MB,
+              bucket_mb=AFTER_BACKWARD_MB)
+    return simulate(workload, job, rig.link, lambda_gradient_exchange(rig.gpu.name))
+
+
 def lambda_rows() -> list[dict]:
     """Lambda's fp16 training benchmark for ResNet-50, BERT-base and BERT-large: one GPU's throughput and the
-    1 -> 2 GPU data-parallel speed-up, on 2x3090, 2x4090 and 2xA100 (GNMT, an LSTM, is not modelled)."""
+    1 -> 2 GPU data-parallel speed-up, on 2x3090, 2x4090 and 2xA100 (GNMT, an LSTM, is not modelled). The
+    speed-ups use the gradient exchange Lambda's fp32 logs time on each machine (`lambda_gradient_exchange`), not
+    the rig's link."""
     published = load_data("published")
     batches = published["lambda_batch_per_gpu_fp16"]["batch"]
     single = published["lambda_1gpu_throughput_fp16"]
@@ -169,7 +197,7 @@ def lambda_rows() -> list[dict]:
             rows.append(_row(f"Lambda one-GPU throughput, {model} (samples/s)", rig.gpu.name, one.samples_per_s,
                              single["samples_per_s"][rig.gpu.name][model], single["source"], f"Lambda {model}",
                              rig.gpu.name))
-            two = simulate(workload, Job("ddp", rig.devices * batch, replicas=rig.devices), rig.link, rig.collectives)
+            two = lambda_ddp(workload, rig, batch)
             rows.append(_row(f"Lambda DDP speed-up, {model} (x)", rig.name, two.samples_per_s / one.samples_per_s,
                              entry["speedup"][model], entry["source"]))
     return rows
