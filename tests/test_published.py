@@ -43,8 +43,7 @@ def test_fitted_constants_are_named_and_fitted_once_per_gpu():
     named = [entry["fitted_on"] for entry in hardware["efficiency"].values() if "fitted_on" in entry]
     named += [gpu["sustained"]["conv_efficiency"]["fitted_on"] for gpu in hardware["gpus"].values()
               if "conv_efficiency" in gpu["sustained"]]
-    named += list({link["allreduce"]["fitted_on"] for link in hardware["links"].values()
-                   if "fitted_on" in link.get("allreduce", {})})
+    assert not [name for name, link in hardware["links"].items() if "fitted_on" in link.get("allreduce", {})]
     assert sorted(named) == sorted(FITTED.values())
     gpus = [figure.rsplit(", ", 1)[-1] for figure in named]
     assert len(gpus) == len(set(gpus)), gpus
@@ -56,8 +55,7 @@ def test_stored_constants_are_the_refit():
     hardware = load_data("hardware")
     stored = {"framework": hardware["efficiency"]["framework"]["value"],
               "conv": hardware["efficiency"]["conv"]["value"],
-              "A100 conv": hardware["gpus"]["A100 80GB SXM"]["sustained"]["conv_efficiency"]["value"],
-              "no-P2P all-reduce": hardware["links"]["3090_gpu_to_gpu_no_p2p"]["allreduce"]["busbw_gb_s"]}
+              "A100 conv": hardware["gpus"]["A100 80GB SXM"]["sustained"]["conv_efficiency"]["value"]}
     refit = fitted_constants()
     for name, value in stored.items():
         assert refit[name] == pytest.approx(value, rel=0.02), (name, refit[name], value)
@@ -85,10 +83,15 @@ def test_kernels_are_traced_as_cuda_runs_them():
 
 
 def test_rigs_carry_the_published_all_reduce():
+    """NVLink: nccl-tests' bus bandwidth; GeForce without P2P: what Lambda's logs time on that pair of cards (no
+    fitted constant), slower than one host-staged copy."""
     a100 = target_rig("2xA100").collectives
     assert a100.bandwidth == pytest.approx(208e9)  # nccl-tests busbw, two A100s over NVLink
-    pcie = target_rig("2x3090 PCIe")
-    assert pcie.collectives.bandwidth < pcie.link.bandwidth  # NCCL without P2P: slower than one host-staged copy
+    for rig_name in ("2x3090 PCIe", "2x4090"):
+        rig = target_rig(rig_name)
+        measured = lambda_gradient_exchange(rig.gpu.name).allreduce.bandwidth
+        assert rig.collectives.bandwidth == pytest.approx(measured, rel=0.005), rig_name
+        assert rig.collectives.bandwidth < rig.link.bandwidth
 
 
 def test_lambda_speed_ups_pay_the_logged_gradient_exchange_after_the_backward():

@@ -4,13 +4,13 @@ Each check rebuilds the published setup as a workload (its layers traced kernel 
 `helpers.simulate.roofline`) on the rig in data/hardware.json that ran it, or the nearest one: where the published
 hardware is not one of ours the row says which rig stands in for it, and the error then includes that difference.
 
-Four constants are fitted here, each on one published figure of a different GPU (`FITTED`, `fitted_constants()`):
+Three constants are fitted here, each on one published figure of a different GPU (`FITTED`, `fitted_constants()`):
 the share of a training step spent in traced kernels on Lambda's RTX 3090 BERT-large throughput, the convolution
-efficiency on its RTX 4090 ResNet-50, the A100's own convolution efficiency on its A100 ResNet-50, and the all-reduce
-bus bandwidth of two GeForce cards without peer-to-peer on Hugging Face's TITAN RTX NVLink / no-P2P ratio. Every
-other row is validation: no other published figure sets anything. Lambda's data-parallel speed-ups take the time
-each of its machines adds per step for exchanging gradients from that machine's own fp32 logs (a measurement, read
-off the logs without the simulator: `lambda_gradient_exchange`); its fp16 speed-ups check it.
+efficiency on its RTX 4090 ResNet-50, and the A100's own convolution efficiency on its A100 ResNet-50. Every other
+row is validation: no other published figure sets anything. The data-parallel rows exchange gradients as Lambda's
+own fp32 logs time it on each of its machines (`lambda_gradient_exchange`: a measurement, read off the logs without
+the simulator), in one piece after the backward, as those logs show; the fp16 speed-ups and Hugging Face's NVLink /
+no-P2P ratio (whose no-P2P all-reduce is the 2x RTX 3090 machine's) check it.
 """
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ NO_P2P = "3090_gpu_to_gpu_no_p2p"
 AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 FITTED = {"framework": "Lambda one-GPU throughput, BERT-large (samples/s), RTX 3090",
           "conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), RTX 4090",
-          "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM",
-          "no-P2P all-reduce": "HF GPT-2 DDP: no-P2P time / NVLink time (x), 2x TITAN RTX"}
+          "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM"}
 
 
 class _Bottleneck(nn.Module):
@@ -172,12 +171,17 @@ def lambda_gradient_exchange(gpu: str) -> Collectives:
     return Collectives(exchange, exchange, exchange, exchange, name=exchange.name)
 
 
+def exchange_after_backward(batch: int, replicas: int = 2) -> Job:
+    """DDP over `replicas` GPUs, `batch` samples in all, its gradients all-reduced in one piece once the backward is
+    done: how the published two-GPU runs pay their exchange (`lambda_gradient_exchange`)."""
+    return Job("ddp", batch, replicas=replicas, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
+
+
 def lambda_ddp(workload: Workload, rig: TargetRig, batch: int) -> Simulation:
     """One step of Lambda's data-parallel run of `workload` on `rig`, `batch` samples per GPU: every gradient
-    exchanged in one piece after the backward, at the rate Lambda's logs show (`lambda_gradient_exchange`)."""
-    job = Job("ddp", rig.devices * batch, replicas=rig.devices, first_bucket_mb=AFTER_BACKWARD_MB,
-              bucket_mb=AFTER_BACKWARD_MB)
-    return simulate(workload, job, rig.link, lambda_gradient_exchange(rig.gpu.name))
+    exchanged after the backward, at the rate Lambda's logs show (`lambda_gradient_exchange`)."""
+    return simulate(workload, exchange_after_backward(rig.devices * batch, rig.devices), rig.link,
+                    lambda_gradient_exchange(rig.gpu.name))
 
 
 def lambda_rows() -> list[dict]:
@@ -227,18 +231,19 @@ def micro_bench_rows() -> list[dict]:
             for gpu_name, published in entry["fwd_bwd_tflops"].items()]
 
 
-def nvlink_rows(no_p2p: Link | None = None) -> list[dict]:
+def nvlink_rows() -> list[dict]:
     """Hugging Face's DDP training of GPT-2 (fp32, 4 x 1024 tokens per GPU) on 2x TITAN RTX, with its NVLink
     bridge and with NCCL_P2P_DISABLE=1: the time ratio. The all-reduce over the bridge is nccl-tests' on the same
-    chip's bridge (2x RTX 2080 Ti); without P2P, the GeForce no-P2P all-reduce (`no_p2p`, by default the stored
-    fit); the compute is an RTX 3090's (no TITAN RTX figures)."""
+    chip's bridge (2x RTX 2080 Ti); without P2P, the GeForce no-P2P all-reduce (data/hardware.json: what Lambda's
+    2x RTX 3090 logs time); each after the backward, as Lambda's logs show; the compute is an RTX 3090's (no TITAN
+    RTX figures)."""
     published = load_data("published")
     times, setup = published["hf_nvlink_ddp"], published["hf_nvlink_ddp_setup"]
     gpu, batch = gpu_named("RTX 3090"), setup["per_device_batch"]
     workload = transformer_workload(decoder_shape(*GPT2_SMALL), setup["seq"], gpu, setup["dtype"], "eager",
                                     "fp32 + Adam", batch=batch)
-    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), Job("ddp", 2 * batch)
-    ratio = (simulate(workload, job, link_named(NO_P2P), no_p2p or allreduce_link(NO_P2P)).step_s
+    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), exchange_after_backward(2 * batch)
+    ratio = (simulate(workload, job, link_named(NO_P2P), allreduce_link(NO_P2P)).step_s
              / simulate(workload, job, nvlink, nvlink).step_s)
     return [_row("HF GPT-2 DDP: no-P2P time / NVLink time (x)", "RTX 3090 compute; 2080 Ti bridge vs no-P2P",
                  ratio, times["seconds"]["nccl_p2p_disable"] / times["seconds"]["nvlink"], times["source"])]
@@ -312,16 +317,8 @@ def fit_conv_efficiency(gpu: str = "RTX 4090") -> float:
     return _bisect(error, 0.05, 1.0)
 
 
-def fit_no_p2p_allreduce_gb_s() -> float:
-    """The all-reduce bus bandwidth of two GeForce cards without peer-to-peer (NCCL stages every message through
-    host memory) that makes Hugging Face's no-P2P / NVLink time ratio come out as published (`FITTED`)."""
-    target = nvlink_rows()[0]["published"]
-    latency = allreduce_link(NO_P2P).latency_s
-    return _bisect(lambda gb_s: nvlink_rows(Link(latency, gb_s * 1e9))[0]["predicted"] / target - 1, 0.5, 50.0)
-
-
 def fitted_constants() -> dict[str, float]:
     """Every constant fitted on a published figure, refitted now (`FITTED` names the figures): what
     data/hardware.json stores, recomputed."""
     return {"framework": fit_framework_efficiency(), "conv": fit_conv_efficiency("RTX 4090"),
-            "A100 conv": fit_conv_efficiency("A100 80GB SXM"), "no-P2P all-reduce": fit_no_p2p_allreduce_gb_s()}
+            "A100 conv": fit_conv_efficiency("A100 80GB SXM")}
