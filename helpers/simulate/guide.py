@@ -188,15 +188,16 @@ def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
 
 
 def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int) -> Option:
-    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated), or if none fits the
-    one with the smallest footprint."""
+    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated: messages over the rig's
+    link, collectives at the rig's all-reduce, the one the published checks use), or if none fits the one with the
+    smallest footprint."""
     best, smallest = None, None
     for job in _candidates(strategy, batch, rig.devices):
         peak = max(m.total for m in simulate_memory(workload, job).values())
         if smallest is None or peak < smallest.peak_bytes:
             smallest = Option(job, peak, False, None)
         if peak <= capacity:
-            sim = simulate(workload, job, rig.link)
+            sim = simulate(workload, job, rig.link, rig.collectives)
             if best is None or sim.step_s < best.step_s:
                 best = Option(job, peak, True, sim)
     if best is None and smallest is None:
