@@ -133,10 +133,10 @@ def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
     batch, cut, single = setup["batch"], (3,), times["seconds"]["single_gpu"]
     one = simulate(workload, Job("single", batch))
     rows = [_row("PyTorch tutorial: naive split vs one GPU (x)", rig.name,
-                 one.step_s / simulate(workload, Job("naive", batch, cut=cut), rig.link).step_s,
+                 one.step_s / simulate(workload, Job("naive", batch, boundaries=cut), rig.link).step_s,
                  single / times["seconds"]["naive_model_parallel"], times["source"])]
     for key, split in setup["split_sizes"].items():
-        pipe = simulate(workload, Job("gpipe", batch, microbatches=batch // split, cut=cut), rig.link)
+        pipe = simulate(workload, Job("gpipe", batch, microbatches=batch // split, boundaries=cut), rig.link)
         rows.append(_row(f"PyTorch tutorial: pipelined, split size {split}, vs one GPU (x)", rig.name,
                          one.step_s / pipe.step_s, single / times["seconds"][key], times["source"]))
     return rows
@@ -169,7 +169,7 @@ def lambda_rows() -> list[dict]:
             rows.append(_row(f"Lambda one-GPU throughput, {model} (samples/s)", rig.gpu.name, one.samples_per_s,
                              single["samples_per_s"][rig.gpu.name][model], single["source"], f"Lambda {model}",
                              rig.gpu.name))
-            two = simulate(workload, Job("ddp", rig.devices * batch, replicas=rig.devices), rig.link, rig.collectives)
+            two = simulate(workload, Job("ddp", rig.devices * batch, dp=rig.devices), rig.link, rig.collectives)
             rows.append(_row(f"Lambda DDP speed-up, {model} (x)", rig.name, two.samples_per_s / one.samples_per_s,
                              entry["speedup"][model], entry["source"]))
     return rows
