@@ -218,12 +218,16 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         assert len(r["whole_model_s"]) == 2 and min(r["whole_model_s"]) > 0  # the calibration timed with the row
         # threads: the busy-core slowdown timed in the rows' own rounds; processes: the run's, in the calibration
         assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] == "threads")
+        # a multi-process row's speed-up is taken against one device timed beside its own launches
+        assert (r["reference_timed"] == "between this row's launches") == r["runner"].startswith("processes")
+        assert r["reference_s"] > 0
     assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
     assert {p.with_suffix(".json") for p in pngs} == set(tmp_path.glob("timeline_*.json"))  # Perfetto traces
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
+    assert "between the multi-process launches" in out
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
@@ -441,3 +445,22 @@ def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine(
     assert [(r["engine"], r["device"]) for r in out] == [("ours", 0), ("ours", 1)]
     assert out[0]["split / plain"] == pytest.approx(1.05) and out[0]["wall: split / plain"] == pytest.approx(1.4)
     assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)
+
+
+def test_the_one_device_reference_is_timed_beside_each_launch_and_taken_per_row():
+    from helpers.bench.rows import BenchRow, LaunchReference, run_in_rounds
+
+    calls = []
+    reference = LaunchReference(step=lambda: calls.append("single"), adam_s=0.25)
+    launches = {("a", "b"): lambda keys: [type("R", (), {"step_times": [1.0], "phase_times": [{"forward": 0.1, "backward": 0.2}],
+                                                          "thread_cpu_s": None})() for _ in keys]}
+    run_in_rounds(launches, rounds=2, desc="t", progress=False, around=reference.around(None))
+    assert calls == ["single"] * 4  # before and after each of the two launches
+    assert len(reference.samples["a"]) == len(reference.samples["b"]) == 4
+    plain, with_adam = reference.seconds("a"), reference.seconds("a", adam=True)
+    assert 0 <= plain < 0.1 and with_adam == pytest.approx(plain + 0.25)
+    assert reference.seconds("never launched") is None
+    row = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0],
+                   reference_s=1.0)
+    d = row.as_dict(batch=32, reference_s=2.0)  # the row's own reference wins over the run's one-device row
+    assert d["speedup"] == 2.0 and d["reference_timed"] == "between this row's launches"
