@@ -136,10 +136,10 @@ def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
     batch, cut, single = setup["batch"], (3,), times["seconds"]["single_gpu"]
     one = simulate(workload, Job("single", batch))
     rows = [_row("PyTorch tutorial: naive split vs one GPU (x)", rig.name,
-                 one.step_s / simulate(workload, Job("naive", batch, cut=cut), rig.link).step_s,
+                 one.step_s / simulate(workload, Job("naive", batch, boundaries=cut), rig.link).step_s,
                  single / times["seconds"]["naive_model_parallel"], times["source"])]
     for key, split in setup["split_sizes"].items():
-        pipe = simulate(workload, Job("gpipe", batch, microbatches=batch // split, cut=cut), rig.link)
+        pipe = simulate(workload, Job("gpipe", batch, microbatches=batch // split, boundaries=cut), rig.link)
         rows.append(_row(f"PyTorch tutorial: pipelined, split size {split}, vs one GPU (x)", rig.name,
                          one.step_s / pipe.step_s, single / times["seconds"][key], times["source"]))
     return rows
@@ -171,10 +171,10 @@ def lambda_gradient_exchange(gpu: str) -> Collectives:
     return Collectives(exchange, exchange, exchange, exchange, name=exchange.name)
 
 
-def exchange_after_backward(batch: int, replicas: int = 2) -> Job:
-    """DDP over `replicas` GPUs, `batch` samples in all, its gradients all-reduced in one piece once the backward is
+def exchange_after_backward(batch: int, dp: int = 2) -> Job:
+    """DDP over `dp` GPUs, `batch` samples in all, its gradients all-reduced in one piece once the backward is
     done: how the published two-GPU runs pay their exchange (`lambda_gradient_exchange`)."""
-    return Job("ddp", batch, replicas=replicas, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
+    return Job("ddp", batch, dp=dp, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
 
 
 def lambda_ddp(workload: Workload, rig: TargetRig, batch: int) -> Simulation:
