@@ -29,13 +29,13 @@ def row(strategy: str, runner: str = "threads", m: int | None = 4, **kw) -> Benc
 def test_prediction_of_a_pipeline_row_is_the_schedule_plus_the_callers_work():
     work = Workload.from_lists([F] * 4, [B] * 4)  # per sample; 2 stages of 2 layers
     r = row("gpipe", m=4, caller_s=0.125)
-    sim = predict_row(r, work, rig_model(), BATCH, cut=[2])
+    sim = predict_row(r, work, rig_model(), BATCH, boundaries=[2])
     per_mb = (BATCH // 4) * 2 * (F + B)  # one stage's forward + backward of one micro-batch
     assert sim.step_s == (4 + 2 - 1) * per_mb
     assert r.predicted_s == sim.step_s + 0.125
     # both devices busy in the middle slots: a measured busy-core slowdown stretches exactly those
     slow = row("gpipe", m=4)
-    predict_row(slow, work, rig_model(1.5), BATCH, cut=[2])
+    predict_row(slow, work, rig_model(1.5), BATCH, boundaries=[2])
     assert slow.predicted_s == pytest.approx(2 * per_mb + 1.5 * 3 * per_mb, rel=1e-12)
 
 
@@ -47,8 +47,8 @@ def test_every_kind_of_row_maps_to_a_simulated_job():
     jobs = {s: simulation_job(row(s, m=m), 32, [5]) for s, m in
             [("single", None), ("naive", 1), ("1f1b", 8), ("ddp", None), ("zero1", None), ("fsdp2", None),
              ("dp_x_pp", 4)]}
-    assert jobs["naive"].strategy == "naive" and jobs["1f1b"].cut == (5,) and jobs["1f1b"].microbatches == 8
-    assert jobs["ddp"].replicas == 2 and jobs["dp_x_pp"].devices == 4 and jobs["single"].devices == 1
+    assert jobs["naive"].strategy == "naive" and jobs["1f1b"].boundaries == (5,) and jobs["1f1b"].microbatches == 8
+    assert jobs["ddp"].dp == 2 and jobs["dp_x_pp"].world == 4 and jobs["single"].world == 1
     work = Workload.from_lists([F] * 10, [B] * 10, params=[1000] * 10)
     for strategy, job in jobs.items():
         r = row(strategy, "processes", job.microbatches if strategy not in ("single", "ddp", "zero1", "fsdp2")
@@ -242,7 +242,7 @@ def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones()
     measured = median_phases([phase_seconds(step), phase_seconds(slow), phase_seconds(step)])
     assert measured == {"forward": 3.0, "backward": 32.0} and median_phases([]) == {}
     r = BenchRow("naive", "ours", "processes", 1, 40.0, step, [0, 0], measured_phase_s=measured)
-    predict_row(r, work, rig_model(), BATCH, cut=[2])
+    predict_row(r, work, rig_model(), BATCH, boundaries=[2])
     # both stages' forward and backward, one micro-batch of the whole batch
     assert r.predicted_phase_s == {"forward": BATCH * 4 * F, "backward": BATCH * 4 * B}
     d = r.as_dict(BATCH, 2.0)
