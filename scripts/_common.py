@@ -168,11 +168,13 @@ def stream_checkpoint(model: torch.nn.Module, path: str, dtype: torch.dtype, ran
     from transformers import AutoModelForCausalLM
 
     from helpers.models.hf import load_module
+    from helpers.finetune.quant import release_host_memory
     from helpers.training.strategies import fill_shards, host_threads
 
     # meta parameters, real buffers (rotary frequencies), on the host whatever the default device
     with torch.device("cpu"), init_empty_weights(include_buffers=False):
         host = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    host.tie_weights()  # as `model` is (accelerate's empty init unties a tied head)
     name, layers = decoder_layers(host)
     blocks = list(layers)
     parent, _, leaf = name.rpartition(".")
@@ -184,6 +186,7 @@ def stream_checkpoint(model: torch.nn.Module, path: str, dtype: torch.dtype, ran
             blocks[i] = None  # the host copy goes once its shard is cut
             fill_shards(sharded[i], prepare(block, i) if prepare else block, rank, world)
             del block
+            release_host_memory()
         fill_shards(model, load_module(host, path, "", dtype), rank, world)
 
 

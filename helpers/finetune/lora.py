@@ -24,7 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear
+from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear, release_host_memory
 from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
 from helpers.precision import DTYPES
@@ -202,6 +202,7 @@ def adapt_linears(layer: nn.Module, linears: Mapping[str, nn.Linear], config, qu
         for name, linear in linears.items():
             parent, _, leaf = name.rpartition(".")
             setattr(layer.get_submodule(parent), leaf, quantize_linear(linear))
+            release_host_memory()  # quantization's workspace (137 bytes per fp32 element), before the next weight
     layer = inject_adapter_in_model(config, layer)
     adapters = [m for m in layer.modules() if isinstance(m, LoraLayer)]
     for m in adapters:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.catalog import schedule_entry
+from helpers.finetune.quant import release_host_memory
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
@@ -108,6 +109,7 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
             model.materialize(reference, [first_layer + offset], torch.device("cpu"))
             fill_shards(layer, reference[first_layer + offset], rank, world)
             reference[first_layer + offset] = None
+            release_host_memory()
     if offload:  # FSDP2 offloads parameters only: buffers (rotary frequencies) belong on the compute device
         for sub in module.modules():
             for name, buf in sub.named_buffers(recurse=False):
