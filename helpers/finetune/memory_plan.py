@@ -13,6 +13,11 @@ The planner prices a Hugging Face decoder exactly where exactness is possible an
 - workspace (estimates, each named): the loss's logits and their gradients, one layer's transient tensors, the
   dequantized 4-bit weight, FSDP2's gathered layers and gradient buffers, pipeline boundary buffers.
 - reserve: the CUDA context and an allocator margin per GPU (data/inference.json, as the inference planner uses).
+- loading (host RAM, per rank): what a rank holds while it streams its weights from the safetensors checkpoint (built
+  on the meta device, sharded, then filled one unit at a time, as the scripts and `helpers` load): its shards with CPU
+  offload, the largest unit it reads at once, torchao's NF4 quantization workspace for its largest weight (measured
+  bytes per element) and the process itself (measured on the CPU rig). tests/test_streamed_load.py checks it within
+  15% of each rank's VmHWM.
 
 Strategies (N GPUs; the assumptions the figures rest on):
 - DDP: a full replica per GPU, each GPU runs `batch` sequences; DistributedDataParallel's gradient buckets are a second
