@@ -1,5 +1,6 @@
 """Workers that misbehave on purpose, for the launcher tests."""
 import os
+import signal
 import time
 
 import torch.distributed as dist
@@ -10,6 +11,21 @@ def fail_on_rank_one(message: str) -> int:
         raise ValueError(message)
     dist.barrier()  # rank 0 would wait forever: the launcher must not
     return dist.get_rank()
+
+
+def regroup_after_a_restart(pause_s: float) -> int:
+    """Under `torchrun --max-restarts 1`: on the first start rank 1 dies by SIGKILL once a second group is up; on the
+    restart rank 0 makes that group again `pause_s` late, so rank 1 reads whatever torchrun's store holds for rank 0
+    before rank 0 writes: the killed start's address, unless every start of the workers has keys of its own
+    (helpers.runtime.launch.round_store). Returns the restart count."""
+    restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restarts and dist.get_rank() == 0:
+        time.sleep(pause_s)
+    dist.barrier(group=dist.new_group(backend="gloo"))
+    if not restarts and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0's first start fails here, and torchrun restarts both
+    return restarts
 
 
 def hang_on_rank_one() -> int:
