@@ -158,3 +158,27 @@ def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None, s
         if step == 0 and dist.get_rank() == die_on_rank:
             os._exit(3)
     return ledger.live_activations("device")
+
+
+def trainings_resumed_after_kills(runs: list, results: str) -> list[dict]:
+    """`runs`: (TrainJob, LAB_KILL_AT or None) pairs, trained one after the other on the same ranks (what
+    `helpers.training.loop.train_workers` does) with one rank killed where a run says so. Each run's result is kept
+    in `results` (a folder) as soon as it is done, so the ranks the launcher restarts (`restarts=`: one per kill) skip
+    the runs already done and the killed run resumes from its checkpoint: many strategies' kills and resumes, one
+    process start-up per kill."""
+    import pickle
+    from pathlib import Path
+
+    from helpers.training.checkpoint import KILL_ENV
+    from helpers.training.loop import train_worker
+
+    out = []
+    for i, (job, kill) in enumerate(runs):
+        kept = Path(results) / f"run{i}.rank{dist.get_rank()}.pkl"
+        if not kept.exists():
+            os.environ.pop(KILL_ENV, None)
+            if kill:
+                os.environ[KILL_ENV] = kill
+            kept.write_bytes(pickle.dumps(train_worker(job)))
+        out.append(pickle.loads(kept.read_bytes()))
+    return out
