@@ -4,9 +4,10 @@ SIGKILL at a random step after a checkpoint, every rank restarted (the course's 
 uninterrupted run's bit for bit (device-strict ranks: conftest). Then what a checkpoint of two ranks becomes: one
 process continues it, a pipeline's loads into the unsplit model, and it exports as a Hugging Face folder.
 
-What it costs is mostly process start-ups, so the two-rank runs of the whole file (every strategy's uninterrupted
-and killed run, LoRA and QLoRA, the runs continued on one process, the torchrun cases' reference) share one launch
-of the course's launcher (`two_ranks`): one start-up for all, plus one restart per kill."""
+What it costs is mostly process start-ups, so the two-rank runs of the file share two launches of the course's
+launcher, one start-up each plus one restart per kill: the block stacks' (every strategy's uninterrupted and killed
+run, the torchrun cases' reference: `stack_runs`) and the Hugging Face models' (LoRA, QLoRA, the runs continued on
+one process: `hf_runs`, whose ranks import transformers and peft)."""
 import json
 import os
 import random
@@ -27,7 +28,7 @@ from helpers.training.loop import TrainResult, _combine
 from tests.workers import trainings_resumed_after_kills
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
-STEPS = 4  # timed steps: the loop runs STEPS + 2 optimizer steps
+STEPS = 2  # timed steps: the loop runs STEPS + 2 optimizer steps, checkpointed after steps 2 and 4
 EVERY = 2
 FULL = pytest.mark.full
 
@@ -68,8 +69,9 @@ def on_one_job(hf, name: str, folder: Path) -> TrainJob:
 
 
 def kill_at(name: str, world: int) -> tuple[int, int]:
-    """The rank to kill and the step after which it dies: random, seeded by the case, after the first checkpoint and
-    before the last step (so that a step is left to compare)."""
+    """The rank to kill, at random (seeded by the case), and the step after which it dies: after the first checkpoint,
+    before the last step and before a checkpoint (with STEPS = 2, step 3: the restart resumes from step 2, and the
+    two steps compared test the restored weights, then the restored optimizer state)."""
     chance = random.Random(name)
     return chance.randrange(world), chance.randrange(EVERY + 1, STEPS + 2)
 
@@ -99,21 +101,33 @@ def killed_runs(names, jobs, root: Path) -> dict[str, tuple[TrainJob, str]]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Every two-rank run of this file, in one launch: uninterrupted references first (the strategies', LoRA's and
-    QLoRA's, the torchrun tests' fsdp2 job), the checkpointed runs continued on one process, then every killed run.
-    Returns (name -> TrainResult, the folder under which the checkpoints are, the LoRA base model)."""
+def stack_runs(tmp_path_factory):
+    """Every two-rank run of a block stack in one launch: each strategy's uninterrupted run and the torchrun tests'
+    fsdp2 reference first, then each strategy's killed run (ranks that import torch and helpers alone: a restart
+    costs seconds). Returns (name -> TrainResult, the folder of the checkpoints)."""
+    root = tmp_path_factory.mktemp("stack")
+    jobs = {name: stack_job(name) for name in STACK_JOBS if stack_job(name).world == 2}
+    runs = {f"{name}/whole": (job, None) for name, job in jobs.items()}
+    runs["torchrun/whole"] = (TrainJob(StackConfig(hidden=64, n_blocks=4, heads=2), **TORCHRUN_FIELDS), None)
+    runs.update(killed_runs(jobs, jobs.values(), root / "ckpt"))
+    return launch(runs, 2, root / "results"), root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """The Hugging Face models' two-rank runs in a launch of their own (each start of ranks that unpickle them
+    imports transformers and peft, several seconds): LoRA's and QLoRA's uninterrupted runs, the checkpointed runs
+    continued on one process, then LoRA's and QLoRA's killed runs. Returns (name -> TrainResult, the folder of the
+    checkpoints, the LoRA base model, the Hugging Face model)."""
     from helpers.finetune.lora import small_llama
     from helpers.models.hf import hf_config, save_hf_model
 
-    root = tmp_path_factory.mktemp("resume")
+    root = tmp_path_factory.mktemp("hf")
     base = small_llama(root / "base", vocab=128, seq_len=16, n_layers=2, hidden=64)
     hf = save_hf_model(hf_config("llama", n_layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16),
                        root / "hf")
-    names = [n for n in STACK_JOBS if stack_job(n).world == 2]
-    jobs = {**{n: stack_job(n) for n in names}, **{m: lora_job(base, m) for m in LORA_METHODS}}
+    jobs = {method: lora_job(base, method) for method in LORA_METHODS}
     runs = {f"{name}/whole": (job, None) for name, job in jobs.items()}
-    runs["torchrun/whole"] = (TrainJob(StackConfig(hidden=64, n_blocks=4, heads=2), **TORCHRUN_FIELDS), None)
     runs.update({f"{name}/on-one": (on_one_job(hf, name, root / "ckpt" / f"{name}-on-one"), None) for name in ON_ONE})
     runs.update(killed_runs(jobs, jobs.values(), root / "ckpt"))
     return launch(runs, 2, root / "results"), root / "ckpt", base, hf
@@ -131,10 +145,10 @@ def check_resumed(whole: TrainResult, resumed: TrainResult, folder: Path, kill: 
 
 @FULL
 @pytest.mark.parametrize("name", list(STACK_JOBS))
-def test_killed_rank_restarted_resumes_bit_for_bit(tmp_path, name, two_ranks):
-    """Every strategy killed once (its own random rank and step) and resumed by the course's launcher's restart.
-    The two-rank ones share `two_ranks`' launch; dp x pp (four ranks) has a launch of its own."""
-    results, root = two_ranks[:2]
+def test_killed_rank_restarted_resumes_bit_for_bit(tmp_path, name, stack_runs):
+    """Every strategy killed once (its own random rank) and resumed by the course's launcher's restart. The
+    two-rank ones share `stack_runs`' launch; dp x pp (four ranks) has a launch of its own."""
+    results, root = stack_runs
     job = stack_job(name)
     if job.world == 2:
         whole, resumed = results[f"{name}/whole"], results[f"{name}/killed"]
@@ -156,8 +170,8 @@ def _logits(layers, model, x):
 
 @FULL
 @pytest.mark.parametrize("method", LORA_METHODS)
-def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method, two_ranks):
-    """LoRA and QLoRA (FSDP2 over two ranks) killed and resumed in `two_ranks`' launch: the checkpoint holds the
+def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method, hf_runs):
+    """LoRA and QLoRA (FSDP2 over two ranks) killed and resumed in `hf_runs`' launch: the checkpoint holds the
     adapters alone; it continues on one device and exports merged (a plain model) and as the adapters alone (peft)."""
     from peft import PeftModel
     from torch.distributed.checkpoint import FileSystemReader
@@ -166,7 +180,7 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method,
     from helpers.finetune.lora import base_for_merge
     from helpers.training.export import export_hf, load_on_one
 
-    results, root, base, _ = two_ranks
+    results, root, base, _ = hf_runs
     job = lora_job(base, method)
     check_resumed(results[f"{method}/whole"], results[f"{method}/killed"], root / method,
                   killed_runs([method], [job], root)[f"{method}/killed"][1], async_save=False)
@@ -188,15 +202,15 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method,
 
 @FULL
 @pytest.mark.parametrize("name", list(ON_ONE))
-def test_two_ranks_checkpoint_continues_on_one_and_exports_to_transformers(tmp_path, name, two_ranks):
-    """FSDP2's shards, or a pipeline's stages (trained in `two_ranks`' launch), load into the whole model in one
+def test_two_ranks_checkpoint_continues_on_one_and_exports_to_transformers(tmp_path, name, hf_runs):
+    """FSDP2's shards, or a pipeline's stages (trained in `hf_runs`' launch), load into the whole model in one
     process (DCP reshards): training goes on from the checkpoint's step with the ranks' losses (one device sums in
     another order: 1e-5), and the result exports as a folder AutoModelForCausalLM loads with the same logits."""
     from transformers import AutoModelForCausalLM
 
     from helpers.training.export import continue_on_one, export_hf
 
-    results, root, _, hf = two_ranks
+    results, root, _, hf = hf_runs
     folder = root / f"{name}-on-one"
     ranks = results[f"{name}/on-one"]
     one = continue_on_one(on_one_job(hf, name, folder), step_folder(folder, STEPS), steps=2)
@@ -263,11 +277,11 @@ def test_scripts_resume_under_torchrun_max_restarts(tmp_path, script, extra):
 
 
 @FULL
-def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path, two_ranks):
+def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path, stack_runs):
     """Multi-node torchrun on the loopback address: two agents (`--nnodes 2`, c10d rendezvous), one rank each; one
     agent's worker is killed after a checkpoint, the agents restart both workers together and they resume with the
-    uninterrupted run's losses (from `two_ranks`' launch)."""
-    whole = two_ranks[0]["torchrun/whole"]
+    uninterrupted run's losses (from `stack_runs`' launch)."""
+    whole = stack_runs[0]["torchrun/whole"]
     kwargs = {**TORCHRUN_FIELDS, "checkpoint": {"folder": str(tmp_path / "ckpt"), "every": EVERY}}
     port = free_port()
     env = torchrun_env(tmp_path, **{KILL_ENV: "1:3"})
