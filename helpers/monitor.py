@@ -5,10 +5,10 @@ A row per device, from two kinds of source:
   `parts(label)` and `peak_parts(label)` (`LayerSplit.memory(rig.labels)`: weights and KV cache per device while a
   model generates): the parts the course counts, parameters, gradients, optimizer state, activations alive now, KV
   cache — the only honest per-device numbers on the CPU rig, and the ones that explain a GPU's memory;
-- with `ranks=True`, every rank that `helpers.runtime.launch.run` starts while the panel is on: a row per rank,
-  labelled with the run's title (the strategy, where the worker `publish`es one) and the rig's label for that rank,
-  fed by the rank itself while it runs (`helpers.runtime.live`). A finished rank's row keeps its peak; a rank that
-  dies says so, and the panel goes on.
+- with `ranks=True`, every rank that `helpers.runtime.launch.run` starts while the panel is on: a row per rank (and
+  per job, when the ranks run several in one launch), labelled with the job's title (the strategy, where the worker
+  `publish`es one) and the rig's label for that rank, fed by the rank itself while it runs
+  (`helpers.runtime.live`). A finished rank's row keeps its peak; a rank that dies says so, and the panel goes on.
 On GPUs each row also shows PyTorch's allocated and reserved bytes (of the process that holds them: this one, or the
 rank; the allocator's cache is the difference) and NVML's used memory (what nvidia-smi shows: every process, the CUDA
 context and the cache). GPUs are read in CUDA order (`nvitop.CudaDevice`, which honours CUDA_VISIBLE_DEVICES), and a
@@ -145,7 +145,7 @@ class MemoryMonitor:
         self.peak: list[int] = []  # per row of the last readings, in their order
         self.scale = 1
         self._peaks: dict = {}  # row key -> the most seen
-        self._reports: dict[tuple[int, int], live.RankReport] = {}  # the last word of every rank seen
+        self._reports: dict[tuple[int, int, int], live.RankReport] = {}  # the last word of every rank's job
         self._folder: str | None = None
         self._cleanup = None
         self._lock = threading.Lock()

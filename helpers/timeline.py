@@ -190,7 +190,9 @@ def plot_timeline(events: Iterable[Event], ax=None, title: str | None = None,
 
     events = normalise(events)
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 + 0.7 * max(1, len({e.device for e in events}))))
+        # constrained: the title, the time axis and the legend outside the axes stay on the figure wherever it is
+        # drawn (a live widget's output keeps the figure's own size, without the inline backend's tight crop)
+        _, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * max(1, len({e.device for e in events}))), layout="constrained")
     busy = busy_fraction(events, busy_kinds)
     devices = sorted({e.device for e in events})
     span_ms = makespan(events) * 1e3 or 1.0

@@ -29,13 +29,13 @@ def row(strategy: str, runner: str = "threads", m: int | None = 4, **kw) -> Benc
 def test_prediction_of_a_pipeline_row_is_the_schedule_plus_the_callers_work():
     work = Workload.from_lists([F] * 4, [B] * 4)  # per sample; 2 stages of 2 layers
     r = row("gpipe", m=4, caller_s=0.125)
-    sim = predict_row(r, work, rig_model(), BATCH, cut=[2])
+    sim = predict_row(r, work, rig_model(), BATCH, boundaries=[2])
     per_mb = (BATCH // 4) * 2 * (F + B)  # one stage's forward + backward of one micro-batch
     assert sim.step_s == (4 + 2 - 1) * per_mb
     assert r.predicted_s == sim.step_s + 0.125
     # both devices busy in the middle slots: a measured busy-core slowdown stretches exactly those
     slow = row("gpipe", m=4)
-    predict_row(slow, work, rig_model(1.5), BATCH, cut=[2])
+    predict_row(slow, work, rig_model(1.5), BATCH, boundaries=[2])
     assert slow.predicted_s == pytest.approx(2 * per_mb + 1.5 * 3 * per_mb, rel=1e-12)
 
 
@@ -47,8 +47,8 @@ def test_every_kind_of_row_maps_to_a_simulated_job():
     jobs = {s: simulation_job(row(s, m=m), 32, [5]) for s, m in
             [("single", None), ("naive", 1), ("1f1b", 8), ("ddp", None), ("zero1", None), ("fsdp2", None),
              ("dp_x_pp", 4)]}
-    assert jobs["naive"].strategy == "naive" and jobs["1f1b"].cut == (5,) and jobs["1f1b"].microbatches == 8
-    assert jobs["ddp"].replicas == 2 and jobs["dp_x_pp"].devices == 4 and jobs["single"].devices == 1
+    assert jobs["naive"].strategy == "naive" and jobs["1f1b"].boundaries == (5,) and jobs["1f1b"].microbatches == 8
+    assert jobs["ddp"].dp == 2 and jobs["dp_x_pp"].world == 4 and jobs["single"].world == 1
     work = Workload.from_lists([F] * 10, [B] * 10, params=[1000] * 10)
     for strategy, job in jobs.items():
         r = row(strategy, "processes", job.microbatches if strategy not in ("single", "ddp", "zero1", "fsdp2")
@@ -218,12 +218,16 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         assert len(r["whole_model_s"]) == 2 and min(r["whole_model_s"]) > 0  # the calibration timed with the row
         # threads: the busy-core slowdown timed in the rows' own rounds; processes: the run's, in the calibration
         assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] == "threads")
+        # a multi-process row's speed-up is taken against one device timed beside its own launches
+        assert (r["reference_timed"] == "between this row's launches") == r["runner"].startswith("processes")
+        assert r["reference_s"] > 0
     assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
     assert {p.with_suffix(".json") for p in pngs} == set(tmp_path.glob("timeline_*.json"))  # Perfetto traces
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
+    assert "between the multi-process launches" in out
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
@@ -238,7 +242,7 @@ def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones()
     measured = median_phases([phase_seconds(step), phase_seconds(slow), phase_seconds(step)])
     assert measured == {"forward": 3.0, "backward": 32.0} and median_phases([]) == {}
     r = BenchRow("naive", "ours", "processes", 1, 40.0, step, [0, 0], measured_phase_s=measured)
-    predict_row(r, work, rig_model(), BATCH, cut=[2])
+    predict_row(r, work, rig_model(), BATCH, boundaries=[2])
     # both stages' forward and backward, one micro-batch of the whole batch
     assert r.predicted_phase_s == {"forward": BATCH * 4 * F, "backward": BATCH * 4 * B}
     d = r.as_dict(BATCH, 2.0)
@@ -441,3 +445,22 @@ def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine(
     assert [(r["engine"], r["device"]) for r in out] == [("ours", 0), ("ours", 1)]
     assert out[0]["split / plain"] == pytest.approx(1.05) and out[0]["wall: split / plain"] == pytest.approx(1.4)
     assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)
+
+
+def test_the_one_device_reference_is_timed_beside_each_launch_and_taken_per_row():
+    from helpers.bench.rows import BenchRow, LaunchReference, run_in_rounds
+
+    calls = []
+    reference = LaunchReference(step=lambda: calls.append("single"), adam_s=0.25)
+    launches = {("a", "b"): lambda keys: [type("R", (), {"step_times": [1.0], "phase_times": [{"forward": 0.1, "backward": 0.2}],
+                                                          "thread_cpu_s": None})() for _ in keys]}
+    run_in_rounds(launches, rounds=2, desc="t", progress=False, around=reference.around(None))
+    assert calls == ["single"] * 4  # before and after each of the two launches
+    assert len(reference.samples["a"]) == len(reference.samples["b"]) == 4
+    plain, with_adam = reference.seconds("a"), reference.seconds("a", adam=True)
+    assert 0 <= plain < 0.1 and with_adam == pytest.approx(plain + 0.25)
+    assert reference.seconds("never launched") is None
+    row = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0],
+                   reference_s=1.0)
+    d = row.as_dict(batch=32, reference_s=2.0)  # the row's own reference wins over the run's one-device row
+    assert d["speedup"] == 2.0 and d["reference_timed"] == "between this row's launches"

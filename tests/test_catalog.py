@@ -62,7 +62,7 @@ def test_every_entry_is_simulated_and_labelled(entry):
     job = Job(entry.name, batch=8, microbatches=m)
     sim = simulate(work, job)
     assert sim.step_s > 0 and job.label().startswith(entry.label)
-    assert len(sim.memory) == job.devices == (2 if entry.pipeline else 1) * (2 if entry.data_parallel else 1)
+    assert len(sim.memory) == job.world == (2 if entry.pipeline else 1) * (2 if entry.data_parallel else 1)
 
 
 def test_zero2_is_fsdp2_keeping_the_gathered_weights():
@@ -79,6 +79,22 @@ def test_every_strategy_and_engine_makes_a_job_that_names_it(name, engine):
     job = job_for(CFG, name, engine, batch=BATCH, microbatches=2 if catalog_entry(name).data_parallel else 4)
     assert job.strategy == name
     check_job(job, cpu_rig(), oversubscribe=True)
+    sim = Job.from_train_job(job)  # the simulator reads the training job, by the same names
+    assert (sim.strategy, sim.pp, sim.dp, sim.world, sim.microbatches, sim.batch) == \
+        (name, job.pp, job.dp, job.world, job.microbatches, job.batch)
+    assert sim.layout == job.layout and (sim.boundaries or ()) == job.cut()
+
+
+def test_the_simulator_and_the_training_job_speak_one_vocabulary():
+    """One name for each idea: the simulator's Job and TrainJob share theirs (and the old ones are gone)."""
+    from dataclasses import fields
+
+    from helpers.training.job import TrainJob
+
+    shared = {"batch", "microbatches", "pp", "dp", "boundaries", "checkpointing", "schedule", "bucket_mb"}
+    assert shared <= {f.name for f in fields(Job)} & {f.name for f in fields(TrainJob)}
+    assert not {"stages", "replicas", "cut", "checkpoint"} & {f.name for f in fields(Job)}
+    assert Job("ddp", batch=4).world == TrainJob(CFG, dp=2).world == 2
 
 
 def test_unknown_choices_are_refused_with_the_catalogs_words():

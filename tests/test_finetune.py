@@ -216,8 +216,9 @@ def test_finetune_each_runs_every_method_in_one_launch(tmp_path, monkeypatch):
     for method, result in out.items():
         assert result.model.spec.method == method and len(result.losses) == 3
         assert result.saved == tmp_path / "adapters" / method and (result.saved / "adapter_config.json").is_file()
-        assert result.adapters and all("lora_" in name for layer in result.adapters.values() for name in layer)
-    assert abs(out["lora"].held_out[0] - out["qlora"].held_out[0]) < 0.1
+        assert result.state and all("lora_" in name for layer in result.state.values() for name in layer)
+        assert result.held_out_path.is_file() and len(result.held_out_loss) == len(result.samples) == 2
+    assert abs(out["lora"].held_out_loss[0] - out["qlora"].held_out_loss[0]) < 0.1
 
 
 @pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])

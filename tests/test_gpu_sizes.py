@@ -207,3 +207,16 @@ def test_the_gpu_suite_replays_every_recorded_step_on_the_cpu_rig():
     recorded = {(nb, what) for nb, per_rig in recorded_plans().items() for what, _ in per_rig["one_gpu"].steps}
     assert {(r["notebook"], r["step"]) for r in rows} == recorded and len(recorded) >= 12
     assert all(r["planned GiB"] > 0 and r["measured GiB"] is None for r in rows)
+
+
+def test_a_cards_memory_is_read_in_one_place():
+    """What CUDA reports for a card comes from the one GPU description (helpers.sizing.gpus.gpu): no other module,
+    script or notebook reads data/inference.json's figure itself."""
+    from helpers.gpu_sizes.plans import CARD, card_bytes
+    from helpers.sizing.gpus import gpu
+
+    assert card_bytes() == gpu(CARD).capacity_bytes and gpu(CARD).capacity_source
+    readers = [str(f.relative_to(REPO)) for folder in ("helpers", "scripts", "notebooks", "tools")
+               for f in sorted((REPO / folder).rglob("*")) if f.suffix in (".py", ".ipynb")
+               and "cuda_total_mib" in f.read_text()]
+    assert readers == ["helpers/sizing/gpus.py"]

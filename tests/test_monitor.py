@@ -146,6 +146,22 @@ def test_reports_follow_the_source_and_end_with_its_peak(tmp_path):
             raise RuntimeError("the worker's error")
 
 
+def test_each_job_of_one_launch_keeps_its_own_report(tmp_path):
+    """Ranks that run several jobs in one launch (finetune_each: LoRA, then QLoRA) publish once per job: the first
+    job's last report stays beside the second's, so a panel keeps a row per job (the second used to replace it)."""
+    folder = _new_run_in(tmp_path / "panel")
+    lora, qlora = _Counter(), _Counter()
+    with live.reporting(folder, 0):
+        live.publish(lora, title="fsdp2 lora")
+        lora.now = lora.most = 100
+        live.publish(qlora, title="fsdp2 qlora")
+        qlora.now = qlora.most = 40
+    reports = live.read_reports(tmp_path / "panel")
+    assert [(r.job, r.title, r.status, r.peak_parts) for r in reports] == \
+        [(0, "fsdp2 lora", "finished", {"activations": 100}), (1, "fsdp2 qlora", "finished", {"activations": 40})]
+    assert len({r.key for r in reports}) == 2
+
+
 def _new_run_in(root):
     root.mkdir()
     live.watch(root, interval_s=0.02)

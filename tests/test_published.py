@@ -8,7 +8,8 @@ import torch
 from helpers.course import load_data
 from helpers.simulate import (efficiency, excused_rows, fitted_constants, gpu_named, gpu_orders, kernels_s,
                               predictions_vs_published, target_rig, trace_kernels)
-from helpers.simulate.published import FITTED
+from helpers.simulate import Job, simulate
+from helpers.simulate.published import FITTED, lambda_ddp, lambda_gradient_exchange, lambda_workloads
 
 TOLERANCE = 0.15
 
@@ -42,8 +43,7 @@ def test_fitted_constants_are_named_and_fitted_once_per_gpu():
     named = [entry["fitted_on"] for entry in hardware["efficiency"].values() if "fitted_on" in entry]
     named += [gpu["sustained"]["conv_efficiency"]["fitted_on"] for gpu in hardware["gpus"].values()
               if "conv_efficiency" in gpu["sustained"]]
-    named += list({link["allreduce"]["fitted_on"] for link in hardware["links"].values()
-                   if "fitted_on" in link.get("allreduce", {})})
+    assert not [name for name, link in hardware["links"].items() if "fitted_on" in link.get("allreduce", {})]
     assert sorted(named) == sorted(FITTED.values())
     gpus = [figure.rsplit(", ", 1)[-1] for figure in named]
     assert len(gpus) == len(set(gpus)), gpus
@@ -55,8 +55,7 @@ def test_stored_constants_are_the_refit():
     hardware = load_data("hardware")
     stored = {"framework": hardware["efficiency"]["framework"]["value"],
               "conv": hardware["efficiency"]["conv"]["value"],
-              "A100 conv": hardware["gpus"]["A100 80GB SXM"]["sustained"]["conv_efficiency"]["value"],
-              "no-P2P all-reduce": hardware["links"]["3090_gpu_to_gpu_no_p2p"]["allreduce"]["busbw_gb_s"]}
+              "A100 conv": hardware["gpus"]["A100 80GB SXM"]["sustained"]["conv_efficiency"]["value"]}
     refit = fitted_constants()
     for name, value in stored.items():
         assert refit[name] == pytest.approx(value, rel=0.02), (name, refit[name], value)
@@ -84,7 +83,30 @@ def test_kernels_are_traced_as_cuda_runs_them():
 
 
 def test_rigs_carry_the_published_all_reduce():
+    """NVLink: nccl-tests' bus bandwidth; GeForce without P2P: what Lambda's logs time on that pair of cards (no
+    fitted constant), slower than one host-staged copy."""
     a100 = target_rig("2xA100").collectives
     assert a100.bandwidth == pytest.approx(208e9)  # nccl-tests busbw, two A100s over NVLink
-    pcie = target_rig("2x3090 PCIe")
-    assert pcie.collectives.bandwidth < pcie.link.bandwidth  # NCCL without P2P: slower than one host-staged copy
+    for rig_name in ("2x3090 PCIe", "2x4090"):
+        rig = target_rig(rig_name)
+        measured = lambda_gradient_exchange(rig.gpu.name).allreduce.bandwidth
+        assert rig.collectives.bandwidth == pytest.approx(measured, rel=0.005), rig_name
+        assert rig.collectives.bandwidth < rig.link.bandwidth
+
+
+def test_lambda_speed_ups_pay_the_logged_gradient_exchange_after_the_backward():
+    """Lambda's two-GPU step is its one-GPU step plus every gradient byte at the rate Lambda's own fp32 logs show,
+    none of it hidden behind the backward; the rate is the machine's, not its link's: two A100s over NVLink
+    exchange at 3.8 GB/s in those runs, not at nccl-tests' 208 GB/s (the old simulator's 2.0x for BERT-large)."""
+    published = load_data("published")
+    rig = target_rig("2xA100")
+    exchange = lambda_gradient_exchange(rig.gpu.name).allreduce
+    assert exchange.bandwidth == pytest.approx(3.77e9, rel=0.01)
+    assert exchange.bandwidth < rig.collectives.bandwidth / 50
+    batch = published["lambda_batch_per_gpu_fp16"]["batch"][rig.gpu.name]["BERT-large"]
+    workload = lambda_workloads(rig.gpu, only="BERT-large")["BERT-large"]
+    one, two = simulate(workload, Job("single", batch)), lambda_ddp(workload, rig, batch)
+    gradient_bytes = workload.bytes_per_param[1] * workload.n_params
+    assert two.step_s - one.step_s == pytest.approx(gradient_bytes / exchange.bandwidth, rel=1e-6)
+    speed_up = 2 * one.step_s / two.step_s
+    assert speed_up == pytest.approx(published["lambda_2xa100_sxm4_data_parallel"]["speedup"]["BERT-large"], rel=0.05)

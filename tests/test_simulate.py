@@ -37,7 +37,7 @@ def equal_stages(p: int, params: int = 0, activations: float = 0.0, output: floa
 
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
 def test_gpipe_step_is_m_plus_p_minus_1_slots(p, m):
-    sim = simulate(equal_stages(p), Job("gpipe", batch=m, microbatches=m, stages=p))
+    sim = simulate(equal_stages(p), Job("gpipe", batch=m, microbatches=m, pp=p))
     assert sim.step_s == (m + p - 1) * (F + B)
     assert sim.bubble == pytest.approx(bubble_fraction(p, m))
     assert sim.in_flight == {s: m for s in range(p)}
@@ -46,11 +46,11 @@ def test_gpipe_step_is_m_plus_p_minus_1_slots(p, m):
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (3, 5), (4, 8)])
 def test_1f1b_same_time_and_p_minus_s_in_flight(p, m):
     act = 1000.0
-    sim = simulate(equal_stages(p, activations=act), Job("1f1b", batch=m, microbatches=m, stages=p))
+    sim = simulate(equal_stages(p, activations=act), Job("1f1b", batch=m, microbatches=m, pp=p))
     assert sim.step_s == (m + p - 1) * (F + B)
     assert sim.in_flight == {s: p - s for s in range(p)}
     assert {s: mem.activations for s, mem in sim.memory.items()} == {s: (p - s) * act for s in range(p)}
-    gpipe = simulate(equal_stages(p, activations=act), Job("gpipe", batch=m, microbatches=m, stages=p))
+    gpipe = simulate(equal_stages(p, activations=act), Job("gpipe", batch=m, microbatches=m, pp=p))
     assert all(mem.activations == m * act for mem in gpipe.memory.values())
 
 
@@ -66,7 +66,7 @@ def test_past_1f1b_the_bubbles_shrink_as_the_papers_say(p, m):
         v = 2 if name in ("interleaved", "zbv", "dualpipev") else 1
         work = Workload.from_lists([F / v] * (p * v), [B / v] * (p * v), params=[1] * (p * v),
                                    activations=[1024.0 / v] * (p * v))
-        sims[name] = simulate(work, Job(name, batch=m, microbatches=m, stages=p))
+        sims[name] = simulate(work, Job(name, batch=m, microbatches=m, pp=p))
         actions = make_schedule(name, p, m)
         assert sims[name].in_flight == {d: peak_in_flight(a) for d, a in enumerate(actions)}
         assert {d: mem.activations for d, mem in sims[name].memory.items()} == \
@@ -83,12 +83,12 @@ def test_the_first_stage_defers_its_whole_backward_and_local_messages_are_free()
     """The first stage's input (token ids) needs no gradient: its B is empty and its W the whole backward. In the V
     the message from stage 1 to stage 2 stays on device 1: with a slow link, only boundaries 0 and 2 cost."""
     work = Workload.from_lists([F] * 4, [B] * 4, params=[1] * 4, output=[1.0] * 4)
-    sim = simulate(work, Job("zbv", batch=4, microbatches=4, stages=2))
+    sim = simulate(work, Job("zbv", batch=4, microbatches=4, pp=2))
     assert not [e for e in sim.events if e.stage == 0 and e.kind == "backward"]  # empty tasks are left out
     assert {e.duration for e in sim.events if e.kind == "weight" and e.stage == 0} == {B}
     assert {e.duration for e in sim.events if e.kind == "weight" and e.stage != 0} == {B / 2}
     slow = Link(latency_s=0.0, bandwidth=1.0)  # one second per byte
-    sends = [e for e in simulate(work, Job("zbv", batch=4, microbatches=4, stages=2), slow).events
+    sends = [e for e in simulate(work, Job("zbv", batch=4, microbatches=4, pp=2), slow).events
              if e.kind == "send"]
     assert len(sends) == 2 * 4 * 2  # boundaries 0 and 2, each way, each micro-batch
 
@@ -102,7 +102,7 @@ def test_a_split_backward_pays_its_measured_overhead_in_the_weight_pass():
 
     work = Workload.from_lists([F] * 4, [B] * 4, params=[1] * 4, output=[1.0] * 4)
     costly = replace(work, split_overhead=0.25)
-    base, split = (simulate(w, Job("zbv", batch=4, microbatches=4, stages=2)) for w in (work, costly))
+    base, split = (simulate(w, Job("zbv", batch=4, microbatches=4, pp=2)) for w in (work, costly))
     assert {e.duration for e in split.events if e.kind == "weight" and e.stage == 0} == {B}
     assert {e.duration for e in split.events if e.kind == "weight" and e.stage != 0} == {B / 2 + 0.25 * B}
     assert split.step_s > base.step_s
@@ -139,15 +139,15 @@ def test_link_adds_exactly_its_messages_on_the_critical_path():
 
 def test_unbalanced_cut_is_bounded_by_the_slowest_stage():
     work = Workload.from_lists([F, F, F], [B, B, B])
-    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, cut=(1,)))  # stage 1 holds two layers
+    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, boundaries=(1,)))  # stage 1 holds two layers
     assert sim.step_s == (F + B) + 4 * 2 * (F + B)
     with pytest.raises(ValueError, match="increasing first-layer indices"):
-        simulate(work, Job("gpipe", batch=4, microbatches=4, cut=(3,)))
+        simulate(work, Job("gpipe", batch=4, microbatches=4, boundaries=(3,)))
 
 
 def test_checkpointing_recomputes_the_forward_and_holds_only_inputs():
     work = equal_stages(2, activations=1000.0, output=10.0)
-    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, checkpoint=True))
+    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, checkpointing=True))
     assert sim.step_s == 5 * (F + F + B)
     # stage 0 holds nothing of its (only) layer's input, stage 1 the 10 bytes it received; + one recompute
     assert [m.activations for m in sim.memory.values()] == [1000.0, 4 * 10.0 + 1000.0]
@@ -156,18 +156,19 @@ def test_checkpointing_recomputes_the_forward_and_holds_only_inputs():
 
 def test_checkpointing_chosen_layers_recomputes_only_those():
     work = Workload.from_lists([F] * 4, [B] * 4, activations=[1000.0] * 4, output=[10.0] * 4)
-    sim = simulate(work, Job("gpipe", batch=2, microbatches=2, cut=(2,), checkpoint=(1, 3)))
+    sim = simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), checkpointing=(1, 3)))
     # each stage recomputes one layer's forward per micro-batch: (m + p - 1) slots of 2F + F + 2B
     assert sim.step_s == 3 * (3 * F + 2 * B)
     # a checkpointed layer keeps its 10-byte input instead of its 1000 bytes; one recompute's worth is transient
     assert [m.activations for m in sim.memory.values()] == [2 * (1000 + 10) + 1000, 2 * (10 + 1000) + 1000]
-    everything = simulate(work, Job("gpipe", batch=2, microbatches=2, cut=(2,), checkpoint=(0, 1, 2, 3)))
-    assert everything.step_s == simulate(work, Job("gpipe", batch=2, microbatches=2, cut=(2,), checkpoint=True)).step_s
-    assert simulate(work, Job("gpipe", batch=2, microbatches=2, checkpoint=())).step_s == 3 * 2 * (F + B)
+    everything = simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), checkpointing=(0, 1, 2, 3)))
+    assert everything.step_s == \
+        simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), checkpointing=True)).step_s
+    assert simulate(work, Job("gpipe", batch=2, microbatches=2, checkpointing=())).step_s == 3 * 2 * (F + B)
     with pytest.raises(ValueError, match="indices of the workload's 4 layers"):
-        simulate(work, Job("gpipe", batch=2, microbatches=2, checkpoint=(4,)))
+        simulate(work, Job("gpipe", batch=2, microbatches=2, checkpointing=(4,)))
     with pytest.raises(ValueError, match="tuple of layer indices"):
-        Job("gpipe", batch=2, microbatches=2, checkpoint=[1])
+        Job("gpipe", batch=2, microbatches=2, checkpointing=[1])
 
 
 # --- devices sharing cores (the CPU rig) ----------------------------------------------------------------------------
@@ -402,7 +403,7 @@ def test_data_parallel_engines_copy_gradients_and_parameters_on_the_device():
 
 def test_dp_x_pp_runs_a_pipeline_per_replica_then_all_reduces_each_stage():
     link = Link(0.0, MiB / 0.5)
-    sim = simulate(ddp_workload(), Job("dp_x_pp", batch=8, microbatches=2, stages=2, replicas=2,
+    sim = simulate(ddp_workload(), Job("dp_x_pp", batch=8, microbatches=2, pp=2, dp=2,
                                        schedule="gpipe"), link)
     per_stage = 2 * F * 2, 2 * B * 2  # two layers per stage, two samples per micro-batch
     stage_grads = 2 * MiB
@@ -416,7 +417,7 @@ def test_single_device_and_memory_without_timing():
     sim = simulate(work, Job("single", batch=4, microbatches=2))
     assert sim.step_s == 2 * 2 * LAYERS * (F + B) + 0.5
     assert sim.busy == {0: 1.0}
-    for job in (Job("fsdp2", batch=4, microbatches=2), Job("1f1b", batch=4, microbatches=2, checkpoint=True)):
+    for job in (Job("fsdp2", batch=4, microbatches=2), Job("1f1b", batch=4, microbatches=2, checkpointing=True)):
         assert simulate_memory(work, job) == simulate(work, job).memory
 
 
@@ -440,7 +441,7 @@ def test_bad_input_is_refused_in_the_users_terms():
     with pytest.raises(ValueError, match="unknown strategy"):
         Job("tensor", batch=2)
     with pytest.raises(ValueError, match="m=2 < p=4"):
-        simulate(equal_stages(4), Job("1f1b", batch=2, microbatches=2, stages=4))
+        simulate(equal_stages(4), Job("1f1b", batch=2, microbatches=2, pp=4))
     with pytest.raises(ValueError, match="known GPUs: A100 80GB SXM, RTX 3090, RTX 3090 Ti, RTX 4090"):
         gpu_named("RTX 5090")
     with pytest.raises(ValueError, match="known rigs: 2x3090 NVLink"):
@@ -448,7 +449,7 @@ def test_bad_input_is_refused_in_the_users_terms():
     with pytest.raises(ValueError, match="at least two different message sizes"):
         fit_link([1e6, 1e6], [1e-3, 1e-3])
     with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
-        simulate(equal_stages(2), Job("gpipe", batch=1, stages=3))
+        simulate(equal_stages(2), Job("gpipe", batch=1, pp=3))
 
 
 # --- hardware -------------------------------------------------------------------------------------------------------
@@ -539,7 +540,7 @@ def test_guide_recommends_ddp_for_a_model_that_fits_and_is_fair():
     assert all(o.fits for o in rec.options)
     big = recommend_model("GPT-2 medium", batch=64)  # too many activations for one batch: DDP accumulates
     ddp = big.options[0]
-    assert ddp.job.strategy == "ddp" and ddp.fits and (ddp.job.microbatches > 1 or ddp.job.checkpoint)
+    assert ddp.job.strategy == "ddp" and ddp.fits and (ddp.job.microbatches > 1 or ddp.job.checkpointing)
     assert big.choice.startswith("DDP")
 
 
@@ -567,11 +568,11 @@ def test_playground_draws_once_without_a_frontend(capsys, monkeypatch):
     sim = Playground().show()
     assert sim is not None and sim.job.strategy == "1f1b" and 0 < sim.bubble < 1
     assert "bubble" in capsys.readouterr().out and plt.get_fignums()
-    assert Playground().draw(Knobs(stages=4, microbatches=2)) is None  # 1F1B needs m >= p: said, not raised
+    assert Playground().draw(Knobs(pp=4, microbatches=2)) is None  # 1F1B needs m >= p: said, not raised
     assert "not a valid pipeline" in capsys.readouterr().out
     controls = Playground().controls()
-    assert set(controls) == {"stages", "microbatches", "schedule", "imbalance", "bandwidth_gb_s", "latency_us",
-                             "checkpoint"}
+    assert set(controls) == {"pp", "microbatches", "schedule", "imbalance", "bandwidth_gb_s", "latency_us",
+                             "checkpointing"}
     slow = Playground().simulate(Knobs(imbalance=1.0))
     assert slow.step_s > Playground().simulate(Knobs()).step_s
 

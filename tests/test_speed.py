@@ -183,7 +183,11 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     small = model_shape(str(tmp_path), "fp32")
     rate, slowdown = stream_rates(small, torch.float32, repeats=1)
     assert rate > 0 and slowdown >= 1
-    assert [r for r, _ in matmul_rates(small, torch.float32, [4, 1, 4], repeats=1)] == [1, 4]
+    alone, together = matmul_rates(small, torch.float32, [4, 1, 4], repeats=1)
+    assert [r for r, _ in alone] == [r for r, _ in together] == [1, 4]  # one point per row count, both ways
+    busy = Device("cpu", 1e9, ((1, 4e9), (16, 8e9)), 0.0, 2.0, ((1, 1e9), (16, 4e9)))
+    assert busy.rate(4, busy=True) == pytest.approx(2.5e9) and busy.rate(4) == pytest.approx(6e9)  # log-interpolated
+    assert Device("gpu", 1e9, ((1, 4e9),), 0.0, 2.0).rate(1, busy=True) == 2e9  # no busy points: the slowdown
     assert host_seconds_per_op("llama", repeats=2) >= 0
     dev = Device("cpu", rate, ((1, 1e9),), 1e-6)
     rig = SpeedRig("measured", (dev, dev), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)

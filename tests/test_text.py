@@ -36,7 +36,7 @@ def test_training_on_text_lowers_held_out_loss_and_changes_the_sample(tmp_path):
                           tmp_path / "base")
     out = train(model, strategy="naive", engine="threads", steps=30, batch=8, seq_len=32, lr=1e-2,
                 text=stdlib_path(), save_to=tmp_path / "trained", workdir=tmp_path / "text")
-    held = load_rows(out.held_out)[:16]
+    held = load_rows(out.held_out_path)[:16]
 
     def measure(path):
         hf = HFModel(str(path))

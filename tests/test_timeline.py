@@ -76,7 +76,7 @@ def test_chrome_trace_is_the_events_in_microseconds(tmp_path):
         assert t["args"] == {k: v for k, v in (("microbatch", e.microbatch), ("stage", e.stage),
                                                ("cpu_ms", e.cpu and e.cpu * 1e3)) if v is not None}
     assert {t["args"]["name"] for t in trace if t["ph"] == "M"} == {"cuda:0", "device 1"}
-    sim = simulate(Workload.from_lists([1.0] * 4, [2.0] * 4), Job("zbv", batch=4, microbatches=4, stages=2))
+    sim = simulate(Workload.from_lists([1.0] * 4, [2.0] * 4), Job("zbv", batch=4, microbatches=4, pp=2))
     simulated = [t for t in sim.trace(tmp_path / "sim.json")["traceEvents"] if t["ph"] == "X"]
     assert len(simulated) == len(sim.events) and {t["cat"] for t in simulated} == {"forward", "backward", "weight"}
     assert json.loads((tmp_path / "sim.json").read_text())["traceEvents"][-1] == simulated[-1]

@@ -10,6 +10,7 @@ from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import run_training
+from helpers.sizing.gpus import gpu
 from helpers.sizing.state import zero_formula
 from helpers.training.support import engines_for, support, support_rows
 
@@ -206,7 +207,7 @@ def _gpu_rig(kind: str, n: int) -> Rig:
     """A GPU rig described without touching CUDA: what `detect_rig` returns on such a machine."""
     dev = [torch.device(f"cuda:{i}") for i in range(n)] if kind == "two_gpus" else [torch.device("cuda:0")] * 2
     return Rig(kind=kind, devices=tuple(dev), names=("NVIDIA GeForce RTX 3090",) * len(dev),
-               capacity_bytes=(24 * 2**30,) * len(dev), backend="nccl" if kind == "two_gpus" else "gloo",
+               capacity_bytes=(gpu("RTX 3090").capacity_bytes,) * len(dev), backend="nccl" if kind == "two_gpus" else "gloo",
                max_ranks=n if kind == "two_gpus" else 2)
 
 

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         if previous else None
     calibration["summary"] += [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
                                for name, s in timed_with.items() if s is not None]
+    calibration["summary"] += [one_device_drift(rows)] if any(r.reference_s for r in rows) else []
     dicts = write_results(rows, config, rig, ns.out, extras, calibration, compared)
     print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
@@ -94,6 +95,17 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + load.describe())
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
+
+
+def one_device_drift(rows) -> str:
+    """The one-device step in the threaded rounds against its median between the multi-process launches: how much
+    the machine's speed moved between the two parts of the run (what taking each ratio within its minutes removes)."""
+    import statistics
+
+    single = next(r.step_s for r in rows if r.strategy == "single")
+    between = statistics.median(r.reference_s for r in rows if r.reference_s and r.optimizer == "none")
+    return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms between the "
+            f"multi-process launches ({between / single - 1:+.1%}); each row's speed-up uses its own minutes'")
 
 
 def read_previous(path: str) -> dict:

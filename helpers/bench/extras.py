@@ -18,8 +18,8 @@ def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict
     from helpers.simulate import Job, simulate
 
     for i, (row, run) in enumerate(zip(rows, runs)):
-        job = Job("gpipe", batch, microbatches=m, stages=2, cut=tuple(run.boundaries),
-                  checkpoint=tuple(checkpoints[i]) if checkpoints else False)
+        job = Job("gpipe", batch, microbatches=m, pp=2, boundaries=tuple(run.boundaries),
+                  checkpointing=tuple(checkpoints[i]) if checkpoints else False)
         sim = simulate(workload, job, rig_model.threads_link, cores=rig_model.thread_cores)
         step = sim.step_s + _caller_seconds(run)
         row["predicted_samples_per_s"] = batch / step

@@ -26,23 +26,22 @@ def row_strategy(row: BenchRow):
 
 def microbatch_size(row: BenchRow, batch: int) -> int:
     """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
-    replicas = 2 if row_strategy(row).data_parallel else 1
-    return batch // replicas // (row.microbatches or 1)
+    return simulation_job(row, batch).samples_per_microbatch
 
 
-def simulation_job(row: BenchRow, batch: int, cut: Sequence[int] = ()):
+def simulation_job(row: BenchRow, batch: int, boundaries: Sequence[int] = ()):
     """The simulator's Job for a bench row: the same strategy on two devices per dimension (DP x PP: 2 x 2, 1F1B)."""
     from helpers.simulate import Job
 
     entry = row_strategy(row)
     if entry.kind == "single":
         return Job("single", batch)
-    cut = tuple(cut) or None if entry.pipeline else None
-    return Job(entry.name, batch, microbatches=row.microbatches or 1, cut=cut)
+    return Job(entry.name, batch, microbatches=row.microbatches or 1,
+               boundaries=tuple(boundaries) or None if entry.pipeline else None)
 
 
-def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[int] = (), adam_s: float = 0.0,
-                cores: int | None = None):
+def predict_row(row: BenchRow, workload, rig_model, batch: int, boundaries: Sequence[int] = (),
+                adam_s: float = 0.0, cores: int | None = None):
     """The simulated step of `row`: its job on `workload` (costs at the row's micro-batch size), the row's links and
     core sharing from `rig_model`, plus the work its calling thread does around the engine (`row.caller_s`).
     Rows with Adam run it on every rank (`adam_s`: one device's Adam step over the whole model). Returns the
@@ -52,7 +51,7 @@ def predict_row(row: BenchRow, workload, rig_model, batch: int, cut: Sequence[in
     if row.optimizer == "adam" and row.engine != "none":
         workload = replace(workload, optimizer_s=adam_s)
     engine = "threads" if row.runner in ("threads", "one thread") else "processes"
-    sim = rig_model.simulate(workload, simulation_job(row, batch, cut), engine)
+    sim = rig_model.simulate(workload, simulation_job(row, batch, boundaries), engine)
     row.predicted_s = sim.step_s + row.caller_s
     row.predicted_phase_s = phase_seconds(sim.events)
     row.predicted_busy = sum(sim.busy.values()) / len(sim.busy) if sim.busy else None

@@ -41,7 +41,9 @@ forward, backward  how much longer the row's forward (backward, with any recompu
              error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
              the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
              backward
-speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam)
+speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam); for
+             multi-process rows the one-device step timed just before and after each of the row's launches (the
+             machine's speed drifts over a run; a ratio is taken within the same minutes)
 peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 

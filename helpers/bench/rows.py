@@ -47,6 +47,7 @@ class BenchRow:
     reference: str = "single"  # the one-device row this row's speed-up is taken against
     caller_s: float = 0.0  # measured work of the calling thread around the engine (zero_grad, optimizer step)
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
+    reference_s: float | None = None  # the one-device step timed between this row's launches (multi-process rows)
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
@@ -60,6 +61,8 @@ class BenchRow:
     predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
+        """`reference_s`: the one-device row's step, used where this row has no `reference_s` of its own."""
+        reference_s = self.reference_s or reference_s
         predicted = batch / self.predicted_s if self.predicted_s else None
         return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
@@ -71,8 +74,9 @@ class BenchRow:
                 "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown, "cpu_s": self.cpu_s,
                 "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
                 "predicted_busy": self.predicted_busy,
-                "speedup": reference_s / self.step_s,
-                "speedup_vs": self.reference, "peak_activation_bytes": self.peak_activation_bytes}
+                "speedup": reference_s / self.step_s, "speedup_vs": self.reference,
+                "reference_s": reference_s, "reference_timed": "between this row's launches" if self.reference_s
+                else "in the threaded rounds", "peak_activation_bytes": self.peak_activation_bytes}
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,8 @@ class Progress:
 def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = (),
                 progress: Progress | None = None, extra: dict | None = None):
     """One device, without an optimizer and with Adam, timed in the same interleaved rounds as the threaded
-    pipelines; its activation peak as its ledger counts it."""
+    pipelines; its activation peak as its ledger counts it. Returns the timings, the two rows and a
+    `LaunchReference` that times the same one-device step again between the multi-process launches."""
     from helpers.simulate.calibrate import optimizer_seconds
 
     rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
@@ -165,7 +170,8 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
                             spread=times.spread("single"), measured_phase_s=median_phases(phases["single"])),
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
                             optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
-                            spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))]
+                            spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))
+                   ], LaunchReference(one_device, adam_s)
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -174,6 +180,45 @@ def _caller_seconds(run: PipelineRun) -> float:
     from helpers.simulate.calibrate import optimizer_seconds
 
     return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
+
+
+@dataclass
+class LaunchReference:
+    """One device's step (the `single` row's closure), timed again just before and just after every multi-process
+    launch: the reference of those rows' speed-ups, measured in the minutes they ran. The machine's speed drifts over
+    a run: in two quiet default runs the one-device step took 1.020 s and 0.973 s in the threaded rounds, while the
+    whole model timed beside the launches was 4% faster than in those rounds in the first run and 7% slower in the
+    second, so every process row's speed-up moved the same way, by up to 12% between the runs, while most pipeline
+    rows' own step times stayed within 4%. Rows with Adam add one
+    device's Adam step, measured (`adam_s`)."""
+
+    step: Callable[[], None]
+    adam_s: float
+    samples: dict = field(default_factory=dict)  # job key -> seconds of each one-device step timed beside it
+
+    def sample(self, keys: Sequence[Hashable]) -> None:
+        from helpers.measure import interleaved_medians
+
+        seconds = interleaved_medians({"single": self.step}, repeats=1, warmup=0)["single"]
+        for key in keys:
+            self.samples.setdefault(key, []).append(seconds)
+
+    def seconds(self, key: Hashable, adam: bool = False) -> float | None:
+        """Median one-device step timed beside the launches of `key` (plus Adam's step with `adam`); None if never
+        sampled."""
+        import statistics
+
+        got = self.samples.get(key)
+        return statistics.median(got) + (self.adam_s if adam else 0.0) if got else None
+
+    def around(self, sizes: Callable[[Sequence[Hashable]], None] | None) -> Callable:
+        """The hook `run_in_rounds` calls with a launch's keys before and after it: this reference's step, then the
+        whole-model calibration samples (`sizes`, if any)."""
+        def hook(keys: Sequence[Hashable]) -> None:
+            self.sample(keys)
+            if sizes is not None:
+                sizes(keys)
+        return hook
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
@@ -220,14 +265,14 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     if timer and rig.is_cpu:
         samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
                                                                                                        THREADS_KEY)
-    times, rows = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
+    times, rows, reference = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
                              spread=times.spread(r.name), measured_phase_s=median_phases(r.phases)))
     for row in rows:  # one device and the threaded pipelines: timed in the same rounds as the samplers
         row.calibration_key = THREADS_KEY
-    return rows + process_rows(config, rig, progress, timer)
+    return rows + process_rows(config, rig, progress, timer, reference)
 
 
 def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
@@ -268,17 +313,19 @@ def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
         timer.sample(size, keys=[k for k in keys if key_microbatch(k, config) == size])
 
 
-def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
+                 reference: LaunchReference | None = None) -> list[BenchRow]:
     """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
     rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
     then DP x PP (4 ranks). With `timer`, the whole model timed at each job's micro-batch size just before and
-    after the launch that ran it (`calibration_key`: the job's key)."""
+    after the launch that ran it (`calibration_key`: the job's key); with `reference`, the one-device step too, each
+    row's speed-up then taken against it."""
     from helpers.training.loop import run_trainings
 
     jobs = two_rank_jobs(config, rig)
     results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
                             config.rounds, "multi-process jobs", progress,
-                            around=(lambda keys: sample_launch(timer, keys, config)) if timer else None)
+                            around=_around(reference, timer and (lambda keys: sample_launch(timer, keys, config))))
     rows = []
     for key, got in results.items():
         if key[1] == "dp":
@@ -290,7 +337,14 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
             rows.append(BenchRow(key[0], key[1], "processes", key[3], got.step_s, got.last.events,
                                  got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
                                  calibration_key=key, cpu_s=got.cpu_s))
-    return rows + dp_x_pp_rows(config, rig, progress, timer)
+    for row, key in zip(rows, results):
+        row.reference_s = reference.seconds(key, adam=row.optimizer == "adam") if reference else None
+    return rows + dp_x_pp_rows(config, rig, progress, timer, reference)
+
+
+def _around(reference: LaunchReference | None, sample: Callable | None) -> Callable | None:
+    """What runs beside each launch: the one-device reference and the calibration samples, whichever are given."""
+    return reference.around(sample) if reference else sample
 
 
 @dataclass(frozen=True)
@@ -346,9 +400,10 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
 
 
-def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
+                 reference: LaunchReference | None = None) -> list[BenchRow]:
     """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds;
-    with `timer`, the whole model timed at its micro-batch size around them."""
+    with `timer`, the whole model timed at its micro-batch size around them (and the one-device `reference`)."""
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
@@ -360,9 +415,10 @@ def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
             TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
                      timed_steps=config.steps),
             rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
-            around=(lambda keys: timer.sample(config.batch // 2 // m, keys=keys)) if timer else None)
+            around=_around(reference, timer and (lambda keys: timer.sample(config.batch // 2 // m, keys=keys))))
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
                              got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key="dp_x_pp", cpu_s=got.cpu_s))
+                             calibration_key="dp_x_pp", cpu_s=got.cpu_s,
+                             reference_s=reference.seconds("dp_x_pp") if reference else None))
     return rows

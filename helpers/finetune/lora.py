@@ -12,7 +12,8 @@ hold exactly the same numbers, and `TrainJob(LoraModel(...), dp=2, data_parallel
 offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
 returns the adapters' trained values (`TrainResult.state`), which `save_adapters` writes with peft's
 `save_pretrained`, `merged_model` merges with peft's `merge_and_unload`, and `finetune` (one method) and
-`finetune_each` (several, in one launch) wrap for notebook 12.
+`finetune_each` (several, in one launch) train with `helpers.training.api.train_each` for notebook 12, returning its
+`Trained` with the held-out loss and samples before and after.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize
 from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
 from helpers.precision import DTYPES
+from helpers.training.api import Trained
 
 METHODS = ("lora", "qlora")
 BASE_DTYPES = ("fp32", "bf16")
@@ -114,6 +116,11 @@ class LoraModel:
     @property
     def vocab_size(self) -> int:
         return self.base.vocab_size
+
+    @property
+    def path(self) -> str:
+        """The base's folder: its config and the tokenizer saved beside it."""
+        return self.base.path
 
     @property
     def n_layers(self) -> int:
@@ -319,24 +326,6 @@ def merged_model(model: LoraModel, adapters: str | Path) -> nn.Module:
 
 # --- one call for notebook 12 -----------------------------------------------------------------------------------------
 
-@dataclass
-class Finetuned:
-    """What `finetune` returns: every step's training loss, the held-out loss and a greedy sample before and after,
-    each rank's memory by part (DeviceMemory: params = frozen base + adapters, grads and optimizer state = the
-    adapters', activations = their peak, from the ledger), the step times (slowest rank), the trained adapters by
-    layer, and where they were saved."""
-
-    losses: list[float]
-    held_out: tuple[float, float]
-    samples: tuple[str, str]
-    memory: list
-    step_times: list[float]
-    adapters: dict[int, dict[str, torch.Tensor]]
-    model: LoraModel
-    prompt: str
-    saved: Path | None = None
-
-
 def small_llama_config(vocab: int = 512, seq_len: int = 64, n_layers: int = 4, hidden: int = 128):
     """The config of `small_llama`: 4 query heads over 2 key/value heads (grouped-query attention), intermediate
     4 x hidden, `seq_len` positions."""
@@ -358,11 +347,13 @@ def finetune(model: str | Path | None = None, method: str = "qlora", steps: int 
              base_dtype: str = "fp32", checkpointing: bool = True, offload: str | None = None,
              text: str | Path | None = None, lr: float = 3e-3, save_to: str | Path | None = None,
              prompt: str = "def ", workdir: str | Path | None = None, rig=None, timeout: float = 600.0,
-             held_out_windows: int = 32, max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> Finetuned:
+             held_out_windows: int = 32, max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> Trained:
     """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
-    default the standard library), FSDP2 over 2 ranks, for `steps` optimizer steps (>= 3) of Adam on the adapters.
-    `checkpoint`, `restarts`: as in `helpers.training.train` (the checkpoints hold the adapters, not the base).
-    Bad input is refused before any process starts."""
+    default the standard library): `helpers.training.train` with FSDP2 over 2 ranks of a `LoraModel`, for `steps`
+    optimizer steps (>= 3) of Adam on the adapters, and the adapters saved with peft's `save_pretrained`. The result
+    (`Trained`) also holds `held_out_loss` (on `held_out_windows` held-out windows) and `samples` (the greedy
+    continuation of `prompt`), before and after. `checkpoint`, `restarts`: as in `train` (the checkpoints hold the
+    adapters, not the base). Bad input is refused before any process starts."""
     return _finetune(model, (method,), {method: save_to}, steps=steps, batch=batch, seq_len=seq_len, rank=rank,
                      alpha=alpha, targets=targets, base_dtype=base_dtype, checkpointing=checkpointing,
                      offload=offload, text=text, lr=lr, prompt=prompt, workdir=workdir, rig=rig, timeout=timeout,
@@ -371,9 +362,9 @@ def finetune(model: str | Path | None = None, method: str = "qlora", steps: int 
 
 
 def finetune_each(model: str | Path | None = None, methods: Sequence[str] = METHODS,
-                  save_to: str | Path | None = None, **options) -> dict[str, Finetuned]:
+                  save_to: str | Path | None = None, **options) -> dict[str, Trained]:
     """`finetune` of the same base on the same text with each of `methods` (default LoRA and QLoRA), one after the
-    other in one launch of the ranks (`helpers.training.loop.run_trainings`): one start-up of the processes for all of
+    other in one launch of the ranks (`helpers.training.api.train_each`): one start-up of the processes for all of
     them. `save_to`: a folder; each method's adapters go to its own subfolder (save_to/lora, ...), and so do its
     checkpoints (checkpoint/lora, ...). `options`: those of `finetune`."""
     methods = tuple(dict.fromkeys(methods))
@@ -388,47 +379,33 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
               targets: tuple[str, ...] | str = ALL_LINEAR, base_dtype: str = "fp32", checkpointing: bool = True,
               offload: str | None = None, text: str | Path | None = None, lr: float = 3e-3, prompt: str = "def ",
               workdir: str | Path | None = None, rig=None, timeout: float = 600.0, held_out_windows: int = 32,
-              max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> dict[str, Finetuned]:
-    """Every method's job checked, then all of them run in one launch; each measured before and after."""
+              max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> dict[str, Trained]:
+    """A LoraModel per method, trained by `train_each` (one check, one launch), each measured before and after."""
     from helpers.models.layered import Stage
-    from helpers.models.text import greedy_sample, load_rows, model_text, text_loss
-    from helpers.runtime.rig import detect_rig
+    from helpers.models.text import greedy_sample, load_rows, stdlib_path, text_loss
     from helpers.runtime.scratch import scratch_dir
-    from helpers.training.checkpoint import as_checkpoint_spec
-    from helpers.training.job import job_for
-    from helpers.training.loop import run_trainings
+    from helpers.training.api import train_each
 
-    if not isinstance(steps, int) or steps < 3:
-        raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
     specs = {m: LoraSpec(method=m, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype) for m in methods}
     for spec in specs.values():
         check_spec(spec)
-    rig = rig or detect_rig()
     workdir = Path(workdir or scratch_dir("lab-lora-"))
     base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
-    loras = {m: LoraModel(base, spec) for m, spec in specs.items()}
-    spec = as_checkpoint_spec(checkpoint)
-    checkpoints = {m: spec if spec is None or len(methods) == 1 else replace(spec, folder=str(Path(spec.folder) / m))
-                   for m in methods}
-    train_rows, held_rows, tokenizer = model_text(base.path, base.vocab_size, text, seq_len, workdir / "text",
-                                                  max_chars=max_chars)
-    jobs = [job_for(lora, "fsdp2", batch=batch, seq_len=seq_len, timed_steps=steps - 2, optimizer="adam", lr=lr,
-                    data=str(train_rows), checkpointing=checkpointing, offload=offload, return_state=True,
-                    checkpoint=checkpoints[m]) for m, lora in loras.items()]
-    held = load_rows(held_rows)[:held_out_windows]
+    out = train_each({m: LoraModel(base, spec) for m, spec in specs.items()}, "fsdp2", "processes", steps=steps,
+                     seq_len=seq_len, save_to=save_to, save=save_adapters, rig=rig, timeout=timeout,
+                     text=text if text is not None else stdlib_path(), workdir=workdir / "text",
+                     max_chars=max_chars, checkpoint=checkpoint, restarts=restarts, batch=batch, microbatches=1,
+                     optimizer="adam", lr=lr, checkpointing=checkpointing, offload=offload)
+    first = next(iter(out.values()))
+    held = load_rows(first.held_out_path)[:held_out_windows]
     context = getattr(base.config, "max_position_embeddings", None)
 
     def measure(lora: LoraModel, state):
         stage = Stage(full_layers(lora, state)).eval()
-        return text_loss(stage, held), greedy_sample(stage, tokenizer, prompt, 40, context)
+        return text_loss(stage, held), greedy_sample(stage, first.tokenizer, prompt, 40, context)
 
-    before = {m: measure(lora, None) for m, lora in loras.items()}
-    results = run_trainings(jobs, rig, timeout=timeout, oversubscribe=rig.is_cpu,  # checks every job first
-                            restarts=restarts)
-    out = {}
-    for (m, lora), res in zip(loras.items(), results):
-        after = measure(lora, res.state)
-        saved = save_adapters(lora, res.state, save_to[m]) if save_to.get(m) is not None else None
-        out[m] = Finetuned(res.losses, (before[m][0], after[0]), (before[m][1], after[1]), res.memory,
-                           res.step_times, res.state, lora, prompt, saved)
+    for trained in out.values():
+        (loss_before, sample_before), (loss_after, sample_after) = (measure(trained.model, None),
+                                                                    measure(trained.model, trained.state))
+        trained.held_out_loss, trained.samples = (loss_before, loss_after), (sample_before, sample_after)
     return out

@@ -19,11 +19,11 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from helpers.course import DATA_DIR, load_data
+from helpers.course import DATA_DIR
 from helpers.gpu_sizes.footprint import Footprint
 from helpers.gpu_sizes.suite import Replay
-from helpers.sizing.gpus import runtime_reserve
-from helpers.units import GiB, MiB, fmt_bytes
+from helpers.sizing.gpus import gpu, runtime_reserve
+from helpers.units import GiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
 HEADROOM = 0.15  # the share of each card a plan leaves free: planned peak <= 85% of the card
@@ -58,8 +58,8 @@ Phases = Callable[[Rig], Sequence[Phase]]
 
 
 def card_bytes(card: str = CARD) -> int:
-    """The memory CUDA reports for `card` (data/inference.json "gpu_memory", with its source)."""
-    return load_data("inference")["gpu_memory"][card]["cuda_total_mib"] * MiB
+    """The memory CUDA reports for `card`, from the one GPU description (helpers.sizing.gpus)."""
+    return gpu(card).capacity_bytes
 
 
 def rtx3090_rigs() -> dict[str, Rig]:

@@ -62,17 +62,23 @@ class Device:
     `bandwidth`: bytes per second the device streams weights and KV cache at; `flops`: (rows, FLOP/s) points of its
     sustained matmul rate by rows multiplied at once (one point: a constant rate, the GPUs' published layer rate);
     `host_s_per_op`: host time to dispatch one op; `busy_slowdown`: how much slower the device streams and computes
-    while the other device is busy too (1 on GPUs, measured on the CPU rig where both share memory and caches)."""
+    while the other device is busy too (1 on GPUs, measured on the CPU rig where both share memory and caches);
+    `busy_flops`: where measured (CPU rig), the matmul rate by rows while the other device multiplies too, which
+    replaces `busy_slowdown` for the arithmetic (two cores sharing one memory slow down by how much they stream)."""
 
     name: str
     bandwidth: float
     flops: tuple[tuple[int, float], ...]
     host_s_per_op: float
     busy_slowdown: float = 1.0
+    busy_flops: tuple[tuple[int, float], ...] = ()
 
-    def rate(self, rows: int) -> float:
-        """FLOP/s at `rows` rows, interpolated in log(rows) between the measured points, constant beyond them."""
-        points = sorted(self.flops)
+    def rate(self, rows: int, busy: bool = False) -> float:
+        """FLOP/s at `rows` rows (while the other device works too, with `busy`), interpolated in log(rows) between
+        the measured points, constant beyond them."""
+        if busy and not self.busy_flops:
+            return self.rate(rows) / self.busy_slowdown
+        points = sorted(self.busy_flops if busy else self.flops)
         if rows <= points[0][0]:
             return points[0][1]
         for (r0, f0), (r1, f1) in zip(points, points[1:]):
@@ -84,7 +90,7 @@ class Device:
     def seconds(self, nbytes: float, flops: float, rows: int, busy: bool = False) -> float:
         """The roofline: max(bytes / bandwidth, FLOPs / rate at `rows`), slower while both devices work."""
         slow = self.busy_slowdown if busy else 1.0
-        return slow * max(nbytes / self.bandwidth, flops / self.rate(rows))
+        return max(slow * nbytes / self.bandwidth, flops / self.rate(rows, busy))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ engines timed on the same model, batches and contexts.
 
 - `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
   with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
-  other device streams too), its matmul rate at the row counts the workload multiplies, the host time per
+  other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
+  set, out of the cache), the host time per
   dispatched op (a tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the
   all-reduce at hidden-state sizes (`helpers.simulate.calibrate.small_allreduce_link`) and DTensor's host time per
   sharded linear.
@@ -72,13 +73,24 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
 
 
 def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], repeats: int = 5) -> tuple:
-    """(rows, FLOP/s) of the model's MLP matrix multiplied by that many rows, one point per row count."""
-    w = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
-    out = []
+    """((rows, FLOP/s) alone, (rows, FLOP/s) while the other virtual device does the same): that many rows multiplied
+    through every matrix of the model's working set, as a forward does: the weights come from memory, not from the
+    cache. One matrix timed alone stays in the cache, and at a few rows it multiplies faster than the same rows swept
+    through the working set: a CPU overlaps streaming and multiplying only in part, so the roofline's max(bytes /
+    bandwidth, FLOPs / rate) holds only with a rate measured while streaming. Both devices at once share the memory:
+    slower by how much each row count streams, so the slowdown is measured per row count too."""
+    from helpers.simulate.calibrate import run_together
+
+    mats = [_weights(shape, dtype), _weights(shape, dtype)]
+    per_row = 2.0 * sum(w.numel() for w in mats[0])
+    alone, together = [], []
     for r in sorted(set(rows)):
         x = torch.randn(r, shape.hidden, dtype=dtype)
-        out.append((r, 2.0 * r * shape.hidden * shape.intermediate / _median(lambda: F.linear(x, w), repeats)))
-    return tuple(out)
+        sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in mats]
+        alone.append((r, per_row * r / _median(sweeps[0], repeats)))
+        both = statistics.median(max(run_together(sweeps)) for _ in range(repeats))
+        together.append((r, per_row * r / both))
+    return tuple(alone), tuple(together)
 
 
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
@@ -133,8 +145,9 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     dtype = model.weights_dtype
     shape = model_shape(model.path, weight_format_name(dtype))
     bandwidth, slowdown = stream_rates(shape, dtype, repeats)
-    device = Device("CPU virtual device", bandwidth, matmul_rates(shape, dtype, rows, repeats),
-                    host_seconds_per_op(shape.config.model_type), slowdown)
+    alone, together = matmul_rates(shape, dtype, rows, repeats)
+    device = Device("CPU virtual device", bandwidth, alone, host_seconds_per_op(shape.config.model_type), slowdown,
+                    together)
     sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
     if len(sizes) < 2:
         sizes.append(2 * sizes[0])

@@ -9,7 +9,9 @@ daemon thread that every `interval_s` rewrites one small JSON file, `rank{N}.jso
 allocated and reserved bytes, and the rank's status. Each report is written aside and renamed over the last one, so a
 reader never sees half of it, and a rank never waits for a reader: with nobody reading, the writes are all it costs.
 When the worker returns or raises, the rank writes its final report ("finished" or "failed", with its peaks) before
-its result goes back to the caller (who then stops the ranks).
+its result goes back to the caller (who then stops the ranks). Ranks that run several jobs in one launch
+(`run_trainings`: LoRA then QLoRA) publish once per job: each earlier job's last report stays in the file, under
+its own title, so a panel keeps a row per job and rank.
 
 A rank that dies without a final report (killed, crashed in native code) is recognised by its lock: the rank holds an
 exclusive `flock` on `rank{N}.lock` for its whole life and the kernel drops it when the process ends, so a reader
@@ -114,6 +116,7 @@ class _Reporter:
         self.path = folder / f"rank{rank}.json"
         self.source: Any = None
         self.title: str | None = None
+        self.earlier: list[dict] = []  # the last report of each job this rank ran before the current one
         self._hold_lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="memory-report")
@@ -136,9 +139,17 @@ class _Reporter:
                 "reserved": torch.cuda.memory_reserved(self.device),
                 "max_allocated": torch.cuda.max_memory_allocated(self.device)}
 
+    def publish(self, source: Any, title: str | None) -> None:
+        """A new job's source: the current one's last report is kept (finished) before it is replaced."""
+        if self.source is not None and source is not self.source:
+            last = self.snapshot("finished")
+            del last["earlier"]
+            self.earlier.append(last)
+        self.source, self.title = source, title
+
     def snapshot(self, status: str) -> dict:
         report: dict[str, Any] = {"rank": self.rank, "status": status, "title": self.title, "parts": {},
-                                  "peak_parts": {}}
+                                  "peak_parts": {}, "earlier": list(self.earlier)}
         if self.source is not None:
             torch = sys.modules.get("torch")
             with torch.no_grad() if torch is not None else nullcontext():  # reading a DTensor shard records nothing
@@ -197,10 +208,11 @@ def reporting(folder: str | None, rank: int, device: Any = None) -> Iterator[Non
 
 def publish(source: Any, title: str | None = None) -> None:
     """Inside a rank: from now on, report what `source` holds (a `MemoryLedger`, or anything with `labels`,
-    `parts(label)` and `peak_parts(label)`), under `title` (e.g. the strategy's name). Does nothing when no panel
-    watches, so workers call it unconditionally."""
+    `parts(label)` and `peak_parts(label)`), under `title` (e.g. the strategy's name); a later call starts the
+    rank's next job (its own row), the earlier job's report kept. Does nothing when no panel watches, so workers call
+    it unconditionally."""
     if _reporter is not None:
-        _reporter.source, _reporter.title = source, title
+        _reporter.publish(source, title)
 
 
 # --- the reader (the panel) -------------------------------------------------------------------------------------------
@@ -208,7 +220,8 @@ def publish(source: Any, title: str | None = None) -> None:
 @dataclass
 class RankReport:
     """The latest word from one rank of one run. `status`: starting (no report yet), running, finished, failed, or
-    stopped (the rank ended without a final report: killed, crashed, or stopped with the others after a failure)."""
+    stopped (the rank ended without a final report: killed, crashed, or stopped with the others after a failure).
+    `job`: which of the jobs the rank ran in this run (0, 1, ... in their order: one launch of several jobs)."""
 
     run: int
     rank: int
@@ -218,10 +231,12 @@ class RankReport:
     parts: dict[str, int] = field(default_factory=dict)
     peak_parts: dict[str, int] = field(default_factory=dict)
     cuda: dict | None = None
+    job: int = 0
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.run, self.rank
+    def key(self) -> tuple[int, int, int]:
+        """Rows in run order, then job, then rank."""
+        return self.run, self.job, self.rank
 
 
 def _lock_held(path: Path) -> bool:
@@ -240,19 +255,21 @@ def _lock_held(path: Path) -> bool:
         return False
 
 
-def _read_rank(folder: Path, run: int, rank: int, world: int, ended: bool) -> RankReport | None:
+def _read_rank(folder: Path, run: int, rank: int, world: int, ended: bool) -> list[RankReport]:
+    """The rank's reports: one per job it ran (the earlier ones finished), none when unreadable right now."""
     path, lock = folder / f"rank{rank}.json", folder / f"rank{rank}.lock"
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:  # not reporting yet; once the run is over, never will
-        return RankReport(run, rank, world, "stopped" if ended else "starting")
+        return [RankReport(run, rank, world, "stopped" if ended else "starting")]
     except (OSError, ValueError):
-        return None  # unreadable now: keep the last report
-    report = RankReport(run, rank, world, data["status"], data.get("title"), data.get("parts") or {},
-                        data.get("peak_parts") or {}, data.get("cuda"))
-    if report.status == "running" and not _lock_held(lock):
-        report.status = "stopped"
-    return report
+        return []  # unreadable now: keep the last report
+    reports = [RankReport(run, rank, world, d["status"], d.get("title"), d.get("parts") or {},
+                          d.get("peak_parts") or {}, d.get("cuda"), job)
+               for job, d in enumerate([*data.get("earlier", []), data])]
+    if reports[-1].status == "running" and not _lock_held(lock):
+        reports[-1].status = "stopped"
+    return reports
 
 
 def read_reports(folder: str | Path) -> list[RankReport]:
@@ -266,7 +283,5 @@ def read_reports(folder: str | Path) -> list[RankReport]:
         except (OSError, ValueError):
             continue
         for rank in range(int(meta["world"])):
-            report = _read_rank(run_dir, run, rank, int(meta["world"]), "ended" in meta)
-            if report is not None:
-                out.append(report)
-    return out
+            out += _read_rank(run_dir, run, rank, int(meta["world"]), "ended" in meta)
+    return sorted(out, key=lambda r: r.key)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from helpers.catalog import strategy as catalog_entry
 from helpers.units import fmt_bytes
 from helpers.sizing.activations import transformer_activation_bytes
 from helpers.sizing.gpus import Gpu
@@ -150,7 +151,7 @@ class Option:
 
     def row(self) -> dict:
         return {"strategy": LABELS[self.job.strategy], "micro-batches": self.job.microbatches,
-                "checkpointing": self.job.checkpoint, "peak per GPU": fmt_bytes(self.peak_bytes),
+                "checkpointing": self.job.checkpointing, "peak per GPU": fmt_bytes(self.peak_bytes),
                 "fits": self.fits, "step (s)": self.step_s,
                 "samples/s": self.simulation.samples_per_s if self.simulation else None}
 
@@ -175,10 +176,12 @@ class Recommendation:
 def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
     """Every micro-batch count that divides the batch, without and then with checkpointing."""
     jobs = []
-    for checkpoint in (False, True):
+    entry = catalog_entry(strategy)
+    sizes = {"pp": devices if entry.pipeline else 1, "dp": devices if entry.data_parallel else 1}
+    for checkpointing in (False, True):
         for m in MICROBATCHES:
             try:
-                job = Job(strategy, batch, microbatches=m, stages=devices, replicas=devices, checkpoint=checkpoint)
+                job = Job(strategy, batch, microbatches=m, checkpointing=checkpointing, **sizes)
             except ValueError:
                 continue  # the batch does not split this way
             if strategy == "1f1b" and m < devices:
@@ -188,15 +191,16 @@ def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
 
 
 def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int) -> Option:
-    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated), or if none fits the
-    one with the smallest footprint."""
+    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated: messages over the rig's
+    link, collectives at the rig's all-reduce, the one the published checks use), or if none fits the one with the
+    smallest footprint."""
     best, smallest = None, None
     for job in _candidates(strategy, batch, rig.devices):
         peak = max(m.total for m in simulate_memory(workload, job).values())
         if smallest is None or peak < smallest.peak_bytes:
             smallest = Option(job, peak, False, None)
         if peak <= capacity:
-            sim = simulate(workload, job, rig.link)
+            sim = simulate(workload, job, rig.link, rig.collectives)
             if best is None or sim.step_s < best.step_s:
                 best = Option(job, peak, True, sim)
     if best is None and smallest is None:

@@ -1,7 +1,7 @@
 """A pipeline playground: turn the knobs, watch the simulated timeline, the bubble and the peak memory move.
 
-The model is `stages` stages of one layer each, sharing a total forward and backward time per micro-batch; the
-first stage carries (1 + imbalance) times the work of each other stage. Activations split evenly across stages;
+The model is `pp` stages of one layer each (one per device), sharing a total forward and backward time per
+micro-batch; the first stage carries (1 + imbalance) times the work of each other stage. Activations split evenly across stages;
 what crosses each boundary is `boundary_mb` per micro-batch. With no frontend attached (nbval, scripts,
 LAB_STATIC_WIDGETS=1) the panel draws once with its starting values.
 """
@@ -27,13 +27,13 @@ def _pcie_3090(key: str) -> float:
 class Knobs:
     """What the sliders set (starting values: a 2-stage 1F1B pipeline on a 3090 pair's PCIe link without P2P)."""
 
-    stages: int = 2
+    pp: int = 2  # pipeline devices, a stage each
     microbatches: int = 4
     schedule: str = "1f1b"
     imbalance: float = 0.0
     bandwidth_gb_s: float = field(default_factory=lambda: _pcie_3090("gb_s_per_direction"))
     latency_us: float = field(default_factory=lambda: _pcie_3090("latency_us"))
-    checkpoint: bool = False
+    checkpointing: bool = False
 
 
 class Playground:
@@ -73,9 +73,9 @@ class Playground:
     def simulate(self, knobs: Knobs) -> Simulation:
         """One step with these knob settings (one sample per micro-batch: costs above are per micro-batch)."""
         m = 1 if knobs.schedule == "naive" else knobs.microbatches
-        job = Job(knobs.schedule, batch=m, microbatches=m, stages=knobs.stages, checkpoint=knobs.checkpoint)
+        job = Job(knobs.schedule, batch=m, microbatches=m, pp=knobs.pp, checkpointing=knobs.checkpointing)
         link = Link(knobs.latency_us * 1e-6, knobs.bandwidth_gb_s * 1e9, "playground link")
-        return simulate(self.workload(knobs.stages, knobs.imbalance), job, link)
+        return simulate(self.workload(knobs.pp, knobs.imbalance), job, link)
 
     def describe(self, sim: Simulation) -> str:
         peaks = ", ".join(fmt_bytes(m.activations) for m in sim.memory.values())
@@ -101,14 +101,14 @@ class Playground:
         k = self.knobs
         label = {"style": {"description_width": "initial"}}  # the whole name: "micro-batches", not "micro-bat..."
         return {
-            "stages": w.IntSlider(k.stages, min=1, max=8, description="stages", **label),
+            "pp": w.IntSlider(k.pp, min=1, max=8, description="stages (pp)", **label),
             "microbatches": w.IntSlider(k.microbatches, min=1, max=32, description="micro-batches", **label),
             "schedule": w.Dropdown(options=SCHEDULES, value=k.schedule, description="schedule", **label),
             "imbalance": w.FloatSlider(k.imbalance, min=0.0, max=2.0, step=0.1, description="imbalance", **label),
             "bandwidth_gb_s": w.FloatLogSlider(k.bandwidth_gb_s, base=10, min=-1, max=3, description="GB/s", **label),
             "latency_us": w.FloatSlider(k.latency_us, min=0.0, max=200.0, step=1.0, description="latency (us)",
                                         **label),
-            "checkpoint": w.Checkbox(k.checkpoint, description="checkpointing", **label),
+            "checkpointing": w.Checkbox(k.checkpointing, description="checkpointing", **label),
         }
 
     def show(self):

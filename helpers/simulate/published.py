@@ -4,11 +4,13 @@ Each check rebuilds the published setup as a workload (its layers traced kernel 
 `helpers.simulate.roofline`) on the rig in data/hardware.json that ran it, or the nearest one: where the published
 hardware is not one of ours the row says which rig stands in for it, and the error then includes that difference.
 
-Four constants are fitted here, each on one published figure of a different GPU (`FITTED`, `fitted_constants()`):
+Three constants are fitted here, each on one published figure of a different GPU (`FITTED`, `fitted_constants()`):
 the share of a training step spent in traced kernels on Lambda's RTX 3090 BERT-large throughput, the convolution
-efficiency on its RTX 4090 ResNet-50, the A100's own convolution efficiency on its A100 ResNet-50, and the all-reduce
-bus bandwidth of two GeForce cards without peer-to-peer on Hugging Face's TITAN RTX NVLink / no-P2P ratio. Every
-other row is validation: no other published figure sets anything.
+efficiency on its RTX 4090 ResNet-50, and the A100's own convolution efficiency on its A100 ResNet-50. Every other
+row is validation: no other published figure sets anything. The data-parallel rows exchange gradients as Lambda's
+own fp32 logs time it on each of its machines (`lambda_gradient_exchange`: a measurement, read off the logs without
+the simulator), in one piece after the backward, as those logs show; the fp16 speed-ups and Hugging Face's NVLink /
+no-P2P ratio (whose no-P2P all-reduce is the 2x RTX 3090 machine's) check it.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from torch import nn
 
 from helpers.course import load_data
 from helpers.simulate.guide import transformer_workload
-from helpers.simulate.hardware import Link, allreduce_link, gpu_named, link_named, target_rig
+from helpers.simulate.hardware import (Collectives, Link, TargetRig, allreduce_link, gpu_named, link_named,
+                                      target_rig)
 from helpers.simulate.roofline import Efficiency, efficiency, kernels_s, trace_kernels, workload_from_traces
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import decoder_shape
-from helpers.simulate.strategies import Job, simulate
+from helpers.simulate.strategies import Job, Simulation, simulate
 from helpers.simulate.workload import Workload
 
 BERT = {"BERT-base": (12, 768, 12), "BERT-large": (24, 1024, 16)}  # layers, hidden, heads (intermediate 4 x hidden)
@@ -34,10 +37,10 @@ RESNET50_STAGES = (("layer1", 3, 64, 1), ("layer2", 4, 128, 2), ("layer3", 6, 25
 LAMBDA_RIGS = (("2x3090 PCIe", "lambda_2x3090_data_parallel"), ("2x4090", "lambda_2x4090_data_parallel"),
                ("2xA100", "lambda_2xa100_sxm4_data_parallel"))
 NO_P2P = "3090_gpu_to_gpu_no_p2p"
+AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 FITTED = {"framework": "Lambda one-GPU throughput, BERT-large (samples/s), RTX 3090",
           "conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), RTX 4090",
-          "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM",
-          "no-P2P all-reduce": "HF GPT-2 DDP: no-P2P time / NVLink time (x), 2x TITAN RTX"}
+          "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM"}
 
 
 class _Bottleneck(nn.Module):
@@ -133,10 +136,10 @@ def tutorial_rows(rig: str = "2x3090 PCIe") -> list[dict]:
     batch, cut, single = setup["batch"], (3,), times["seconds"]["single_gpu"]
     one = simulate(workload, Job("single", batch))
     rows = [_row("PyTorch tutorial: naive split vs one GPU (x)", rig.name,
-                 one.step_s / simulate(workload, Job("naive", batch, cut=cut), rig.link).step_s,
+                 one.step_s / simulate(workload, Job("naive", batch, boundaries=cut), rig.link).step_s,
                  single / times["seconds"]["naive_model_parallel"], times["source"])]
     for key, split in setup["split_sizes"].items():
-        pipe = simulate(workload, Job("gpipe", batch, microbatches=batch // split, cut=cut), rig.link)
+        pipe = simulate(workload, Job("gpipe", batch, microbatches=batch // split, boundaries=cut), rig.link)
         rows.append(_row(f"PyTorch tutorial: pipelined, split size {split}, vs one GPU (x)", rig.name,
                          one.step_s / pipe.step_s, single / times["seconds"][key], times["source"]))
     return rows
@@ -154,9 +157,38 @@ def lambda_workloads(gpu: Gpu, eff: Efficiency | None = None, only: str | None =
     return {name: make() for name, make in build.items() if only in (None, name)}
 
 
+def lambda_gradient_exchange(gpu: str) -> Collectives:
+    """The gradient exchange of Lambda's two-GPU runs on `gpu`, as their own fp32 BERT-large logs time it
+    (data/published.json `lambda_fp32_bert_large_steps`): the seconds two GPUs add to each step over one, for the
+    bytes of its fp32 gradients. Their machines pay it whole after the backward, at a rate set by the machine and
+    not by its link (the entry's `why`: the same per byte in fp16 and fp32, BERT-base and BERT-large, over NVLink
+    and over PCIe), so the fp16 speed-ups are predicted with it, all-reduced in one piece after the backward."""
+    entry = load_data("published")["lambda_fp32_bert_large_steps"]
+    run = entry["seconds_iterations_51_to_101"][gpu]
+    added_s = (run["two_gpus"] - run["one_gpu"]) / entry["steps"]
+    exchange = Link(0.0, entry["gradient_bytes_per_param"] * entry["params_with_gradients"] / added_s,
+                    f"Lambda's {gpu} gradient exchange")
+    return Collectives(exchange, exchange, exchange, exchange, name=exchange.name)
+
+
+def exchange_after_backward(batch: int, dp: int = 2) -> Job:
+    """DDP over `dp` GPUs, `batch` samples in all, its gradients all-reduced in one piece once the backward is
+    done: how the published two-GPU runs pay their exchange (`lambda_gradient_exchange`)."""
+    return Job("ddp", batch, dp=dp, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
+
+
+def lambda_ddp(workload: Workload, rig: TargetRig, batch: int) -> Simulation:
+    """One step of Lambda's data-parallel run of `workload` on `rig`, `batch` samples per GPU: every gradient
+    exchanged after the backward, at the rate Lambda's logs show (`lambda_gradient_exchange`)."""
+    return simulate(workload, exchange_after_backward(rig.devices * batch, rig.devices), rig.link,
+                    lambda_gradient_exchange(rig.gpu.name))
+
+
 def lambda_rows() -> list[dict]:
     """Lambda's fp16 training benchmark for ResNet-50, BERT-base and BERT-large: one GPU's throughput and the
-    1 -> 2 GPU data-parallel speed-up, on 2x3090, 2x4090 and 2xA100 (GNMT, an LSTM, is not modelled)."""
+    1 -> 2 GPU data-parallel speed-up, on 2x3090, 2x4090 and 2xA100 (GNMT, an LSTM, is not modelled). The
+    speed-ups use the gradient exchange Lambda's fp32 logs time on each machine (`lambda_gradient_exchange`), not
+    the rig's link."""
     published = load_data("published")
     batches = published["lambda_batch_per_gpu_fp16"]["batch"]
     single = published["lambda_1gpu_throughput_fp16"]
@@ -169,7 +201,7 @@ def lambda_rows() -> list[dict]:
             rows.append(_row(f"Lambda one-GPU throughput, {model} (samples/s)", rig.gpu.name, one.samples_per_s,
                              single["samples_per_s"][rig.gpu.name][model], single["source"], f"Lambda {model}",
                              rig.gpu.name))
-            two = simulate(workload, Job("ddp", rig.devices * batch, replicas=rig.devices), rig.link, rig.collectives)
+            two = lambda_ddp(workload, rig, batch)
             rows.append(_row(f"Lambda DDP speed-up, {model} (x)", rig.name, two.samples_per_s / one.samples_per_s,
                              entry["speedup"][model], entry["source"]))
     return rows
@@ -199,18 +231,19 @@ def micro_bench_rows() -> list[dict]:
             for gpu_name, published in entry["fwd_bwd_tflops"].items()]
 
 
-def nvlink_rows(no_p2p: Link | None = None) -> list[dict]:
+def nvlink_rows() -> list[dict]:
     """Hugging Face's DDP training of GPT-2 (fp32, 4 x 1024 tokens per GPU) on 2x TITAN RTX, with its NVLink
     bridge and with NCCL_P2P_DISABLE=1: the time ratio. The all-reduce over the bridge is nccl-tests' on the same
-    chip's bridge (2x RTX 2080 Ti); without P2P, the GeForce no-P2P all-reduce (`no_p2p`, by default the stored
-    fit); the compute is an RTX 3090's (no TITAN RTX figures)."""
+    chip's bridge (2x RTX 2080 Ti); without P2P, the GeForce no-P2P all-reduce (data/hardware.json: what Lambda's
+    2x RTX 3090 logs time); each after the backward, as Lambda's logs show; the compute is an RTX 3090's (no TITAN
+    RTX figures)."""
     published = load_data("published")
     times, setup = published["hf_nvlink_ddp"], published["hf_nvlink_ddp_setup"]
     gpu, batch = gpu_named("RTX 3090"), setup["per_device_batch"]
     workload = transformer_workload(decoder_shape(*GPT2_SMALL), setup["seq"], gpu, setup["dtype"], "eager",
                                     "fp32 + Adam", batch=batch)
-    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), Job("ddp", 2 * batch)
-    ratio = (simulate(workload, job, link_named(NO_P2P), no_p2p or allreduce_link(NO_P2P)).step_s
+    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), exchange_after_backward(2 * batch)
+    ratio = (simulate(workload, job, link_named(NO_P2P), allreduce_link(NO_P2P)).step_s
              / simulate(workload, job, nvlink, nvlink).step_s)
     return [_row("HF GPT-2 DDP: no-P2P time / NVLink time (x)", "RTX 3090 compute; 2080 Ti bridge vs no-P2P",
                  ratio, times["seconds"]["nccl_p2p_disable"] / times["seconds"]["nvlink"], times["source"])]
@@ -284,16 +317,8 @@ def fit_conv_efficiency(gpu: str = "RTX 4090") -> float:
     return _bisect(error, 0.05, 1.0)
 
 
-def fit_no_p2p_allreduce_gb_s() -> float:
-    """The all-reduce bus bandwidth of two GeForce cards without peer-to-peer (NCCL stages every message through
-    host memory) that makes Hugging Face's no-P2P / NVLink time ratio come out as published (`FITTED`)."""
-    target = nvlink_rows()[0]["published"]
-    latency = allreduce_link(NO_P2P).latency_s
-    return _bisect(lambda gb_s: nvlink_rows(Link(latency, gb_s * 1e9))[0]["predicted"] / target - 1, 0.5, 50.0)
-
-
 def fitted_constants() -> dict[str, float]:
     """Every constant fitted on a published figure, refitted now (`FITTED` names the figures): what
     data/hardware.json stores, recomputed."""
     return {"framework": fit_framework_efficiency(), "conv": fit_conv_efficiency("RTX 4090"),
-            "A100 conv": fit_conv_efficiency("A100 80GB SXM"), "no-P2P all-reduce": fit_no_p2p_allreduce_gb_s()}
+            "A100 conv": fit_conv_efficiency("A100 80GB SXM")}

@@ -48,16 +48,21 @@ LABELS = {e.name: e.label for e in CATALOG}
 @dataclass(frozen=True)
 class Job:
     """How to train: the strategy, the global batch per optimizer step and its micro-batches (pipeline
-    micro-batches, or gradient-accumulation steps for data parallelism), and each strategy's knobs."""
+    micro-batches, or gradient-accumulation steps for data parallelism), and each strategy's knobs. The names are
+    `helpers.training.job.TrainJob`'s, meaning the same (`from_train_job` reads a training job's): `pp` pipeline
+    devices, `dp` data-parallel replicas (their product `world`), `boundaries`, `checkpointing`."""
 
     strategy: str
     batch: int
     microbatches: int = 1
-    stages: int = 2  # pipeline devices (naive, gpipe, 1f1b, ..., dp_x_pp); interleaved and zbv run 2 stages on each
-    replicas: int = 2  # data-parallel replicas (ddp, zero1, zero2, fsdp2, dp_x_pp)
-    checkpoint: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the layers to recompute
+    pp: int | None = None  # pipeline devices; None: 2 for a pipeline strategy (naive, gpipe, ..., dp_x_pp), else 1.
+    # interleaved, zbv and dualpipev run 2 model stages on each
+    dp: int | None = None  # data-parallel replicas; None: 2 for ddp, zero1, zero2, fsdp2 and dp_x_pp, else 1
+    checkpointing: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the layers to
+    # recompute
     schedule: str = "1f1b"  # the pipeline schedule inside dp_x_pp
-    cut: tuple[int, ...] | None = None  # first layer of each model stage after the first; default: time-balanced
+    boundaries: tuple[int, ...] | None = None  # first layer of each model stage after the first; None:
+    # time-balanced
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     # DDP's gradients are views of its buckets (gradient_as_bucket_view=True, as helpers' apply_ddp sets): no copy
@@ -68,26 +73,33 @@ class Job:
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
 
     def __post_init__(self):
-        catalog_entry(self.strategy)  # refuses an unknown name
+        entry = catalog_entry(self.strategy)  # refuses an unknown name
+        for name, used in (("pp", entry.pipeline), ("dp", entry.data_parallel)):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, 2 if used else 1)
+            elif not used and value != 1:
+                raise ValueError(f"{self.strategy} has no {'pipeline' if name == 'pp' else 'data parallelism'}: "
+                                 f"{name} must be 1, got {value!r}")
         for what, value in (("global batch", self.batch), ("micro-batch count", self.microbatches),
-                            ("stage count", self.stages), ("replica count", self.replicas)):
+                            ("pipeline device count pp", self.pp), ("replica count dp", self.dp)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"the {what} must be a whole number >= 1, got {value!r}")
         if self.strategy == "naive" and self.microbatches != 1:
             raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
                              "for micro-batches")
-        if not isinstance(self.checkpoint, bool) and (not isinstance(self.checkpoint, tuple) or any(
-                not isinstance(i, int) or i < 0 for i in self.checkpoint)):
-            raise ValueError(f"checkpoint must be True, False or a tuple of layer indices >= 0, got "
-                             f"{self.checkpoint!r}")
+        if not isinstance(self.checkpointing, bool) and (not isinstance(self.checkpointing, tuple) or any(
+                not isinstance(i, int) or i < 0 for i in self.checkpointing)):
+            raise ValueError(f"checkpointing must be True, False or a tuple of layer indices >= 0, got "
+                             f"{self.checkpointing!r}")
         if not (self.fsdp2_host_s >= 0 and math.isfinite(self.fsdp2_host_s)):
             raise ValueError(f"FSDP2's host work per collective must be seconds >= 0, got {self.fsdp2_host_s!r}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
-        if self.samples_per_microbatch * self.replicas_used * self.microbatches != self.batch:
+        if self.samples_per_microbatch * self.dp * self.microbatches != self.batch:
             split = f"{self.microbatches} micro-batches"
-            if self.replicas_used > 1:
-                split = f"{self.replicas_used} replicas x {split}"
+            if self.dp > 1:
+                split = f"{self.dp} replicas x {split}"
             raise ValueError(f"global batch {self.batch} is not divisible by {split}")
 
     @property
@@ -95,45 +107,45 @@ class Job:
         """The strategy's entry in helpers.catalog."""
         return catalog_entry(self.strategy)
 
-    @property
-    def stages_used(self) -> int:
-        return self.stages if self.entry.pipeline else 1
+    @classmethod
+    def from_train_job(cls, job) -> "Job":
+        """The simulator's job for a `TrainJob`: its strategy, and its fields of the same names (the run's
+        boundaries, or the equal split it trains with)."""
+        strategy = job.strategy if job.world > 1 else "single"
+        return cls(strategy, job.batch, job.microbatches, pp=job.pp, dp=job.dp, checkpointing=job.checkpointing,
+                   schedule=job.schedule, boundaries=job.cut() if job.pp > 1 else None, bucket_mb=job.bucket_mb)
 
     @property
-    def replicas_used(self) -> int:
-        return self.replicas if self.entry.data_parallel else 1
-
-    @property
-    def devices(self) -> int:
-        return self.stages_used * self.replicas_used
+    def world(self) -> int:
+        return self.pp * self.dp
 
     @property
     def samples_per_microbatch(self) -> int:
-        return self.batch // (self.replicas_used * self.microbatches)
+        return self.batch // (self.dp * self.microbatches)
 
     def label(self) -> str:
         parts = [self.entry.label]
         if self.entry.kind == "pipeline":
             chunks = self.layout.chunks
-            parts.append(f"{self.stages} stages" if chunks == 1 else f"{self.stages} devices x {chunks} stages")
+            parts.append(f"{self.pp} stages" if chunks == 1 else f"{self.pp} devices x {chunks} stages")
         if self.strategy == "dp_x_pp":
-            parts.append(f"{self.replicas} x {self.stages}, {self.schedule}")
+            parts.append(f"{self.dp} x {self.pp}, {self.schedule}")
         if self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
-        if self.checkpoint is True:
+        if self.checkpointing is True:
             parts.append("checkpointing")
-        elif self.checkpoint:
-            parts.append(f"checkpointing {len(self.checkpoint)} layers")
+        elif self.checkpointing:
+            parts.append(f"checkpointing {len(self.checkpointing)} layers")
         return ", ".join(parts)
 
     @property
     def layout(self):
         """Which device holds each model stage of the pipeline (`helpers.pipeline.schedules.Layout`)."""
-        return layout_for(self.schedule if self.strategy == "dp_x_pp" else self.entry.schedule or "gpipe", self.stages)
+        return layout_for(self.schedule if self.strategy == "dp_x_pp" else self.entry.schedule or "gpipe", self.pp)
 
     def checkpoints(self, layer: int) -> bool:
         """Whether `layer` recomputes its activations in backward."""
-        return self.checkpoint is True or (self.checkpoint is not False and layer in self.checkpoint)
+        return self.checkpointing is True or (self.checkpointing is not False and layer in self.checkpointing)
 
 
 @dataclass(frozen=True)
@@ -208,13 +220,13 @@ class _Builder:
     def __init__(self, workload: Workload, job: Job, link: Link, collective_link: Link | Collectives | None = None):
         self.w, self.job, self.link = workload, job, link
         self.coll = collective_link or link
-        if job.checkpoint not in (True, False) and max(job.checkpoint, default=-1) >= len(workload.layers):
-            raise ValueError(f"checkpointed layers {sorted(job.checkpoint)} must be indices of the workload's "
+        if job.checkpointing not in (True, False) and max(job.checkpointing, default=-1) >= len(workload.layers):
+            raise ValueError(f"checkpointed layers {sorted(job.checkpointing)} must be indices of the workload's "
                              f"{len(workload.layers)} layers")
         self.layers = workload.layers
         self.graph = TaskGraph()
         self.size = job.samples_per_microbatch
-        self.traces = {d: _Trace() for d in range(job.devices)}
+        self.traces = {d: _Trace() for d in range(job.world)}
         self.state: dict[int, DeviceMemory] = {}
 
     # --- per micro-batch costs of a layer range [a, b) ---------------------------------------------------------
@@ -306,13 +318,13 @@ class _Builder:
     def ranges(self) -> list[tuple[int, int]]:
         """[(first, end)) layers of each model stage (devices x stages per device of them)."""
         p, n = self.job.layout.stages, len(self.layers)
-        if self.job.cut is None:
+        if self.job.boundaries is None:
             cut = optimal_split(self.w.time_costs(), p).boundaries
         else:
-            cut = tuple(self.job.cut)
+            cut = tuple(self.job.boundaries)
             if len(cut) != p - 1 or list(cut) != sorted(set(cut)) or (cut and not 0 < cut[0] <= cut[-1] < n):
-                raise ValueError(f"cut {cut} must give {p - 1} increasing first-layer indices between 1 and {n - 1} "
-                                 f"for {p} stages of {n} layers")
+                raise ValueError(f"boundaries {cut} must give {p - 1} increasing first-layer indices between 1 and "
+                                 f"{n - 1} for {p} stages of {n} layers")
         edges = [0, *cut, n]
         return list(zip(edges, edges[1:]))
 
@@ -364,7 +376,7 @@ class _Builder:
 
     def run_pipeline(self, schedule: str) -> None:
         ranges = self.ranges()
-        devices = list(range(self.job.stages))
+        devices = list(range(self.job.pp))
         last = self.pipeline(schedule, self.job.microbatches, devices, ranges)
         n = self.w.n_params or 1
         for dev, task in zip(devices, last):
@@ -414,7 +426,7 @@ class _Builder:
         return last
 
     def run_ddp(self, zero1: bool) -> None:
-        devices = list(range(self.job.replicas))
+        devices = list(range(self.job.dp))
         r = len(devices)
         views = self.job.bucket_views
         ready = self.local_steps(devices, copy_passes=1 if views else 2)  # [into its bucket,] the hook's division
@@ -448,7 +460,7 @@ class _Builder:
         Before each collective the host does `fsdp2_host_s` of work of its own (DTensor dispatch, the collectives'
         wrappers: measured in the same run by `calibrate.fsdp2_host_seconds`); it holds the compute where the host
         computes, and runs beside the device elsewhere."""
-        devices = list(range(self.job.replicas))
+        devices = list(range(self.job.dp))
         r, n = len(devices), len(self.layers)
         w, g, o = self.w.bytes_per_param
         gather = lambda i: collective_s(self.coll, "allgather", w * self.layers[i].params, r)  # noqa: E731
@@ -508,7 +520,7 @@ class _Builder:
                                          int(o * total / r))
 
     def run_dp_x_pp(self) -> None:
-        p, r = self.job.stages, self.job.replicas
+        p, r = self.job.pp, self.job.dp
         ranges = self.ranges()
         last = [self.pipeline(self.job.schedule, self.job.microbatches, [rep * p + s for s in range(p)], ranges)
                 for rep in range(r)]

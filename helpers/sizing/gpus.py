@@ -30,6 +30,7 @@ class Gpu:
     memory_bandwidth: float | None = None  # bytes/s an element-wise kernel sustains (measured, or an estimate)
     matmul_flops: Mapping[str, float] = field(default_factory=dict)  # FLOP/s of a large matmul, per dtype, measured
     conv_efficiency: float | None = None  # this card's own (fitted) share of the matmul rate convolutions reach
+    capacity_source: str | None = None  # where `capacity_bytes` comes from (a measurement's source, a spec, the user)
 
     @property
     def usable_bytes(self) -> int:
@@ -85,10 +86,11 @@ def gpu(spec: str) -> Gpu:
     canonical = by_name.get(name.lower())
     entry = known[canonical] if canonical else {}
     if size:
-        capacity = parse_size(size)
+        capacity, source = parse_size(size), f"given: {size}"
     elif canonical:
         measured = inference_data()["gpu_memory"].get(canonical)
-        capacity = measured["cuda_total_mib"] * MiB if measured else int(known[canonical]["memory_gb"] * 10**9)
+        capacity, source = (measured["cuda_total_mib"] * MiB, measured["source"]) if measured else \
+            (int(known[canonical]["memory_gb"] * 10**9), f"data/hardware.json: {known[canonical]['memory_gb']} GB")
     else:
         raise ValueError(f"no memory size known for GPU {spec!r}: use one of {', '.join(known)} or give its memory "
                          f"as NAME=SIZE, e.g. '{name or 'my GPU'}=24GiB'")
@@ -96,7 +98,8 @@ def gpu(spec: str) -> Gpu:
     if capacity <= reserve:
         raise ValueError(f"{name or spec} has {fmt_bytes(capacity)}, no more than the runtime reserve of "
                          f"{fmt_bytes(reserve)} (CUDA context + allocator margin): nothing would be left for a model")
-    return Gpu(canonical or name, capacity, reserve, entry.get("memory_bandwidth_gb_s"), **_sustained(entry))
+    return Gpu(canonical or name, capacity, reserve, entry.get("memory_bandwidth_gb_s"), **_sustained(entry),
+               capacity_source=source)
 
 
 def parse_gpus(text: str) -> list[Gpu]:

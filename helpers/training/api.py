@@ -16,8 +16,9 @@ computes what one device computes (helpers.training.support says where each runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -30,18 +31,22 @@ from helpers.runtime.rig import Rig, detect_rig
 from helpers.runtime.scratch import scratch_dir
 from helpers.training.checkpoint import CheckpointSpec, as_checkpoint_spec
 from helpers.training.job import TrainJob, check_choice, check_job, job_for
-from helpers.training.loop import global_batch, run_training
+from helpers.training.loop import global_batch, run_trainings
 
 
 @dataclass
 class Trained:
-    """What `train` returns: the losses of every step, the trained weights by layer, and where they were saved."""
+    """What `train` and `finetune` return: the losses of every step, the trained weights by layer (a LoRA model's:
+    its adapters alone), the model trained, and where the weights were saved."""
 
     losses: list[float]
     state: dict[int, dict[str, torch.Tensor]]
+    model: object = None  # what was trained: an HFModel, or a LoraModel (helpers.finetune.lora)
     saved: Path | None = None
     events: list = field(default_factory=list)
-    held_out: Path | None = None  # with text=: the held-out windows (helpers.models.text.text_loss measures them)
+    held_out_path: Path | None = None  # with text=: the held-out token windows (helpers.models.text.text_loss)
+    held_out_loss: tuple[float, float] | None = None  # finetune: the loss on held-out windows before and after
+    samples: tuple[str, str] | None = None  # finetune: the greedy continuation of its prompt before and after
     tokenizer: object | None = None  # with text=: the tokenizer of the text
     step_times: list[float] = field(default_factory=list)  # engine processes: every timed step (slowest rank)
     memory: list = field(default_factory=list)  # engine processes: per rank, DeviceMemory (helpers.sizing.ledger)
@@ -124,15 +129,39 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
           optimizer: str = "adam", lr: float = 1e-3, dtype: str = "fp32", autocast: str | None = None,
           padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0,
           text: str | Path | None = None, data: str | Path | None = None, workdir: str | Path | None = None,
-          checkpointing: bool = False, checkpoint: str | Path | CheckpointSpec | None = None,
-          restarts: int = 0) -> Trained:
+          checkpointing: bool = False, offload: str | None = None,
+          checkpoint: str | Path | CheckpointSpec | None = None, restarts: int = 0) -> Trained:
     """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic tokens,
     real `text` or token windows `data`, and, with `save_to`, save it with `save_pretrained` (and the text's
     tokenizer beside it). `checkpointing`: recompute each decoder layer's activations in backward (the data-parallel
-    strategies). `checkpoint`: a folder (or a CheckpointSpec: every, keep, async_save) where the run saves its
-    training state with DCP and from whose latest complete checkpoint it resumes; `restarts`: start every rank
-    again after one fails, up to this many times (torchrun's --max-restarts). Bad input is refused before anything
-    starts."""
+    strategies); `offload="cpu"`: FSDP2's CPU offload (fsdp2, zero2). `checkpoint`: a folder (or a CheckpointSpec:
+    every, keep, async_save) where the run saves its training state with DCP and from whose latest complete
+    checkpoint it resumes; `restarts`: start every rank again after one fails, up to this many times (torchrun's
+    --max-restarts). Bad input is refused before anything starts."""
+    check_choice(strategy, engine)  # before a config is built and saved
+    hf = as_hf_model(model, seed=model_seed)
+    out = train_each({"model": hf}, strategy, engine, steps=steps, save_to={"model": save_to}, rig=rig,
+                     timeout=timeout, text=text, data=data, workdir=workdir, checkpoint=checkpoint,
+                     restarts=restarts, batch=batch, seq_len=seq_len, microbatches=microbatches,
+                     optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding,
+                     data_seed=data_seed, checkpointing=checkpointing, offload=offload)["model"]
+    if save_to is not None and out.tokenizer is not None:
+        out.tokenizer.save_pretrained(str(save_to))
+    return out
+
+
+def train_each(models: Mapping[str, object], strategy: str, engine: str = "processes", steps: int = 10,
+               seq_len: int = 32, save_to: Mapping[str, str | Path | None] | None = None, save=save_trained, rig: Rig | None = None,
+               timeout: float = 600.0, text: str | Path | None = None, data: str | Path | None = None,
+               workdir: str | Path | None = None, max_chars: int = 400_000,
+               checkpoint: str | Path | CheckpointSpec | None = None, restarts: int = 0,
+               **fields) -> dict[str, Trained]:
+    """`train` of each of `models` (variants of one checkpoint, sharing its tokenizer: e.g. LoRA and QLoRA of one
+    base) by name, with one strategy on the same data, one after the other in one launch of the ranks
+    (`helpers.training.loop.run_trainings`: one start-up of the processes for all of them). `save_to`: a folder per
+    name (or None), written by `save(model, state, folder)`; with several models, each one's checkpoints go to
+    its own subfolder of `checkpoint` (checkpoint/name). `fields`: the TrainJob's (batch, seq_len, lr, ...). Every
+    job is checked before anything starts."""
     check_choice(strategy, engine)
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
@@ -142,27 +171,29 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     if spec is not None and engine == "threads":
         raise ValueError("checkpoints (DCP) are saved by the ranks of engine 'processes' or 'torch', not 'threads'")
     rig = rig or detect_rig()
-    hf = as_hf_model(model, seed=model_seed)
     held_out = tokenizer = None
     if text is not None:
         from helpers.models.text import model_text
 
+        first = next(iter(models.values()))
         folder = Path(workdir or scratch_dir("lab-text-"))
-        data, held_out, tokenizer = model_text(hf.path, hf.vocab_size, text, seq_len, folder)
-    job = job_for(hf, strategy, engine, timed_steps=steps - 2, return_state=True, batch=batch, seq_len=seq_len,
-                  microbatches=microbatches, optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast,
-                  padding=padding, data_seed=data_seed, data=str(data) if data is not None else None,
-                  checkpointing=checkpointing, checkpoint=spec)
+        data, held_out, tokenizer = model_text(first.path, first.vocab_size, text, seq_len, folder,
+                                               max_chars=max_chars)
+    checkpoints = {name: spec if spec is None or len(models) == 1 else replace(spec, folder=str(Path(spec.folder) / name))
+                   for name in models}
+    jobs = [job_for(model, strategy, engine, timed_steps=steps - 2, return_state=True, seq_len=seq_len,
+                    checkpoint=checkpoints[name], data=str(data) if data is not None else None, **fields) for name, model in models.items()]
     if engine == "threads":
-        check_job(job, rig)
-        out = _train_threads(hf, job, rig)
+        for job in jobs:
+            check_job(job, rig)
+        outs = [_train_threads(model, job, rig) for model, job in zip(models.values(), jobs)]
     else:
-        res = run_training(job, rig, timeout=timeout, oversubscribe=rig.is_cpu, restarts=restarts)
-        out = Trained(res.losses, res.state, events=res.events, step_times=res.step_times, memory=res.memory,
-                      first_step=res.first_step, save_blocked=res.save_blocked)
-    if save_to is not None:
-        out.saved = save_trained(hf, out.state, save_to)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(save_to))
-    out.held_out, out.tokenizer = held_out, tokenizer
-    return out
+        results = run_trainings(jobs, rig, timeout=timeout, oversubscribe=rig.is_cpu, restarts=restarts)
+        outs = [Trained(res.losses, res.state, events=res.events, step_times=res.step_times, memory=res.memory,
+                        first_step=res.first_step, save_blocked=res.save_blocked) for res in results]
+    folders = save_to or {}
+    for (name, model), out in zip(models.items(), outs):
+        out.model, out.held_out_path, out.tokenizer = model, held_out, tokenizer
+        if folders.get(name) is not None:
+            out.saved = save(model, out.state, folders[name])
+    return dict(zip(models, outs))
