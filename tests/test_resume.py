@@ -234,6 +234,33 @@ def torchrun_env(tmp: Path, **extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp), **extra)
 
 
+def test_the_workers_token_of_a_start_ignores_what_earlier_starts_left():
+    """`round_store`'s handshake on a store holding a previous start's hello, reply and acknowledgement: rank 0 reads
+    the stale hello before rank 1 writes its own; both still agree on rank 0's fresh token (threads, no process)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from helpers.runtime.launch import ROUND_KEYS, _agree_on_token
+
+    store = dist.HashStore()
+    for key, value in (("hello/1", "old"), ("reply/1", "old:stale"), ("ack/1", "stale")):
+        store.set(f"{ROUND_KEYS}/{key}", value)
+    tokens = {}
+
+    def rank(r: int, delay_s: float) -> None:
+        time.sleep(delay_s)
+        tokens[r] = _agree_on_token(store, r, 2, time.monotonic() + 30)
+
+    threads = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 0.2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert tokens[0] == tokens[1] and tokens[0] != "stale"
+
+
 @FULL
 def test_workers_torchrun_restarts_never_read_the_killed_workers_addresses(tmp_path):
     """The cause of the torchrun restarts' flake (helpers.runtime.launch.round_store): torchrun's agent keeps one store

@@ -146,13 +146,11 @@ def join_group(backend: str, timeout: timedelta | None = None, **kwargs: Any) ->
     """`dist.init_process_group(backend)` from torchrun-style env vars; under torchrun's elastic agent, on a store of
     this start of the workers alone (`round_store`), so that workers restarted by `--max-restarts` never read what the
     workers before them wrote. `kwargs`: init_process_group's (NCCL's `device_id`)."""
+    options: dict[str, Any] = {"timeout": timeout} if timeout else {}
     store = round_store(timeout or default_pg_timeout)
-    if store is None:
-        dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}), **kwargs)
-        return
-    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), **({"timeout": timeout} if timeout else {}),
-                            **kwargs)
+    if store is not None:
+        options.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **options, **kwargs)
 
 
 ROUND_KEYS = "lab-round"  # the agent store's keys of the workers' handshake (`round_store`)
