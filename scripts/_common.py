@@ -110,7 +110,11 @@ def _context(model_dir: str) -> int | None:
 def init() -> tuple[int, int, torch.device]:
     """Join the process group as PyTorch's own engines do: on GPUs bind the rank's GPU first and give NCCL
     `device_id`, so its communicator is created now, on every rank together (LAB_FORCE_CPU=1: the CPU rig). Too few
-    GPUs for the ranks: every rank stops at once with the reason, before NCCL starts."""
+    GPUs for the ranks: every rank stops at once with the reason, before NCCL starts. Under torchrun the group is
+    joined on a store of this start of the workers alone (helpers.runtime.launch.join_group): workers restarted by
+    --max-restarts would otherwise read their killed peers' addresses from torchrun's shared store."""
+    from helpers.runtime.launch import join_group
+
     if torch.cuda.is_available() and os.environ.get("LAB_FORCE_CPU") != "1":
         local = int(os.environ["LOCAL_RANK"])
         shortage = gpu_shortage(int(os.environ["LOCAL_WORLD_SIZE"]), torch.cuda.device_count(),
@@ -120,7 +124,7 @@ def init() -> tuple[int, int, torch.device]:
             raise SystemExit(1)
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        join_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -130,7 +134,7 @@ def init() -> tuple[int, int, torch.device]:
 
             enter_device_strict_mode()
             backend = strict_backend(device, backend)
-        dist.init_process_group(backend)
+        join_group(backend)
     return dist.get_rank(), dist.get_world_size(), device
 
 
