@@ -110,7 +110,11 @@ def _context(model_dir: str) -> int | None:
 def init() -> tuple[int, int, torch.device]:
     """Join the process group as PyTorch's own engines do: on GPUs bind the rank's GPU first and give NCCL
     `device_id`, so its communicator is created now, on every rank together (LAB_FORCE_CPU=1: the CPU rig). Too few
-    GPUs for the ranks: every rank stops at once with the reason, before NCCL starts."""
+    GPUs for the ranks: every rank stops at once with the reason, before NCCL starts. Under torchrun the group is
+    joined on a store of this start of the workers alone (helpers.runtime.launch.join_group): workers restarted by
+    --max-restarts would otherwise read their killed peers' addresses from torchrun's shared store."""
+    from helpers.runtime.launch import join_group
+
     if torch.cuda.is_available() and os.environ.get("LAB_FORCE_CPU") != "1":
         local = int(os.environ["LOCAL_RANK"])
         shortage = gpu_shortage(int(os.environ["LOCAL_WORLD_SIZE"]), torch.cuda.device_count(),
@@ -120,7 +124,7 @@ def init() -> tuple[int, int, torch.device]:
             raise SystemExit(1)
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        join_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -130,8 +134,64 @@ def init() -> tuple[int, int, torch.device]:
 
             enter_device_strict_mode()
             backend = strict_backend(device, backend)
-        dist.init_process_group(backend)
+        join_group(backend)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+DECODER_LAYERS = ("model.layers", "transformer.h")  # where Llama-style models and GPT-2 keep their decoder layers
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The decoder layers of a Hugging Face causal LM and their name in it (model.layers, transformer.h)."""
+    for name in DECODER_LAYERS:
+        try:
+            return name, model.get_submodule(name)
+        except AttributeError:
+            continue
+    raise SystemExit(f"{type(model).__name__} keeps its decoder layers in none of {DECODER_LAYERS}")
+
+
+def meta_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model saved in `path` built from its config.json on the meta device: shapes only, nothing read, nothing
+    allocated (`stream_checkpoint` fills it after `fully_shard`, one layer at a time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+
+
+def stream_checkpoint(model: torch.nn.Module, path: str, dtype: torch.dtype, rank: int, world: int,
+                      prepare=None) -> None:
+    """Fill `model` (a Hugging Face causal LM built on the meta device, `fully_shard`-ed per decoder layer and at
+    the root, then `to_empty`-ed) with the safetensors checkpoint in `path` (one file, or sharded with
+    model.safetensors.index.json), one decoder layer at a time: the layer's tensors read alone, in `dtype`, made
+    ready by `prepare(layer, index)` (QLoRA: quantized to NF4 and given its adapters) and cut to this rank's shard;
+    then the root (embeddings, final norm, head) the same way. A rank's host memory holds its shards and one layer,
+    never the whole model; quantizing runs on this rank's share of the cores (torchrun sets OMP_NUM_THREADS=1)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from helpers.models.hf import load_module
+    from helpers.finetune.quant import release_host_memory
+    from helpers.training.strategies import fill_shards, host_threads
+
+    # meta parameters, real buffers (rotary frequencies), on the host whatever the default device
+    with torch.device("cpu"), init_empty_weights(include_buffers=False):
+        host = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    host.tie_weights()  # as `model` is (accelerate's empty init unties a tied head)
+    name, layers = decoder_layers(host)
+    blocks = list(layers)
+    parent, _, leaf = name.rpartition(".")
+    setattr(host.get_submodule(parent), leaf, torch.nn.ModuleList())  # what is left is the root
+    sharded = decoder_layers(model)[1]
+    with torch.device("cpu"), host_threads():
+        for i in range(len(blocks)):
+            block = load_module(blocks[i], path, f"{name}.{i}.", dtype)
+            blocks[i] = None  # the host copy goes once its shard is cut
+            fill_shards(sharded[i], prepare(block, i) if prepare else block, rank, world)
+            del block
+            release_host_memory()
+        fill_shards(model, load_module(host, path, "", dtype), rank, world)
 
 
 _WINDOWS: dict[str, torch.Tensor] = {}

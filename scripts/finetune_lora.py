@@ -9,8 +9,13 @@ scales). peft adds the adapters (fp32: Adam's updates are too small for bf16) an
 decoder layer, so the base never has to fit one GPU during training. Only the adapters get gradients, optimizer
 state and a reduce-scatter. --save-to writes the adapters with peft's save_pretrained: reload them with
 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR), ADAPTERS)`, or merge them with
-`.merge_and_unload()`. (Every rank reads the whole checkpoint here; for a 70B base, load it on the meta device and
-fill the shards layer by layer, as helpers.finetune.lora does, or as answer.ai's fsdp_qlora does from rank 0.)
+`.merge_and_unload()`.
+
+Loading within host RAM: the model is built on the meta device (adapters and NF4 layout included) and sharded there;
+then each rank reads one decoder layer at a time from the safetensors files, quantizes it on its share of the CPU
+cores, and keeps only its shard. A rank's host memory holds its shards and one layer, never the whole base (a 70B
+base: about 138 GB in bf16). The frozen base never meets `fully_shard` as a host tensor, so it stays frozen on GPUs
+(FSDP2 moves a host tensor subclass to the GPU as a new, trainable `nn.Parameter`).
 """
 import os
 
@@ -20,20 +25,65 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-from transformers import AutoModelForCausalLM
 
-from _common import IGNORE_INDEX, batches, checkpointer, init, parse, report, token_loss_sum, training_steps
+from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
+                     stream_checkpoint, token_loss_sum, training_steps)
 
 
-def quantize_blocks(model: nn.Module) -> None:
-    """QLoRA's frozen base: every nn.Linear inside the decoder blocks in NF4 (embeddings, norms, head unchanged)."""
+def linears(block: nn.Module) -> dict[str, nn.Linear]:
+    """The plain nn.Linear modules of a decoder block, by qualified name: what LoRA adapts and QLoRA stores in NF4."""
+    return {name: m for name, m in block.named_modules() if type(m) is nn.Linear}
+
+
+def build(ns, dtype: torch.dtype) -> tuple[nn.Module, LoraConfig]:
+    """The base on the meta device, its block linears in NF4 for --method qlora (the layout only), with peft's
+    adapters: nothing read, nothing allocated yet."""
     from helpers.finetune.quant import quantize_linear
 
-    for block in model.model.layers:
-        for name, module in list(block.named_modules()):
-            for child_name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, child_name, quantize_linear(child))
+    model = meta_model(ns.model, dtype)
+    blocks = decoder_layers(model)[1]
+    if not linears(blocks[0]):
+        raise SystemExit(f"{model.config.model_type} has no nn.Linear layers in its blocks to adapt")
+    targets = sorted({n.rsplit(".", 1)[-1] for n in linears(blocks[0])}) if ns.lora_targets == "all-linear" \
+        else ns.lora_targets.split(",")
+    if ns.method == "qlora":
+        for block in blocks:
+            for name, linear in linears(block).items():
+                parent, _, leaf = name.rpartition(".")
+                setattr(block.get_submodule(parent), leaf, quantize_linear(linear))
+    config = LoraConfig(r=ns.lora_rank, lora_alpha=ns.lora_alpha, target_modules=targets, lora_dropout=0.0)
+    return get_peft_model(model, config, autocast_adapter_dtype=True), config  # fp32 adapters over a bf16 base
+
+
+def load_model(ns, rank: int, world: int, device: torch.device) -> tuple[nn.Module, bool]:
+    """The adapted model, sharded over the ranks by FSDP2 (one unit per decoder layer, the rest in the root) unless
+    QLoRA runs on one process, its shards filled from the checkpoint one layer at a time; and whether it is
+    sharded."""
+    from helpers.finetune.lora import adapt_linears
+    from helpers.models.layered import layer_seed
+
+    dtype = torch.bfloat16 if ns.autocast == "bf16" else torch.float32
+    model, config = build(ns, dtype)
+    if ns.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard = not (ns.method == "qlora" and world == 1)
+    if shard:
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if ns.offload == "cpu" else OffloadPolicy()
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in decoder_layers(model.base_model.model)[1]:
+            fully_shard(layer, mesh=mesh, offload_policy=offload)  # one all-gather per decoder layer
+        fully_shard(model, mesh=mesh, offload_policy=offload)  # embeddings, final norm, head in the root unit
+    model.to_empty(device=torch.device("cpu") if ns.offload == "cpu" else device)
+
+    def prepare(block: nn.Module, index: int) -> nn.Module:  # the same NF4 bytes and adapters on every rank
+        return adapt_linears(block, linears(block), config, ns.method == "qlora", layer_seed(ns.seed, index))
+
+    stream_checkpoint(model.base_model.model, ns.model, dtype, rank, world, prepare)
+    if ns.offload == "cpu":  # FSDP2 keeps the parameter shards in host memory; buffers go to the GPU
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+    return model, shard
 
 
 def main() -> None:
@@ -41,42 +91,17 @@ def main() -> None:
     if ns.autocast == "fp16":  # the base would stay fp32 and nothing would compute in fp16: say so, never train silently
         raise SystemExit("finetune_lora.py trains with --autocast bf16 (a bf16 base, bf16 compute) or none (fp32); "
                          "fp16 would need a gradient scaler FSDP2 shares across ranks: use bf16")
-    shard = not (ns.method == "qlora" and int(os.environ.get("WORLD_SIZE", "1")) == 1)
     if ns.method == "qlora":
         from helpers.finetune.quant import nf4_missing
 
         if nf4_missing():
             raise SystemExit(nf4_missing())
-        if not shard and ns.offload == "cpu":  # torchao 0.18's NF4 fails FSDP2's one-rank gather (ValueError)
+        alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        if alone and ns.offload == "cpu":  # torchao 0.18's NF4 fails FSDP2's one-rank gather (ValueError)
             raise SystemExit("QLoRA with --offload cpu needs FSDP2 over 2 or more processes here; on one GPU run "
                              "QLoRA without --offload (the 4-bit base is not sharded then)")
-    base_dtype = torch.bfloat16 if ns.autocast == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=base_dtype)  # read on the host, before the group
-    if not any(type(m) is nn.Linear for m in model.model.layers[0].modules()):
-        raise SystemExit(f"{model.config.model_type} has no nn.Linear layers in its blocks to adapt")
-    if ns.method == "qlora":
-        quantize_blocks(model)
-    targets = "all-linear" if ns.lora_targets == "all-linear" else ns.lora_targets.split(",")
-    config = LoraConfig(r=ns.lora_rank, lora_alpha=ns.lora_alpha, target_modules=targets, lora_dropout=0.0)
-    if targets == "all-linear":
-        config.target_modules = sorted({n.rsplit(".", 1)[-1] for n, m in model.model.layers.named_modules()
-                                        if isinstance(m, nn.Linear)})
-    model = get_peft_model(model, config, autocast_adapter_dtype=True)  # adapters in fp32 over a bf16 base
-    if ns.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rank, world, device = init()
-    if shard:
-        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if ns.offload == "cpu" else OffloadPolicy()
-        mesh = init_device_mesh(device.type, (world,))
-        for layer in model.base_model.model.model.layers:
-            fully_shard(layer, mesh=mesh, offload_policy=offload)  # one all-gather per decoder layer
-        fully_shard(model, mesh=mesh, offload_policy=offload)  # embeddings, final norm, head in the root unit
-    if ns.offload == "cpu":  # FSDP2 keeps the parameter shards in host memory; buffers go to the GPU
-        for module in model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                setattr(module, name, buf.to(device))
-    else:
-        model.to(device)
+    model, shard = load_model(ns, rank, world, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=ns.lr, weight_decay=0.0)
     checkpoints = checkpointer(ns, model, optimizer)  # the adapters, their Adam state, the step, RNG

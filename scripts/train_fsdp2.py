@@ -1,5 +1,7 @@
 """FSDP2 (ZeRO-3) with activation checkpointing: parameters, gradients and Adam state sharded over the GPUs, each
 decoder layer gathered when it computes; activations recomputed in backward. For models whose replica does not fit.
+The model is built on the meta device and sharded there; each rank then reads the checkpoint one layer at a time and
+keeps its shard, so no rank ever holds the whole model in host memory.
 
     torchrun --nproc-per-node 2 scripts/train_fsdp2.py --model DIR --steps 100 --autocast bf16 --save-to OUT
 """
@@ -9,24 +11,24 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from transformers import AutoModelForCausalLM
 
-from _common import (IGNORE_INDEX, batches, checkpointer, init, parse, report, token_loss_sum, training_steps,
-                     weights_dtype)
+from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
+                     stream_checkpoint, token_loss_sum, training_steps, weights_dtype)
 
 
 def main() -> None:
     ns = parse(__doc__.splitlines()[0])
-    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=weights_dtype(ns))  # read on the host first
     rank, world, device = init()
+    model = meta_model(ns.model, weights_dtype(ns))  # shapes only: each rank reads its shards after sharding
     mesh = init_device_mesh(device.type, (world,))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast)
     mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
-    for layer in model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h:
+    for layer in decoder_layers(model)[1]:
         fully_shard(layer, mesh=mesh, mp_policy=mp)  # one all-gather per decoder layer
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest (embeddings, tied head, final norm) in the root unit
-    model.to(device)
+    model.to_empty(device=device)
+    stream_checkpoint(model, ns.model, weights_dtype(ns), rank, world)  # one layer at a time on the host
     optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr)
     scaler = ShardedGradScaler(device.type, enabled=ns.autocast == "fp16")
     checkpoints = checkpointer(ns, model, optimizer, scaler)

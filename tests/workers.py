@@ -1,5 +1,6 @@
 """Workers that misbehave on purpose, for the launcher tests."""
 import os
+import signal
 import time
 
 import torch.distributed as dist
@@ -10,6 +11,21 @@ def fail_on_rank_one(message: str) -> int:
         raise ValueError(message)
     dist.barrier()  # rank 0 would wait forever: the launcher must not
     return dist.get_rank()
+
+
+def regroup_after_a_restart(pause_s: float) -> int:
+    """Under `torchrun --max-restarts 1`: on the first start rank 1 dies by SIGKILL once a second group is up; on the
+    restart rank 0 makes that group again `pause_s` late, so rank 1 reads whatever torchrun's store holds for rank 0
+    before rank 0 writes: the killed start's address, unless every start of the workers has keys of its own
+    (helpers.runtime.launch.round_store). Returns the restart count."""
+    restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restarts and dist.get_rank() == 0:
+        time.sleep(pause_s)
+    dist.barrier(group=dist.new_group(backend="gloo"))
+    if not restarts and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0's first start fails here, and torchrun restarts both
+    return restarts
 
 
 def hang_on_rank_one() -> int:
@@ -142,3 +158,27 @@ def growing_ledger(steps: int, pause_s: float, die_on_rank: int | None = None, s
         if step == 0 and dist.get_rank() == die_on_rank:
             os._exit(3)
     return ledger.live_activations("device")
+
+
+def trainings_resumed_after_kills(runs: list, results: str) -> list[dict]:
+    """`runs`: (TrainJob, LAB_KILL_AT or None) pairs, trained one after the other on the same ranks (what
+    `helpers.training.loop.train_workers` does) with one rank killed where a run says so. Each run's result is kept
+    in `results` (a folder) as soon as it is done, so the ranks the launcher restarts (`restarts=`: one per kill) skip
+    the runs already done and the killed run resumes from its checkpoint: many strategies' kills and resumes, one
+    process start-up per kill."""
+    import pickle
+    from pathlib import Path
+
+    from helpers.training.checkpoint import KILL_ENV
+    from helpers.training.loop import train_worker
+
+    out = []
+    for i, (job, kill) in enumerate(runs):
+        kept = Path(results) / f"run{i}.rank{dist.get_rank()}.pkl"
+        if not kept.exists():
+            os.environ.pop(KILL_ENV, None)
+            if kill:
+                os.environ[KILL_ENV] = kill
+            kept.write_bytes(pickle.dumps(train_worker(job)))
+        out.append(pickle.loads(kept.read_bytes()))
+    return out

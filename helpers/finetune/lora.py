@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear
+from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear, release_host_memory
 from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
 from helpers.precision import DTYPES
@@ -174,31 +174,12 @@ class LoraModel:
     def _adapt(self, layer: nn.Module, index: int, initialise: bool) -> nn.Module:
         """Freeze `layer`, store its block's linears in NF4 (qlora), add adapters; with `initialise`, draw the
         adapters from the layer's own seed (peft's init, or nn.Linear's for both matrices with init='random')."""
-        from peft import inject_adapter_in_model
-        from peft.tuners.lora import LoraLayer
-
         layer.requires_grad_(False)
         linears = block_linears(layer)
         if not linears:
             return layer
-        if self.spec.method == "qlora":
-            for name, linear in linears.items():
-                parent, _, leaf = name.rpartition(".")
-                setattr(layer.get_submodule(parent), leaf, quantize_linear(linear))
-        layer = inject_adapter_in_model(self.peft_config(), layer)
-        adapters = [m for m in layer.modules() if isinstance(m, LoraLayer)]
-        for m in adapters:
-            m.lora_A.to(ADAPTER_DTYPE)
-            m.lora_B.to(ADAPTER_DTYPE)
-        if initialise:
-            with seeded(layer_seed(self.spec.seed, index)):
-                for m in adapters:
-                    if self.spec.init == "peft":
-                        m.reset_lora_parameters("default", True)
-                    else:
-                        m.lora_A["default"].reset_parameters()
-                        m.lora_B["default"].reset_parameters()
-        return layer
+        return adapt_linears(layer, linears, self.peft_config(), self.spec.method == "qlora",
+                             layer_seed(self.spec.seed, index) if initialise else None, self.spec.init)
 
     def meta_layers(self) -> list[nn.Module]:
         layers = self.base.meta_layers()
@@ -213,6 +194,36 @@ class LoraModel:
             adapted = {i: self._adapt(layers[i], i, initialise=True) for i in owned}
         for i in owned:
             layers[i] = adapted[i].to(device)
+
+
+def adapt_linears(layer: nn.Module, linears: Mapping[str, nn.Linear], config, quantize: bool, seed: int | None,
+                   init: str = "peft") -> nn.Module:
+    """`layer` (frozen) with `linears` (its nn.Linear modules by qualified name) stored in NF4 when `quantize`, and
+    peft's adapters (`config`, a LoraConfig) injected, in fp32. With `seed`, the adapters are drawn from it (peft's
+    init, or nn.Linear's for both matrices with init='random'): the same values on every rank and every rig, so a
+    rank can build a whole layer on the host and keep its shard. Works on the meta device too (shapes only)."""
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    if quantize:
+        for name, linear in linears.items():
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent), leaf, quantize_linear(linear))
+            release_host_memory()  # quantization's workspace (137 bytes per fp32 element), before the next weight
+    layer = inject_adapter_in_model(config, layer)
+    adapters = [m for m in layer.modules() if isinstance(m, LoraLayer)]
+    for m in adapters:
+        m.lora_A.to(ADAPTER_DTYPE)
+        m.lora_B.to(ADAPTER_DTYPE)
+    if seed is not None:
+        with seeded(seed):
+            for m in adapters:
+                if init == "peft":
+                    m.reset_lora_parameters("default", True)
+                else:
+                    m.lora_A["default"].reset_parameters()
+                    m.lora_B["default"].reset_parameters()
+    return layer
 
 
 # --- adapters in and out: peft's names, save_pretrained, merge_and_unload --------------------------------------------

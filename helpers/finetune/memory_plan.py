@@ -13,6 +13,11 @@ The planner prices a Hugging Face decoder exactly where exactness is possible an
 - workspace (estimates, each named): the loss's logits and their gradients, one layer's transient tensors, the
   dequantized 4-bit weight, FSDP2's gathered layers and gradient buffers, pipeline boundary buffers.
 - reserve: the CUDA context and an allocator margin per GPU (data/inference.json, as the inference planner uses).
+- loading (host RAM, per rank): what a rank holds while it streams its weights from the safetensors checkpoint (built
+  on the meta device, sharded, then filled one unit at a time, as the scripts and `helpers` load): its shards with CPU
+  offload, the largest unit it reads at once, torchao's NF4 quantization workspace for its largest weight (measured
+  bytes per element) and the process itself (measured on the CPU rig). tests/test_streamed_load.py checks it within
+  15% of each rank's VmHWM.
 
 Strategies (N GPUs; the assumptions the figures rest on):
 - DDP: a full replica per GPU, each GPU runs `batch` sequences; DistributedDataParallel's gradient buckets are a second
@@ -110,10 +115,16 @@ class GpuTraining:
     workspace: dict = field(default_factory=dict)  # name -> bytes, each an estimate
     step_bytes: int = 0  # optimizer-step temporaries on this GPU
     host: dict = field(default_factory=dict)  # part -> bytes CPU offload keeps in host RAM for this GPU's shard
+    loading: dict = field(default_factory=dict)  # part -> bytes of this rank's host RAM at the peak of its load
 
     @property
     def host_bytes(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def loading_bytes(self) -> int:
+        """This rank's host RAM at the peak of streaming its weights from the checkpoint (see `_loading`)."""
+        return sum(self.loading.values())
 
     @property
     def label(self) -> str:
@@ -151,7 +162,8 @@ class GpuTraining:
                 "workspace_bytes": self.workspace_bytes,
                 "workspace_estimates_bytes": dict(self.workspace), "optimizer_step_temporaries_bytes": self.step_bytes,
                 "reserve_bytes": self.reserve_bytes, "peak_bytes": self.peak_bytes, "free_bytes": self.free_bytes,
-                "host_ram_bytes": self.host_bytes, "host_ram_parts_bytes": dict(self.host)}
+                "host_ram_bytes": self.host_bytes, "host_ram_parts_bytes": dict(self.host),
+                "loading_host_ram_bytes": self.loading_bytes, "loading_host_ram_parts_bytes": dict(self.loading)}
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,12 @@ class TrainingPlan:
         return sum(d.host_bytes for d in self.devices)
 
     @property
+    def loading_host_bytes(self) -> int:
+        """The most host RAM one rank needs while it loads (its shards kept on the host with CPU offload, the
+        largest unit it reads at once, quantization's workspace, the process itself); ranks on one machine add up."""
+        return max(d.loading_bytes for d in self.devices)
+
+    @property
     def host_fits(self) -> bool:
         return self.request.host_ram_bytes is None or self.host_ram_bytes <= self.request.host_ram_bytes
 
@@ -213,6 +231,7 @@ class TrainingPlan:
                 "params": {"total": s.total_params, "frozen": s.frozen_params, "trainable": s.trainable_params},
                 "devices": [d.as_dict() for d in self.devices],
                 "host_ram_bytes": self.host_ram_bytes, "host_ram_available_bytes": r.host_ram_bytes,
+                "loading_host_ram_bytes_per_rank": self.loading_host_bytes,
                 "suggestions": [x.as_dict() for x in self.suggestions]}
 
     def rows(self) -> list[dict]:
@@ -249,6 +268,9 @@ class TrainingPlan:
             lines.append(f"host RAM (pinned, CPU offload), all GPUs' shards: {fmt_bytes(self.host_ram_bytes)}"
                          + ("" if r.host_ram_bytes is None else f" of {fmt_bytes(r.host_ram_bytes)}")
                          + (f" ({parts})" if parts else ""))
+        worst = max(self.devices, key=lambda d: d.loading_bytes)
+        lines.append(f"host RAM while loading, per rank: {fmt_bytes(worst.loading_bytes)} ("
+                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in worst.loading.items()) + ")")
         if self.suggestions:
             lines.append("What would fit (one change each, cheapest first; re-planned):")
             lines += [f"  - {x.change} [{x.flags}]: {x.outcome()}" for x in self.suggestions]
@@ -356,6 +378,7 @@ def _gpu(request: TrainingRequest, shape: TrainShape, device: int, units: list[i
              "optimizer_step_temporaries":
                  training_data()["optimizers"][request.optimizer]["step_temporaries"] * trainable * size.state}
     host = {}
+    loading = _loading(request, shape, size, mine, parts["frozen_weights"] + parts["trainable_weights"])
     if request.offload == "cpu":  # the shards, their gradients and the optimizer (and its step) live on the host
         host, parts = parts, dict.fromkeys(parts, 0)
     whole = sum(u.constants_bytes + u.buffer_bytes for u in mine)  # never sharded, never offloaded
@@ -373,7 +396,43 @@ def _gpu(request: TrainingRequest, shape: TrainShape, device: int, units: list[i
                        parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
                        checkpointed if request.checkpointing else full, checkpointed, full,
                        _workspace(request, shape, size, mine, first_stage, last_stage),
-                       parts["optimizer_step_temporaries"], host)
+                       parts["optimizer_step_temporaries"], host, loading)
+
+
+def _read_at_once(request: TrainingRequest, shape: TrainShape, mine: list[Unit]) -> list[list[Unit]]:
+    """The groups of units a rank reads from the checkpoint at once. FSDP2 (the scripts, `apply_fsdp`): one
+    decoder layer at a time, then the root unit (embedding, final norm, head) together; a pipeline stage
+    (`materialize` of the stage's layers) and a DDP replica (`from_pretrained`): everything the GPU holds."""
+    if request.strategy != "fsdp2":
+        return [mine]
+    decoders = [[u] for u in mine if u.kind == "decoder"]
+    return decoders + [[u for u in mine if u.kind != "decoder"]]
+
+
+def _loading(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], shard: int) -> dict:
+    """One rank's host RAM at the peak of loading, by part: with CPU offload its shards (allocated before the first
+    layer is read, on the host: `shard`, the frozen and trainable weights' share); the largest group of units read
+    at once (`_read_at_once`), in the dtype it is loaded in (the compute dtype for a frozen base, the optimizer's for
+    full fine-tuning), with its NF4 copy and its adapters beside it; torchao's NF4 quantization of its largest
+    weight (measured bytes per element); and the process itself (Python, torch, transformers, peft, the process
+    group: measured on the CPU rig; a GPU process adds the CUDA libraries)."""
+    data = training_data()
+    load = size.state if shape.method == "full" else size.compute
+    quantized = shape.format.name.startswith(TORCHAO_NF4)
+
+    def read(group: list[Unit]) -> int:
+        adapters = 0 if shape.method == "full" else sum(u.trainable_params for u in group) * size.state
+        return sum(u.params for u in group) * load + (sum(u.packed_bytes for u in group) if quantized else 0) \
+            + adapters
+
+    parts = {"shards kept on the host": shard if request.offload == "cpu" else 0,
+             "largest unit read": max(read(g) for g in _read_at_once(request, shape, mine))}
+    largest = max((u.largest_quantized for u in mine), default=0)
+    if quantized and largest:
+        peaks = data["nf4_quantization"]["peak_bytes_per_element"]
+        parts["NF4 quantization workspace"] = int(largest * peaks["fp32" if load == FP32 else "bf16"])
+    parts["process"] = data["host_loading"]["process_bytes"]
+    return parts
 
 
 def _gathered_bytes(unit: Unit, a: int) -> int:

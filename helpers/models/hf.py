@@ -357,6 +357,36 @@ def read_tensors(path: str | Path, names: Iterable[str],
     return out
 
 
+def load_module(module: nn.Module, path: str | Path, prefix: str = "", dtype: torch.dtype | None = None) -> nn.Module:
+    """Fill `module`, a part of a Hugging Face model built on the meta device whose tensors the checkpoint in `path`
+    stores as `prefix` + their local names (`model.layers.3.` for a decoder layer, "" for the whole model), with
+    exactly those tensors, read on the host (`read_tensors`: nothing else is read), floating ones in `dtype`. Weights
+    tied inside `module` stay one Parameter (a tied checkpoint stores one of their names); `requires_grad` is kept.
+    Buffers the checkpoint does not hold (rotary frequencies) are left as they are. Returns `module`."""
+    where = _checkpoint_index(Path(path))
+    params = {id(p) for p in module.parameters()}
+    groups: dict[int, list[str]] = {}  # one entry per tensor, with every name it has in `module`
+    originals: dict[int, torch.Tensor] = {}
+    for local, t in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(local)
+        originals[id(t)] = t
+    stored = {}
+    for key, names in groups.items():
+        saved = [prefix + n for n in names if prefix + n in where]
+        if saved:
+            stored[key] = saved[0]
+        elif key in params:
+            raise ValueError(f"the checkpoint in {path} has no tensor {prefix + names[0]!r}")
+    tensors = read_tensors(path, stored.values())
+    state = {}
+    for key, name in stored.items():
+        t = _as_dtype(tensors.pop(name), dtype) if dtype is not None else tensors.pop(name)
+        value = nn.Parameter(t, requires_grad=originals[key].requires_grad) if key in params else t
+        state.update(dict.fromkeys(groups[key], value))
+    module.load_state_dict(state, strict=False, assign=True)
+    return module
+
+
 @dataclass(frozen=True)
 class HFModel:
     """A Hugging Face causal LM saved with `save_pretrained` in the directory `path`, as a `LayeredModel`: a small

@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import pickle
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from helpers.runtime import live
 from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig
@@ -136,8 +138,78 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         eager = {"device_id": device} if rig.backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **eager)
+        join_group(backend, timedelta(seconds=timeout_s), **eager)
     return rig
+
+
+def join_group(backend: str, timeout: timedelta | None = None, **kwargs: Any) -> None:
+    """`dist.init_process_group(backend)` from torchrun-style env vars; under torchrun's elastic agent, on a store of
+    this start of the workers alone (`round_store`), so that workers restarted by `--max-restarts` never read what the
+    workers before them wrote. `kwargs`: init_process_group's (NCCL's `device_id`)."""
+    options: dict[str, Any] = {"timeout": timeout} if timeout else {}
+    store = round_store(timeout or default_pg_timeout)
+    if store is not None:
+        options.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **options, **kwargs)
+
+
+ROUND_KEYS = "lab-round"  # the agent store's keys of the workers' handshake (`round_store`)
+
+
+def round_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True), the agent's store seen through a prefix
+    that this start of the workers alone uses; None otherwise (env:// as usual: the course's launcher gives every
+    start a fresh port, and rank 0 hosts the store).
+
+    Why: PyTorch's c10d rendezvous shares one TCPStore, created by the agent at its first rendezvous, with every
+    start of the workers, and `torch.distributed.rendezvous` hands workers that store without a per-attempt prefix
+    (its comment still says a new store is made for every retry; torch 2.13's `DynamicRendezvousHandler` makes it
+    once). A restarted worker then finds its peers' addresses of the previous start still there: gloo's
+    connectFullMesh reads the killed worker's address and fails with "Connection refused" (NCCL reads the previous
+    unique id the same way). pytorch/pytorch#135712 (fixed then by a store per retry) and #167288 (open, the same
+    symptom with NCCL). TORCHELASTIC_RESTART_COUNT cannot name the start: each agent counts its own restarts, and an
+    agent that restarts healthy workers because another node rejoined does not count it (#135712, #108158). So the
+    workers agree on a fresh token: rank 0 draws it and answers each rank's fresh random hello with it until that
+    rank acknowledges this token; nothing a previous start left can match either side's fresh value."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    token = _agree_on_token(store, rank, world, time.monotonic() + timeout.total_seconds())
+    return dist.PrefixStore(f"{ROUND_KEYS}/{token}", store)
+
+
+def _agree_on_token(store: dist.Store, rank: int, world: int, deadline: float) -> str:
+    """The token rank 0 drew for this start of the workers (`round_store`), on every rank."""
+    def value(key: str) -> str | None:
+        key = f"{ROUND_KEYS}/{key}"
+        return store.get(key).decode() if store.check([key]) else None
+
+    def wait_a_little(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no answer from {what} on torchrun's store (MASTER_ADDR:MASTER_PORT)")
+        time.sleep(0.01)
+
+    fresh = secrets.token_hex(8)
+    if rank != 0:
+        store.set(f"{ROUND_KEYS}/hello/{rank}", fresh)
+        while not (reply := value(f"reply/{rank}") or "").startswith(fresh + ":"):
+            wait_a_little("rank 0")
+        token = reply.split(":", 1)[1]
+        store.set(f"{ROUND_KEYS}/ack/{rank}", token)
+        return token
+    waiting = set(range(1, world))
+    while waiting:
+        for peer in sorted(waiting):
+            hello = value(f"hello/{peer}")
+            if hello is not None:
+                store.set(f"{ROUND_KEYS}/reply/{peer}", f"{hello}:{fresh}")
+            if value(f"ack/{peer}") == fresh:
+                waiting.discard(peer)
+        if waiting:
+            wait_a_little(f"rank(s) {sorted(waiting)}")
+    return fresh
 
 
 def run_rank(fn: Callable, args: tuple, kwargs: dict, rig: Rig, timeout_s: float, live_folder: str | None = None

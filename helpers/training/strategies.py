@@ -14,13 +14,15 @@ whatever they return.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from helpers.catalog import schedule_entry
+from helpers.finetune.quant import release_host_memory
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
@@ -102,22 +104,12 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
     module.to_empty(device=torch.device("cpu") if offload else device)
     rank, world = mesh.get_local_rank(), mesh.size()
     reference = model.meta_layers()
-    with torch.no_grad():
+    with host_threads():
         for offset, layer in enumerate(module.layers):
-            i = first_layer + offset
-            model.materialize(reference, [i], torch.device("cpu"))
-            full = dict(reference[i].named_parameters())
-            for name, param in layer.named_parameters():
-                chunks = full[name].chunk(world, dim=0)
-                if rank >= len(chunks):
-                    continue
-                if hasattr(param.to_local(), "__tensor_flatten__"):
-                    _assign_shard(layer, name, param, chunks[rank])
-                else:
-                    param.to_local().copy_(chunks[rank])
-            for name, buf in layer.named_buffers():
-                buf.copy_(dict(reference[i].named_buffers())[name])
-            reference[i] = None
+            model.materialize(reference, [first_layer + offset], torch.device("cpu"))
+            fill_shards(layer, reference[first_layer + offset], rank, world)
+            reference[first_layer + offset] = None
+            release_host_memory()
     if offload:  # FSDP2 offloads parameters only: buffers (rotary frequencies) belong on the compute device
         for sub in module.modules():
             for name, buf in sub.named_buffers(recurse=False):
@@ -125,21 +117,63 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
     return module
 
 
+@contextmanager
+def host_threads() -> Iterator[None]:
+    """Run a block (reading and quantizing a checkpoint on the host) with this rank's share of the machine's cores:
+    torchrun sets OMP_NUM_THREADS=1, and torchao's NF4 quantization of a 70B base on one thread per rank would take
+    hours. The caller's thread count is restored after."""
+    import os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fill_shards(sharded: nn.Module, full: nn.Module, rank: int, world: int) -> None:
+    """Give every parameter of `sharded` (a module after `fully_shard` and `to_empty`) this rank's dim-0 chunk of
+    the same-named parameter of `full` (one device's values, on the host), and every buffer of `full` whole: how a
+    rank fills its shards one layer at a time, so the whole model is never in its memory. Names of `full` only:
+    `full` may be a part (the root without its decoder layers). A parameter `fully_shard` did not shard (one
+    process) gets the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(sharded.named_parameters())
+    buffers = dict(sharded.named_buffers())
+    with torch.no_grad():
+        for name, value in full.named_parameters():
+            param = params[name]
+            chunks = value.chunk(world, dim=0) if isinstance(param, DTensor) else (value,)
+            if rank >= len(chunks):  # fewer rows than ranks: FSDP2 gives this rank an empty shard
+                continue
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if hasattr(local, "__tensor_flatten__"):
+                _assign_shard(sharded, name, param, chunks[rank])
+            else:
+                local.copy_(chunks[rank])
+        for name, value in full.named_buffers():
+            buffers[name].copy_(value)
+
+
 def _assign_shard(layer: nn.Module, name: str, param: nn.Parameter, shard: torch.Tensor) -> None:
     """Give a sharded parameter that is a tensor subclass (an NF4 weight: 4-bit codes, scales, their mean, a lookup
     table) its shard by replacing the parameter: copying into the meta-built one would fill only the parts FSDP2
     shards. FSDP2 adopts the new parameter at its lazy init (`reset_sharded_param`, as after
-    `load_state_dict(assign=True)`)."""
+    `load_state_dict(assign=True)`). The new parameter keeps the old one's `requires_grad` (False for a frozen
+    base), as it must: `nn.Parameter` alone would make it trainable. Unsharded (one process): the whole tensor."""
     from torch.distributed.tensor import DTensor
 
-    device = param.to_local().device
+    device = param.to_local().device if isinstance(param, DTensor) else param.device
     # torchao's NF4 `chunk` returns views of the whole weight and its `.to` is a no-op on the same device: under CPU
     # offload every rank would keep the whole NF4 weight alive through its shard. A clone holds this rank's share.
     local = _own_copy(shard) if shard.device == device else shard.to(device)
     owner, _, leaf = name.rpartition(".")
-    sharded = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    if isinstance(param, DTensor):
+        local = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
     setattr(layer.get_submodule(owner) if owner else layer, leaf,
-            nn.Parameter(sharded, requires_grad=param.requires_grad))
+            nn.Parameter(local, requires_grad=param.requires_grad))
 
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
