@@ -295,3 +295,16 @@ def test_published_runs_are_within_15_percent():
         plan = plan_training(**run["settings"])
         ours = (max(d.peak_bytes for d in plan.devices) - cuda_context) / GiB
         assert plan.fits and ours == pytest.approx(run["peak_gib_per_gpu"], rel=0.15), name
+
+
+def test_host_ram_is_checked_against_every_rank_loading_at_once():
+    """Ranks on one machine stream their weights at the same time: the host-RAM check counts their loading peaks
+    together (70B QLoRA with offload: the NF4 quantization workspace of two ranks), not one rank's, nor only the
+    offloaded shards the training keeps afterwards."""
+    GiB = 2**30
+    plan = plan_training("llama-2-70b", method="qlora", offload="cpu", host_ram_bytes=64 * GiB)
+    per_rank = [d.loading_bytes for d in plan.devices]
+    assert plan.host_peak_bytes == max(plan.host_ram_bytes, sum(per_rank)) > plan.host_ram_bytes
+    assert not plan.host_fits and "host RAM" in plan.describe()
+    roomy = plan_training("llama-2-70b", method="qlora", offload="cpu", host_ram_bytes=plan.host_peak_bytes)
+    assert roomy.host_fits

@@ -181,7 +181,8 @@ class Suggestion:
     def outcome(self) -> str:
         """'fits, 3.2 GiB left on the fullest GPU (host RAM 48 GiB)' or 'does not fit (short 1.1 GiB on a GPU)'."""
         free = min(d.free_bytes for d in self.plan.devices)
-        host = f" (host RAM {fmt_bytes(self.plan.host_ram_bytes)})" if self.plan.host_ram_bytes else ""
+        host = f" (host RAM {fmt_bytes(self.plan.host_peak_bytes)} at its peak)" \
+            if self.plan.request.host_ram_bytes is not None or self.plan.host_ram_bytes else ""
         if self.fits:
             return f"fits, {fmt_bytes(free)} left on the fullest GPU{host}"
         return f"does not fit ({fmt_bytes(-free)} short on the fullest GPU{host})" if free < 0 else \
@@ -214,8 +215,14 @@ class TrainingPlan:
         return max(d.loading_bytes for d in self.devices)
 
     @property
+    def host_peak_bytes(self) -> int:
+        """Host RAM the run needs at its peak on one machine: every rank streaming its weights at once (their loading
+        figures add up), or the training's offloaded shards, whichever is larger."""
+        return max(self.host_ram_bytes, sum(d.loading_bytes for d in self.devices))
+
+    @property
     def host_fits(self) -> bool:
-        return self.request.host_ram_bytes is None or self.host_ram_bytes <= self.request.host_ram_bytes
+        return self.request.host_ram_bytes is None or self.host_peak_bytes <= self.request.host_ram_bytes
 
     @property
     def fits(self) -> bool:
@@ -232,6 +239,7 @@ class TrainingPlan:
                 "devices": [d.as_dict() for d in self.devices],
                 "host_ram_bytes": self.host_ram_bytes, "host_ram_available_bytes": r.host_ram_bytes,
                 "loading_host_ram_bytes_per_rank": self.loading_host_bytes,
+                "host_ram_peak_bytes": self.host_peak_bytes,
                 "suggestions": [x.as_dict() for x in self.suggestions]}
 
     def rows(self) -> list[dict]:
@@ -270,7 +278,9 @@ class TrainingPlan:
                          + (f" ({parts})" if parts else ""))
         worst = max(self.devices, key=lambda d: d.loading_bytes)
         lines.append(f"host RAM while loading, per rank: {fmt_bytes(worst.loading_bytes)} ("
-                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in worst.loading.items()) + ")")
+                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in worst.loading.items()) + "); the machine's peak, "
+                     f"all {len(self.devices)} ranks at once or the offloaded shards: {fmt_bytes(self.host_peak_bytes)}"
+                     + ("" if r.host_ram_bytes is None else f" of {fmt_bytes(r.host_ram_bytes)}"))
         if self.suggestions:
             lines.append("What would fit (one change each, cheapest first; re-planned):")
             lines += [f"  - {x.change} [{x.flags}]: {x.outcome()}" for x in self.suggestions]
