@@ -226,3 +226,14 @@ def test_doctor_fits_the_all_reduce_over_hidden_state_sizes():
     rows = links(cpu_rig(threads=1), [2**12, 2**14, 2**16, 2**23], 3)  # one large message: the whole sweep fits
     small = [r for r in rows if r["path"].endswith("hidden-state sizes")]
     assert len(small) == 1 and [s["bytes"] for s in small[0]["samples"]] == [2**12, 2**14, 2**16]
+
+
+def test_a_small_message_fit_never_prices_a_message_at_zero_latency():
+    """Hidden-state sizes are all latency: where noise makes the fitted line's intercept zero (seen on a busy CPU rig:
+    0 us + bytes / 1.3 MB/s), the link is the median time instead, as where the times do not grow with the size."""
+    from helpers.simulate.calibrate import fit_small_messages
+
+    steep = fit_small_messages([256, 512, 2048, 4096], [1e-4, 3e-4, 1.5e-3, 3.1e-3], "noisy")
+    assert steep.latency_s == pytest.approx(9e-4) and steep.bandwidth == float("inf")
+    clean = fit_small_messages([1024, 2048, 4096, 8192], [1.1e-4, 1.2e-4, 1.4e-4, 1.8e-4], "clean")
+    assert clean.latency_s == pytest.approx(1e-4, rel=0.05) and clean.bandwidth < float("inf")

@@ -392,11 +392,15 @@ def small_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.devic
 
 def fit_small_messages(sizes: Sequence[float], seconds: Sequence[float], name: str) -> Link:
     """`fit_link` for small messages, whose bytes can be lost in the latency's noise (the times need not grow with
-    the size): then the link is all latency, the median time."""
+    the size, or grow so steeply that the line's intercept falls to zero, which no backend's message costs): then the
+    link is all latency, the median time."""
     try:
-        return fit_link(sizes, seconds, name)
+        link = fit_link(sizes, seconds, name)
     except ValueError:
+        link = None
+    if link is None or link.latency_s <= 0:
         return Link(statistics.median(seconds), float("inf"), f"{name} (latency only)")
+    return link
 
 
 def fsdp2_units(model: nn.Module) -> list[int]:
