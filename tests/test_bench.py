@@ -208,6 +208,8 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert {("single", "none"), ("naive", "ours"), ("gpipe", "ours"), ("1f1b", "ours"), ("gpipe", "torch"),
             ("1f1b", "torch"), ("ddp", "torch"), ("zero1", "torch"), ("fsdp2", "torch")} <= strategies
     assert {(s, e) for s in BEYOND_1F1B for e in ("ours", "torch")} <= strategies
+    assert [r["wire"] for r in data["rows"] if r["strategy"] == "ddp"] == ["auto", "bf16"]  # notebook 07's hook
+    assert "ddp, bf16 grads" in out
     for r in data["rows"] + data["splits"] + data["checkpointing"]:
         assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
         if r.get("strategy") not in ("ddp", "zero1", "fsdp2"):  # threads, processes, one thread: a drift each

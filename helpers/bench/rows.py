@@ -48,6 +48,7 @@ class BenchRow:
     caller_s: float = 0.0  # measured work of the calling thread around the engine (zero_grad, optimizer step)
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
     reference_s: float | None = None  # the one-device step timed in this row's launches (multi-process rows)
+    wire: str = "auto"  # what DDP's gradients cross the link in (TrainJob's `wire`); auto: their own dtype
     speedup: float | None = None  # the median of the ratios of one device's step to this row's, each pair timed together
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
@@ -65,7 +66,7 @@ class BenchRow:
         """`reference_s`: the one-device row's step, used where this row has no `reference_s` of its own."""
         reference_s = self.reference_s or reference_s
         predicted = batch / self.predicted_s if self.predicted_s else None
-        return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
+        return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner, "wire": self.wire,
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
                 "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
                 "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
@@ -244,14 +245,15 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
 
 def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
     """The keys of the bench's two-rank jobs this rig runs: pipelines as (strategy, engine, schedule, m, overlap),
-    data parallelism as (strategy, "dp")."""
+    data parallelism as (strategy, "dp", wire): DDP also with its gradients sent in bf16 (notebook 07's
+    compression hook)."""
     m = config.onefoneb_microbatches
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", k, True) for k in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", m, True)]
     jobs += [(s, "torch", s, k, True) for k in config.torch_microbatches for s in ("gpipe", "1f1b")]
     jobs += [(s, engine, s, m, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
-    jobs += [(s, "dp") for s in ("ddp", "zero1", "fsdp2")]
+    jobs += [(s, "dp", "auto") for s in ("ddp", "zero1", "fsdp2")] + [("ddp", "dp", "bf16")]
     refused = bench_refusals(rig)
     return [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
 
@@ -262,7 +264,7 @@ def train_job(key: tuple, config: BenchConfig):
 
     if key[1] == "dp":
         return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, timed_steps=config.steps,
-                        optimizer="adam")
+                        optimizer="adam", wire=key[2])
     strategy, engine, schedule, m, overlap = key
     return TrainJob(config.cfg, pp=2, boundaries=bench_cut(schedule, config.cfg.n_blocks + 2), schedule=schedule,
                     microbatches=m, batch=config.batch, engine=engine, overlap=overlap, timed_steps=config.steps)
@@ -298,7 +300,7 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
                              got.last.events, got.last.peak_activations, optimizer="adam" if dp else "none",
                              reference="single_adam" if dp else "single", spread=got.spread,
                              measured_phase_s=got.phase_s, calibration_key=key, cpu_s=got.cpu_s,
-                             reference_s=got.reference_s, speedup=got.speedup))
+                             reference_s=got.reference_s, speedup=got.speedup, wire=key[2] if dp else "auto"))
     return rows + dp_x_pp_rows(config, rig, progress, timer)
 
 

@@ -296,7 +296,8 @@ class _Rank:
         sharded = job.fully_sharded
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
-            wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
+            wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec,
+                                Wire.of(job.wire, compute=self.precision.weights))
 
         def sync_context(last: bool):
             if hasattr(wrapped, "no_sync") and not last:
