@@ -349,7 +349,8 @@ def one_device_reference(job, steps: int, built: dict) -> list[float]:
     if the job uses it: the bench's `single` and `single_adam` step), while every other rank waits at a barrier
     (gloo and NCCL wait there without computing): one device timed in the same launch, process and minute as the
     job that follows, so the machine's drift over a launch cancels in their ratio. `built` keeps each
-    (model, batch, optimizer)'s step between the jobs of a launch, built and warmed up once. Other ranks: []."""
+    (model, batch, optimizer)'s step between the jobs of a launch, built and warmed up once (two steps). Other
+    ranks: []."""
     import torch.distributed as dist
 
     from helpers.models import SyntheticTokens, build_stack
@@ -366,7 +367,8 @@ def one_device_reference(job, steps: int, built: dict) -> list[float]:
             x, y = SyntheticTokens(job.batch, cfg.seq_len, cfg.vocab).batch(0, job.batch)
             built[key] = one_device_step(model, x, y, lm_loss, make_optimizer(job.optimizer, model.parameters(),
                                                                                job.lr))
-            built[key]()  # warm-up
+            for _ in range(2):  # warm-up: Adam allocates its state in the first step, its temporaries in the
+                built[key]()    # second (memory the virtual machine backs at first touch: 1.6 s instead of 1.0)
         times = [_timed(built[key], device) for _ in range(steps)]
     dist.barrier()
     return times
