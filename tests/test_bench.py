@@ -454,40 +454,32 @@ def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine(
 
 
 def test_a_rows_speedup_is_the_median_of_ratios_to_one_device_timed_with_it():
-    """Threads: each round's one-device step over the row's step in that round; processes: each launch's one-device
-    steps (timed in the launch, just before the job) over its steps. A slow minute slows both sides of a pair."""
+    """Threads: each round's one-device step over the row's step in that round; processes: the one-device step
+    timed just before and after each launch over that launch's median step. A slow minute slows both sides."""
     from types import SimpleNamespace
 
-    from helpers.bench.rows import pool
+    from helpers.bench.rows import LaunchReference, pool, run_in_rounds
     from helpers.measure import Timings
 
     times = Timings({"single": [1.0, 2.0, 1.0], "pipe": [0.5, 1.0, 0.8]})  # round 2 ran at half speed
     assert times.paired_ratio("single", "pipe") == pytest.approx(2.0)  # the ratio of medians would say 1.25
 
-    def launch(reference, steps):
-        return SimpleNamespace(step_times=steps, reference_times=reference, thread_cpu_s=None,
-                               phase_times=[{"forward": 0.1, "backward": 0.2}])
+    def launch(steps):
+        return SimpleNamespace(step_times=steps, thread_cpu_s=None, phase_times=[{"forward": 0.1, "backward": 0.2}])
 
-    got = pool([launch([1.0], [0.5, 0.5, 0.6]), launch([1.3], [0.65, 0.7, 0.6])])
-    assert got.speedup == pytest.approx(2.0) and got.reference_s == pytest.approx(1.15)
-    assert got.step_s == pytest.approx(0.6) and got.last.reference_times == [1.3]
-    assert pool([launch([], [0.5])]).speedup is None  # no reference timed: the run's one-device row is used
+    got = pool([launch([0.5, 0.5, 0.6]), launch([0.65, 0.7, 0.6])])
+    assert got.launch_steps == (0.5, 0.65) and got.step_s == pytest.approx(0.6)
+
+    calls = []
+    reference = LaunchReference(step=lambda: calls.append("single"), adam_s=0.25)
+    run_in_rounds({("a", "b"): lambda keys: [launch([1.0]) for _ in keys]}, rounds=2, desc="t", progress=False,
+                  around=reference.around(None))
+    assert calls == ["single"] * 4  # before and after each of the two launches
+    reference.samples["a"] = [1.0, 1.2, 1.3, 1.3]  # the second launch ran in a slower minute
+    assert reference.speedup("a", (0.55, 0.65)) == pytest.approx((1.1 / 0.55 + 1.3 / 0.65) / 2)
+    assert reference.speedup("a", (0.55, 0.65), adam=True) == pytest.approx((1.35 / 0.55 + 1.55 / 0.65) / 2)
+    assert reference.speedup("never launched", (0.5,)) is None
     row = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0],
                    reference_s=1.1, speedup=2.0)
     d = row.as_dict(batch=32, reference_s=3.0)  # the row's own paired speed-up wins over the run's one-device row
-    assert d["speedup"] == 2.0 and d["reference_s"] == 1.1
-    assert d["reference_timed"] == "in this row's launches, just before it"
-
-
-def test_each_job_of_a_bench_launch_runs_after_one_device_timed_alone_on_rank_0():
-    from helpers.bench.rows import run_beside_one_device
-    from helpers.models import StackConfig
-    from helpers.runtime.rig import cpu_rig
-    from helpers.training.job import TrainJob
-
-    cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8)
-    jobs = [TrainJob(cfg, pp=2, batch=4, microbatches=2, timed_steps=1),
-            TrainJob(cfg, dp=2, batch=4, optimizer="adam", timed_steps=1)]
-    got = run_beside_one_device(jobs, cpu_rig(), steps=2)
-    assert [len(r.reference_times) for r in got] == [2, 2] and all(t > 0 for r in got for t in r.reference_times)
-    assert all(len(r.step_times) == 1 for r in got)
+    assert d["speedup"] == 2.0 and d["reference_s"] == 1.1 and d["reference_timed"] == "around this row's launches"

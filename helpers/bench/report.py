@@ -44,8 +44,8 @@ forward, backward  how much longer the row's forward (backward, with any recompu
              backward
 speedup      one device's step time over the row's (single; single_adam for rows that include Adam), the median of
              ratios of pairs timed together: threads, in the same interleaved round; processes, one device's step timed
-             by rank 0 alone in the same launch just before the job, over that launch's steps (the machine's speed
-             drifts over a run: each ratio is taken within the same minute)
+             just before and after each launch over that launch's median step (the machine's speed drifts over a
+             run: each ratio is taken within the same minute)
 peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 

@@ -47,7 +47,7 @@ class BenchRow:
     reference: str = "single"  # the one-device row this row's speed-up is taken against
     caller_s: float = 0.0  # measured work of the calling thread around the engine (zero_grad, optimizer step)
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
-    reference_s: float | None = None  # the one-device step timed in this row's launches (multi-process rows)
+    reference_s: float | None = None  # the one-device step timed around this row's launches (multi-process rows)
     wire: str = "auto"  # what DDP's gradients cross the link in (TrainJob's `wire`); auto: their own dtype
     speedup: float | None = None  # the median of the ratios of one device's step to this row's, each pair timed together
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
@@ -77,7 +77,7 @@ class BenchRow:
                 "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
                 "predicted_busy": self.predicted_busy,
                 "speedup": self.speedup or reference_s / self.step_s, "speedup_vs": self.reference,
-                "reference_s": reference_s, "reference_timed": "in this row's launches, just before it"
+                "reference_s": reference_s, "reference_timed": "around this row's launches"
                 if self.reference_s else "in the threaded rounds", "peak_activation_bytes": self.peak_activation_bytes}
 
 
@@ -158,7 +158,8 @@ class Progress:
 def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = (),
                 progress: Progress | None = None, extra: dict | None = None):
     """One device, without an optimizer and with Adam, timed in the same interleaved rounds as the threaded
-    pipelines; its activation peak as its ledger counts it. Returns the timings and the two rows."""
+    pipelines; its activation peak as its ledger counts it. Returns the timings, the two rows and a
+    `LaunchReference` that times the same one-device step again just before and after each multi-process launch."""
     from helpers.simulate.calibrate import optimizer_seconds
 
     rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
@@ -182,7 +183,7 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
                             optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
                             spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))
-                   ]
+                   ], LaunchReference(one_device, adam_s)
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -191,6 +192,59 @@ def _caller_seconds(run: PipelineRun) -> float:
     from helpers.simulate.calibrate import optimizer_seconds
 
     return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
+
+
+@dataclass
+class LaunchReference:
+    """One device's step (the `single` row's closure), timed again in this process just before and just after every
+    multi-process launch: the reference of those rows' speed-ups, each launch's steps against the one device timed
+    around that launch (`speedup`). The machine's speed drifts over a run: in two quiet default runs the one-device
+    step took 1.020 s and 0.973 s in the threaded rounds, while the whole model timed beside the launches was 4%
+    faster than in those rounds in the first run and 7% slower in the second. Timed instead by rank 0 inside the
+    launch, just before each job (the other rank waiting at a barrier), the same step took 1.0 s before the
+    launch's first jobs and 1.2-1.5 s in the middle of a long launch on a quiet machine, while the jobs themselves
+    ran at their calibrated speed: a rank that has run other jobs is no reference. Rows with Adam add one device's
+    Adam step, measured (`adam_s`)."""
+
+    step: Callable[[], None]
+    adam_s: float
+    samples: dict = field(default_factory=dict)  # job key -> seconds of each one-device step timed beside it
+
+    def sample(self, keys: Sequence[Hashable]) -> None:
+        from helpers.measure import interleaved_medians
+
+        seconds = interleaved_medians({"single": self.step}, repeats=1, warmup=0)["single"]
+        for key in keys:
+            self.samples.setdefault(key, []).append(seconds)
+
+    def seconds(self, key: Hashable, adam: bool = False) -> float | None:
+        """Median one-device step timed beside the launches of `key` (plus Adam's step with `adam`); None if never
+        sampled."""
+        import statistics
+
+        got = self.samples.get(key)
+        return statistics.median(got) + (self.adam_s if adam else 0.0) if got else None
+
+    def speedup(self, key: Hashable, launch_steps: Sequence[float], adam: bool = False) -> float | None:
+        """The median over launches of (the one-device step timed just before and after a launch, their mean, plus
+        Adam's with `adam`) / (that launch's median step of `key`): each ratio within the minute it was timed."""
+        import statistics
+
+        got = self.samples.get(key, [])
+        if len(got) != 2 * len(launch_steps) or not launch_steps:
+            return None
+        extra = self.adam_s if adam else 0.0
+        return statistics.median(((got[2 * i] + got[2 * i + 1]) / 2 + extra) / step
+                                 for i, step in enumerate(launch_steps))
+
+    def around(self, sizes: Callable[[Sequence[Hashable]], None] | None) -> Callable:
+        """The hook `run_in_rounds` calls with a launch's keys before and after it: this reference's step, then the
+        whole-model calibration samples (`sizes`, if any)."""
+        def hook(keys: Sequence[Hashable]) -> None:
+            self.sample(keys)
+            if sizes is not None:
+                sizes(keys)
+        return hook
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
@@ -238,7 +292,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     if timer and rig.is_cpu:
         samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
                                                                                                        THREADS_KEY)
-    times, rows = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
+    times, rows, reference = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
@@ -246,7 +300,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
                              speedup=times.paired_ratio("single", r.name)))
     for row in rows:  # one device and the threaded pipelines: timed in the same rounds as the samplers
         row.calibration_key = THREADS_KEY
-    return rows + process_rows(config, rig, progress, timer)
+    return rows + process_rows(config, rig, progress, timer, reference)
 
 
 def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
@@ -290,17 +344,19 @@ def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
         timer.sample(size, keys=[k for k in keys if key_microbatch(k, config) == size])
 
 
-def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
+                 reference: LaunchReference | None = None) -> list[BenchRow]:
     """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
     rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
-    each job after one device's step timed in the same launch (`run_beside_one_device`), then DP x PP (4 ranks).
-    With `timer`, the whole model timed at each job's micro-batch size just before and after the launch that ran it
-    (`calibration_key`: the job's key)."""
+    then DP x PP (4 ranks). With `timer`, the whole model timed at each job's micro-batch size just before and
+    after the launch that ran it (`calibration_key`: the job's key); with `reference`, the one-device step too, each
+    row's speed-up then taken launch by launch against it."""
+    from helpers.training.loop import run_trainings
+
     jobs = two_rank_jobs(config, rig)
-    results = run_in_rounds({tuple(jobs): lambda keys: run_beside_one_device([train_job(k, config) for k in keys],
-                                                                             rig)},
+    results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
                             config.rounds, "multi-process jobs", progress,
-                            around=timer and (lambda keys: sample_launch(timer, keys, config)))
+                            around=_around(reference, timer and (lambda keys: sample_launch(timer, keys, config))))
     rows = []
     for key, got in results.items():
         dp = key[1] == "dp"
@@ -308,101 +364,30 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
                              got.last.events, got.last.peak_activations, optimizer="adam" if dp else "none",
                              reference="single_adam" if dp else "single", spread=got.spread,
                              measured_phase_s=got.phase_s, calibration_key=key, cpu_s=got.cpu_s,
-                             reference_s=got.reference_s, speedup=got.speedup, wire=key[2] if dp else "auto"))
-    return rows + dp_x_pp_rows(config, rig, progress, timer)
+                             wire=key[2] if dp else "auto"))
+        if reference is not None:
+            rows[-1].reference_s = reference.seconds(key, adam=dp)
+            rows[-1].speedup = reference.speedup(key, got.launch_steps, adam=dp)
+    return rows + dp_x_pp_rows(config, rig, progress, timer, reference)
 
 
-REFERENCE_STEPS = 1  # one-device steps rank 0 times before each job of a bench launch (and one warm-up per launch)
-
-
-def run_beside_one_device(jobs: Sequence, rig, oversubscribe: bool = False, timeout: float = 300.0,
-                          steps: int = REFERENCE_STEPS) -> list:
-    """`run_trainings` for the bench: one launch runs the jobs (one world size) one after the other, each just after
-    `steps` one-device steps of its block stack that rank 0 times alone (`one_device_reference`), kept in the job's
-    `TrainResult.reference_times`: each row's speed-up is taken against one device timed in the same minutes."""
-    from dataclasses import replace
-
-    from helpers.runtime.launch import run
-    from helpers.training.job import check_job
-    from helpers.training.loop import combine_ranks
-
-    for job in jobs:
-        check_job(job, rig, oversubscribe)
-    if not all(isinstance(job.model, StackConfig) for job in jobs):
-        raise ValueError("the bench times a one-device reference for block-stack jobs (a StackConfig model) only")
-    parts = run(jobs_beside_one_device, list(jobs), steps, nranks=jobs[0].world, rig=rig,
-                timeout=timeout * len(jobs), oversubscribe=oversubscribe)
-    return [replace(combine_ranks([rank[i][1] for rank in parts]), reference_times=parts[0][i][0])
-            for i in range(len(jobs))]
-
-
-def jobs_beside_one_device(jobs: Sequence, steps: int) -> list[tuple[list[float], dict]]:
-    """Every rank of a bench launch: for each job, its `one_device_reference` (times on rank 0), then the job."""
-    from helpers.training.loop import train_worker
-
-    built: dict = {}
-    return [(one_device_reference(job, steps, built), train_worker(job)) for job in jobs]
-
-
-def one_device_reference(job, steps: int, built: dict) -> list[float]:
-    """Rank 0 alone times `steps` steps of the job's whole block stack on its device (the job's global batch, Adam
-    if the job uses it: the bench's `single` and `single_adam` step), while every other rank waits at a barrier
-    (gloo and NCCL wait there without computing): one device timed in the same launch, process and minute as the
-    job that follows, so the machine's drift over a launch cancels in their ratio. `built` keeps each
-    (model, batch, optimizer)'s step between the jobs of a launch, built and warmed up once (two steps). Other
-    ranks: []."""
-    import torch.distributed as dist
-
-    from helpers.models import SyntheticTokens, build_stack
-    from helpers.runtime.launch import rank_device
-    from helpers.training.strategies import make_optimizer
-
-    times: list[float] = []
-    dist.barrier()
-    if dist.get_rank() == 0:
-        cfg, device = job.model, rank_device()
-        key = (cfg, job.batch, job.optimizer)
-        if key not in built:
-            model = build_stack(cfg).to(device)
-            x, y = SyntheticTokens(job.batch, cfg.seq_len, cfg.vocab).batch(0, job.batch)
-            built[key] = one_device_step(model, x, y, lm_loss, make_optimizer(job.optimizer, model.parameters(),
-                                                                               job.lr))
-            for _ in range(2):  # warm-up: Adam allocates its state in the first step, its temporaries in the
-                built[key]()    # second (memory the virtual machine backs at first touch: 1.6 s instead of 1.0)
-        times = [_timed(built[key], device) for _ in range(steps)]
-    dist.barrier()
-    return times
-
-
-def _timed(step: Callable[[], None], device: torch.device) -> float:
-    """Seconds of one call of `step`, this rank's own device synchronised before and after (not every visible GPU,
-    as `helpers.measure` does: that would open a CUDA context on the other rank's GPU)."""
-    import time
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    sync()
-    t0 = time.perf_counter()
-    step()
-    sync()
-    return time.perf_counter() - t0
+def _around(reference: LaunchReference | None, sample: Callable | None) -> Callable | None:
+    """What runs beside each launch: the one-device reference and the calibration samples, whichever are given."""
+    return reference.around(sample) if reference else sample
 
 
 @dataclass(frozen=True)
 class Pooled:
     """A multi-process job's launches taken together: over every launch's timed steps, the median step time, its
     `relative_spread` and the median seconds of each phase (`median_phases`); the last launch's result (its
-    timeline and memory); with a one-device reference timed in each launch, its median and the speed-up."""
+    timeline and memory); each launch's own median step."""
 
     step_s: float
     spread: float
     phase_s: dict[str, float]
     last: object
     cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
-    reference_s: float | None = None  # median of the one-device steps timed beside the job, over every launch
-    speedup: float | None = None  # median over launches of (that launch's reference / its median step)
+    launch_steps: tuple[float, ...] = ()  # the median step of each launch, in launch order
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
@@ -410,7 +395,7 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
     them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch that runs the keys it is
     given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
-    processes: `run_beside_one_device`); every other round runs a group's jobs in reverse order, so no job is always
+    processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always
     the first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
     bench times its calibration there, so each row's calibration sees the minutes it ran)."""
 
@@ -439,23 +424,21 @@ def pool(launched: Sequence) -> Pooled:
 
     steps = [t for got in launched for t in got.step_times]
     cpu = [got.thread_cpu_s for got in launched]
-    referenced = [got for got in launched if getattr(got, "reference_times", None)]
     return Pooled(statistics.median(steps), relative_spread(steps),
                   median_phases([p for got in launched for p in got.phase_times]), launched[-1],
                   [statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
-                  statistics.median(t for got in referenced for t in got.reference_times) if referenced else None,
-                  statistics.median(statistics.median(got.reference_times) / statistics.median(got.step_times)
-                                    for got in referenced) if referenced else None)
+                  tuple(statistics.median(got.step_times) for got in launched))
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
 
 
-def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
-    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds,
-    each after one device's step timed in the launch; with `timer`, the whole model timed at its micro-batch size
-    around them."""
+def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
+                 reference: LaunchReference | None = None) -> list[BenchRow]:
+    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds;
+    with `timer`, the whole model timed at its micro-batch size around them (and the one-device `reference`)."""
     from helpers.training.job import TrainJob
+    from helpers.training.loop import run_training
 
     rows = []
     refused = bench_refusals(rig)
@@ -463,12 +446,13 @@ def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
         m = DP_X_PP_MICROBATCHES(config)
         job = TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
                        timed_steps=config.steps)
-        results = run_in_rounds({("dp_x_pp",): lambda keys: run_beside_one_device([job], rig, rig.is_cpu)},
-                                config.rounds, "DP x PP", progress,
-                                around=timer and (lambda keys: timer.sample(config.batch // 2 // m, keys=keys)))
+        sizes = timer and (lambda keys: timer.sample(config.batch // 2 // m, keys=keys))
+        results = run_in_rounds({("dp_x_pp",): lambda keys: [run_training(job, rig, oversubscribe=rig.is_cpu)]},
+                                config.rounds, "DP x PP", progress, around=_around(reference, sizes))
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
                              got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key="dp_x_pp", cpu_s=got.cpu_s, reference_s=got.reference_s,
-                             speedup=got.speedup))
+                             calibration_key="dp_x_pp", cpu_s=got.cpu_s,
+                             reference_s=reference.seconds("dp_x_pp") if reference else None,
+                             speedup=reference.speedup("dp_x_pp", got.launch_steps) if reference else None))
     return rows

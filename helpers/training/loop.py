@@ -51,8 +51,6 @@ class TrainResult:
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
     losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
     state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
-    # the bench's one-device steps timed in the same launch just before the job (helpers.bench.rows.run_beside_one_device)
-    reference_times: list[float] = field(default_factory=list)
     first_step: int = 0  # the step the run started from: a checkpoint's when it resumed; losses[k] is step first+k
     save_blocked: list[float] = field(default_factory=list)  # seconds each checkpoint save blocked the step (rank 0)
     # per rank, the median timed step's CPU seconds: of the rank's own thread (compute and the host work around it),
