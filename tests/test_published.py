@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from helpers.course import load_data
-from helpers.simulate import (efficiency, fitted_constants, gpu_named, gpu_orders, kernels_s,
-                              predictions_vs_published, target_rig, trace_kernels)
+from helpers.simulate import (MODELS, efficiency, fitted_constants, gpu_named, gpu_orders, kernels_s,
+                              predictions_vs_published, recommend, target_rig, trace_kernels, transformer_workload)
 from helpers.simulate import Job, simulate
 from helpers.simulate.published import FITTED, lambda_ddp, lambda_gradient_exchange, lambda_workloads
 from helpers.simulate.roofline import trace_call
@@ -93,6 +93,20 @@ def test_a_timed_statement_is_traced_as_it_repeats():
     first, repeated = trace_call(statement), trace_call(statement)
     assert len(repeated) == len(first) + 2  # the weight's and the bias's gradient added into the previous ones
     assert sum(k.nbytes for k in repeated) - sum(k.nbytes for k in first) == 3 * 4 * (8 * 8 + 8)  # read 2, write 1
+
+
+def test_the_guide_chooses_with_the_exchange_hidden_and_exposed():
+    """The guide overlaps DDP's, ZeRO-1's and FSDP2's exchange with compute as PyTorch designs them to; Lambda's
+    logs show none hidden, so `overlap=False` exposes it all. That never shortens a step, leaves the pipeline as it
+    is, and on two 3090s without P2P turns GPT-2 medium's choice from DDP to the 1F1B pipeline."""
+    rig = target_rig("2x3090 PCIe")
+    workload = transformer_workload(MODELS["GPT-2 medium"], 1024, rig.gpu)
+    hidden, exposed = recommend(workload, rig, 16), recommend(workload, rig, 16, overlap=False)
+    steps = {o.job.strategy: (h.step_s, o.step_s) for h, o in zip(hidden.options, exposed.options)}
+    assert steps["1f1b"][0] == steps["1f1b"][1]
+    for strategy in ("ddp", "zero1", "fsdp2"):
+        assert steps[strategy][1] > steps[strategy][0], strategy
+    assert hidden.choice.startswith("DDP") and exposed.choice.startswith("1F1B")
 
 
 def test_rigs_carry_the_published_all_reduce():

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from helpers.course import load_data
-from helpers.simulate.guide import transformer_workload
+from helpers.simulate.guide import exposed_exchange, transformer_workload
 from helpers.simulate.hardware import (Collectives, Link, TargetRig, allreduce_link, gpu_named, link_named,
                                       target_rig)
 from helpers.simulate.roofline import (TORCH_DTYPES, Efficiency, efficiency, kernels_s, trace_call, trace_kernels,
@@ -38,7 +38,6 @@ RESNET50_STAGES = (("layer1", 3, 64, 1), ("layer2", 4, 128, 2), ("layer3", 6, 25
 LAMBDA_RIGS = (("2x3090 PCIe", "lambda_2x3090_data_parallel"), ("2x4090", "lambda_2x4090_data_parallel"),
                ("2xA100", "lambda_2xa100_sxm4_data_parallel"))
 NO_P2P = "3090_gpu_to_gpu_no_p2p"
-AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 FITTED = {"framework": "Lambda one-GPU throughput, BERT-large (samples/s), RTX 3090",
           "conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), RTX 4090",
           "A100 conv": "Lambda one-GPU throughput, ResNet-50 (samples/s), A100 80GB SXM"}
@@ -172,16 +171,10 @@ def lambda_gradient_exchange(gpu: str) -> Collectives:
     return Collectives(exchange, exchange, exchange, exchange, name=exchange.name)
 
 
-def exchange_after_backward(batch: int, dp: int = 2) -> Job:
-    """DDP over `dp` GPUs, `batch` samples in all, its gradients all-reduced in one piece once the backward is
-    done: how the published two-GPU runs pay their exchange (`lambda_gradient_exchange`)."""
-    return Job("ddp", batch, dp=dp, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
-
-
 def lambda_ddp(workload: Workload, rig: TargetRig, batch: int) -> Simulation:
     """One step of Lambda's data-parallel run of `workload` on `rig`, `batch` samples per GPU: every gradient
     exchanged after the backward, at the rate Lambda's logs show (`lambda_gradient_exchange`)."""
-    return simulate(workload, exchange_after_backward(rig.devices * batch, rig.devices), rig.link,
+    return simulate(workload, exposed_exchange(Job("ddp", rig.devices * batch, dp=rig.devices)), rig.link,
                     lambda_gradient_exchange(rig.gpu.name))
 
 
@@ -254,7 +247,7 @@ def nvlink_rows() -> list[dict]:
     gpu, batch = gpu_named("RTX 3090"), setup["per_device_batch"]
     workload = transformer_workload(decoder_shape(*GPT2_SMALL), setup["seq"], gpu, setup["dtype"], "eager",
                                     "fp32 + Adam", batch=batch)
-    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), exchange_after_backward(2 * batch)
+    nvlink, job = allreduce_link("2080ti_nvlink_bridge_nv2"), exposed_exchange(Job("ddp", 2 * batch))
     ratio = (simulate(workload, job, link_named(NO_P2P), allreduce_link(NO_P2P)).step_s
              / simulate(workload, job, nvlink, nvlink).step_s)
     return [_row("HF GPT-2 DDP: no-P2P time / NVLink time (x)", "RTX 3090 compute; 2080 Ti bridge vs no-P2P",
