@@ -98,13 +98,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def one_device_drift(rows) -> str:
-    """The one-device step in the threaded rounds against its median between the multi-process launches: how much
-    the machine's speed moved between the two parts of the run (what taking each ratio within its minutes removes)."""
+    """The one-device step in the threaded rounds against its median in the multi-process launches: how much the
+    machine's speed moved between the two parts of the run (what taking each ratio within its minutes removes)."""
     import statistics
 
     single = next(r.step_s for r in rows if r.strategy == "single")
     between = statistics.median(r.reference_s for r in rows if r.reference_s and r.optimizer == "none")
-    return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms between the "
+    return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms in the "
             f"multi-process launches ({between / single - 1:+.1%}); each row's speed-up uses its own minutes'")
 
 
