@@ -369,7 +369,11 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
     assert config.rounds == 2 and config.steps == 3 and config.thread_repeats == 5
     keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
-    assert len(keys) == 17 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    assert len(keys) == 15 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    precise = two_rank_jobs(default_config("precise", reference_rigs()["CPU (2 cores)"]),
+                            reference_rigs()["CPU (2 cores)"])
+    assert set(precise) - set(keys) == {("naive", "ours", "gpipe", 1, False), ("gpipe", "torch", "gpipe", 8, True),
+                                        ("gpipe", "ours", "gpipe", 2, True), ("gpipe", "ours", "gpipe", 4, True)}
     orders, seen = [], []
 
     def launch(order):

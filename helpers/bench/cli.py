@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
                              "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
                              "is predicted")
     length.add_argument("--precise", action="store_true",
-                        help="the default run's rows and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
+                        help="every row (the default run leaves out the threaded rows past 1F1B, the naive split on "
+                             "processes and torch's GPipe) and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
                              "the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats of the "
                              "split comparison and checkpoint sweep")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")

@@ -95,18 +95,23 @@ class BenchConfig:
     extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
     thread_repeats: int = 3  # interleaved rounds of one device and the threaded pipelines
+    every_row: bool = True  # False (the default run): leave out the rows of `SHORTER_RUN_LEAVES_OUT`
 
 
 MODES = ("quick", "default", "precise")
+# what the default run leaves to --precise, to stay under 5 minutes on the 2-core rig: the threaded engine's rows
+# past 1F1B (ours runs them on processes beside torch's, where they are compared), the naive split on processes and
+# torch's GPipe (never torch's best pipeline); as (strategy, runner)
+SHORTER_RUN_LEAVES_OUT = {*((s, "threads") for s in BEYOND_1F1B), ("naive", "processes"), ("gpipe", "torch")}
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
-    model. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch count
-    (m=8) per pipeline, 5 interleaved rounds of the threaded rows, and every two-rank job in one launch per round,
-    2 rounds in opposite orders (6 timed steps of each job from two launches a minute or more apart: one
-    disturbed launch or step no longer decides a row). precise: GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
-    launches of 6 steps, 6 repeats of the extras."""
+    model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
+    count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
+    rows, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed steps of each job
+    from two launches a minute or more apart: one disturbed launch or step no longer decides a row). precise: every
+    row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 steps, 6 repeats of the extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
@@ -120,7 +125,7 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
         return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
                            torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
     return BenchConfig(cfg, batch=32, steps=3, gpipe_microbatches=(8,), onefoneb_microbatches=8,
-                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5)
+                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5, every_row=False)
 
 
 class Progress:
@@ -223,6 +228,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
     threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
+    threaded = [(s, m) for s, m in threaded if config.every_row or (s, "threads") not in SHORTER_RUN_LEAVES_OUT]
     runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
             for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
@@ -255,7 +261,9 @@ def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
     jobs += [(s, engine, s, m, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
     jobs += [(s, "dp", "auto") for s in ("ddp", "zero1", "fsdp2")] + [("ddp", "dp", "bf16")]
     refused = bench_refusals(rig)
-    return [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
+    runner = lambda j: "torch" if j[1] == "torch" else "processes"  # noqa: E731
+    return [j for j in jobs if (j[0], runner(j)) not in refused
+            and (config.every_row or (j[0], runner(j)) not in SHORTER_RUN_LEAVES_OUT)]
 
 
 def train_job(key: tuple, config: BenchConfig):
