@@ -1,15 +1,14 @@
 """The simulator's GPU figures against published measurements (issue 37): within 15%, and never the wrong way
-round. Every row of `predictions_vs_published()` is held to 15% except the ones data/published.json lists under
-`outside_15_percent` with the reason, and that list must name exactly the rows that miss (a row that starts to
-land, or a new one that misses, fails here)."""
+round. Every row of `predictions_vs_published()` is held to 15%, none excused."""
 import pytest
 import torch
 
 from helpers.course import load_data
-from helpers.simulate import (efficiency, excused_rows, fitted_constants, gpu_named, gpu_orders, kernels_s,
-                              predictions_vs_published, target_rig, trace_kernels)
+from helpers.simulate import (MODELS, efficiency, fitted_constants, gpu_named, gpu_orders, kernels_s,
+                              predictions_vs_published, recommend, target_rig, trace_kernels, transformer_workload)
 from helpers.simulate import Job, simulate
 from helpers.simulate.published import FITTED, lambda_ddp, lambda_gradient_exchange, lambda_workloads
+from helpers.simulate.roofline import trace_call
 
 TOLERANCE = 0.15
 
@@ -22,8 +21,8 @@ def rows():
 def test_every_published_row_within_15_percent(rows):
     assert len(rows) >= 25 and all(r["source"] for r in rows)
     missing = {(r["check"], r["rig simulated"]) for r in rows if abs(r["error"]) > TOLERANCE}
-    assert missing == excused_rows(), [(r["check"], r["rig simulated"], f"{r['error']:+.1%}") for r in rows
-                                   if abs(r["error"]) > TOLERANCE]
+    assert not missing, [(r["check"], r["rig simulated"], f"{r['error']:+.1%}") for r in rows
+                         if abs(r["error"]) > TOLERANCE]
     # the row about the seed's own question: what an NVLink bridge buys DDP on two GeForce cards
     nvlink = next(r for r in rows if r["check"].startswith("HF GPT-2 DDP"))
     assert abs(nvlink["error"]) <= TOLERANCE and nvlink["predicted"] > 1.1
@@ -80,6 +79,34 @@ def test_kernels_are_traced_as_cuda_runs_them():
     memory = [k for k in eager.forward if k.kind == "memory" and k.nbytes / gpu.memory_bandwidth > eff.launch_s]
     for k in memory:
         assert kernels_s([k], gpu, "fp32") == pytest.approx(k.nbytes / gpu.memory_bandwidth)
+
+
+def test_a_timed_statement_is_traced_as_it_repeats():
+    """mli's micro-benchmark times `layer(X)[0].sum().backward()` over and over without zeroing the gradients, so
+    every timed run adds one kernel per parameter tensor (autograd accumulating into the gradients already there)
+    that a trace of one fresh backward does not see: `trace_call` sees them (the BERT-layer rows, +15.3% on the
+    A100 without them)."""
+    with torch.device("meta"):
+        layer = torch.nn.Linear(8, 8)
+    x = torch.zeros(4, 8, device="meta")
+    statement = lambda: layer(x).sum().backward()  # noqa: E731
+    first, repeated = trace_call(statement), trace_call(statement)
+    assert len(repeated) == len(first) + 2  # the weight's and the bias's gradient added into the previous ones
+    assert sum(k.nbytes for k in repeated) - sum(k.nbytes for k in first) == 3 * 4 * (8 * 8 + 8)  # read 2, write 1
+
+
+def test_the_guide_chooses_with_the_exchange_hidden_and_exposed():
+    """The guide overlaps DDP's, ZeRO-1's and FSDP2's exchange with compute as PyTorch designs them to; Lambda's
+    logs show none hidden, so `overlap=False` exposes it all. That never shortens a step, leaves the pipeline as it
+    is, and on two 3090s without P2P turns GPT-2 medium's choice from DDP to the 1F1B pipeline."""
+    rig = target_rig("2x3090 PCIe")
+    workload = transformer_workload(MODELS["GPT-2 medium"], 1024, rig.gpu)
+    hidden, exposed = recommend(workload, rig, 16), recommend(workload, rig, 16, overlap=False)
+    steps = {o.job.strategy: (h.step_s, o.step_s) for h, o in zip(hidden.options, exposed.options)}
+    assert steps["1f1b"][0] == steps["1f1b"][1]
+    for strategy in ("ddp", "zero1", "fsdp2"):
+        assert steps[strategy][1] > steps[strategy][0], strategy
+    assert hidden.choice.startswith("DDP") and exposed.choice.startswith("1F1B")
 
 
 def test_rigs_carry_the_published_all_reduce():

@@ -26,7 +26,7 @@ from helpers.simulate.hardware import (FREE_LINK, Collectives, Link, SharedCores
                                        fit_link, gpu_named, link_named, reducescatter_s,
                                        target_rig, target_rigs)
 from helpers.simulate.playground import Knobs, Playground
-from helpers.simulate.published import (bert_workload, excused_rows, fitted_constants, gpu_orders,
+from helpers.simulate.published import (bert_workload, fitted_constants, gpu_orders,
                                         predictions_vs_published, resnet50_workload)
 from helpers.simulate.roofline import (Efficiency, Kernel, efficiency, kernels_s, layer_flops, on_gpu, roofline_s,
                                        trace_kernels)
@@ -39,7 +39,7 @@ INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "breakeven_latency", "crossove
 __all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
            "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
            "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s",
-           "collective_s", "decision_table", "efficiency", "excused_rows", "fit_collective_link", "fit_collectives",
+           "collective_s", "decision_table", "efficiency", "fit_collective_link", "fit_collectives",
            "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named", "on_gpu",
            "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s", "resnet50_workload",
            "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs", "trace_kernels",

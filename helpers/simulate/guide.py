@@ -29,6 +29,8 @@ from helpers.simulate.workload import LayerCost, Workload
 
 GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
+BUCKETED = ("ddp", "zero1")  # the strategies that all-reduce gradients in DDP's buckets
+AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 
 
 SIZES = {  # family, layers, hidden, heads, vocab, intermediate: as in each model's Hugging Face config
@@ -190,12 +192,25 @@ def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
     return jobs
 
 
-def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int) -> Option:
+def exposed_exchange(job: Job) -> Job:
+    """`job` with none of its gradient and parameter exchange hidden behind compute: DDP and ZeRO-1 all-reduce every
+    gradient in one piece once the backward is done, FSDP2's gathers and reduce-scatters hold the compute they would
+    overlap. What the published two-GPU runs show (Lambda's logs: helpers.simulate.published), where PyTorch's DDP
+    and FSDP2 are designed to overlap (notebook 07 measures DDP's overlap here); a pipeline is left as it is (its
+    transfers are small and on its schedule's critical path already)."""
+    if job.strategy in BUCKETED:
+        return replace(job, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
+    return replace(job, host_waits=True) if job.strategy == "fsdp2" else job
+
+
+def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int,
+                overlap: bool = True) -> Option:
     """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated: messages over the rig's
     link, collectives at the rig's all-reduce, the one the published checks use), or if none fits the one with the
-    smallest footprint."""
+    smallest footprint. `overlap=False`: no communication hidden behind compute (`exposed_exchange`)."""
     best, smallest = None, None
     for job in _candidates(strategy, batch, rig.devices):
+        job = job if overlap else exposed_exchange(job)
         peak = max(m.total for m in simulate_memory(workload, job).values())
         if smallest is None or peak < smallest.peak_bytes:
             smallest = Option(job, peak, False, None)
@@ -209,12 +224,15 @@ def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, c
 
 
 def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, model: str = "model",
-              reserve_bytes: int | None = None, tolerance: float = 0.05) -> Recommendation:
+              reserve_bytes: int | None = None, tolerance: float = 0.05, overlap: bool = True) -> Recommendation:
     """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice. Each GPU keeps
-    `reserve_bytes` for the runtime (default: the CUDA context and allocator margin, helpers.sizing.gpus)."""
+    `reserve_bytes` for the runtime (default: the CUDA context and allocator margin, helpers.sizing.gpus). DDP, ZeRO-1
+    and FSDP2 overlap their exchange with compute as PyTorch designs them to (`overlap`, the default);
+    `overlap=False` exposes it (`exposed_exchange`), as every published two-GPU run the course checks against shows:
+    plan with both where they choose differently."""
     rig = target_rig(rig) if isinstance(rig, str) else rig
     capacity = rig.gpu.capacity_bytes - (rig.gpu.reserve_bytes if reserve_bytes is None else reserve_bytes)
-    options = tuple(best_option(workload, rig, s, batch, capacity) for s in GUIDE_STRATEGIES)
+    options = tuple(best_option(workload, rig, s, batch, capacity, overlap) for s in GUIDE_STRATEGIES)
     fitting = [o for o in options if o.fits]
     if not fitting:
         choice = (f"does not fit {rig.devices} {rig.gpu.name}s: more GPUs or machines (DP x PP, torchrun), "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -208,6 +208,17 @@ def trace_kernels(layers: Sequence[nn.Module], sample: torch.Tensor, dtype: str 
         traced.append(LayerTrace(tuple(forward.kernels), tuple(backward.kernels), _nbytes(y)))
         x = y.detach()
     return traced
+
+
+def trace_call(call: Callable[[], object]) -> tuple[Kernel, ...]:
+    """Every kernel `call()` launches, forward and any backward it runs, on the meta device (its tensors and modules
+    must be there): a benchmark's timed statement traced as it is written, e.g. one that calls `backward()` on a
+    module whose gradients already exist, so that autograd adds the new ones into them (kernels a model trace with
+    fresh gradients, `trace_kernels`, does not see)."""
+    recorder = _Recorder()
+    with recorder, _AsOnCuda(recorder.kernels):
+        call()
+    return tuple(recorder.kernels)
 
 
 def kernel_s(kernel: Kernel, gpu: Gpu, dtype: str, eff: Efficiency) -> float:
