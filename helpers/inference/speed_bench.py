@@ -11,6 +11,8 @@ engines timed on the same model, batches and contexts.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
   flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats).
 - `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
+- `rig_as_dict` / `rig_from_dict`, `replay(path)`: a run's calibration saved beside its rows (`--json`) and its rows
+  predicted again from it (`--replay`): the model's next version checked against stored measurements in seconds.
 
 The command line, for a quiet machine: `python -m helpers.inference.speed_bench` (see --help). Wall-clock figures
 mean something only on a machine nothing else is using; tests never assert on them.
@@ -228,6 +230,42 @@ def compare(measured: Sequence[dict], rig: SpeedRig, shape: ModelShape) -> list[
     return out
 
 
+def rig_as_dict(rig: SpeedRig) -> dict:
+    """Every field of a SpeedRig as JSON-ready values (what `rig_from_dict` reads back)."""
+    from dataclasses import asdict
+
+    return asdict(rig)
+
+
+def rig_from_dict(fields: dict) -> SpeedRig:
+    """The SpeedRig `rig_as_dict` wrote (JSON's lists back to tuples; fields it did not know take their defaults)."""
+    from helpers.simulate.hardware import Link
+
+    def device(d: dict) -> Device:
+        points = {k: tuple(tuple(p) for p in d[k]) for k in ("flops", "busy_flops") if k in d}
+        return Device(**{**d, **points})
+
+    devices = tuple(device(d) for d in fields["devices"])
+    return SpeedRig(**{**fields, "devices": devices, "hop": Link(**fields["hop"]),
+                       "allreduce": Link(**fields["allreduce"])})
+
+
+def replay(path: str) -> list[dict]:
+    """A `--json` run's measured rows predicted again from its saved calibration and model config, by the speed model
+    as it is now: no measurement, seconds."""
+    import tempfile
+    from pathlib import Path
+
+    saved = json.loads(Path(path).read_text())
+    if "speed_rig" not in saved or "config" not in saved:
+        raise ValueError(f"{path} holds no calibration: write one with python -m helpers.inference.speed_bench --json")
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "config.json").write_text(json.dumps(saved["config"]))
+        shape = model_shape(folder, "fp32")
+    measured = [{k: v for k, v in r.items() if k not in ("predicted tok/s", "error")} for r in saved["rows"]]
+    return compare(measured, rig_from_dict(saved["speed_rig"]), shape)
+
+
 def error_summary(rows: Sequence[dict]) -> list[dict]:
     """Per engine and phase: the largest and the median absolute error."""
     out = []
@@ -268,8 +306,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--json", help="also write the rows, the calibration and the model's config here")
+    parser.add_argument("--replay", metavar="JSON", help="measure nothing: predict the rows of an earlier --json "
+                                                          "run again from its calibration")
     ns = parser.parse_args(argv)
+    if ns.replay:
+        rows = replay(ns.replay)
+        print(table(rows))
+        print(table(error_summary(rows)))
+        return
     rig = detect_rig(force_cpu=True)
     claim_cpu_device(rig)
     batches = [int(b) for b in ns.batches.split(",")]
@@ -285,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(error_summary(rows)))
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"rig": speed.note, "rows": rows, "summary": error_summary(rows)}, f, indent=2)
+            json.dump({"rig": speed.note, "speed_rig": rig_as_dict(speed), "config": shape.config.to_dict(),
+                       "rows": rows, "summary": error_summary(rows)}, f, indent=2)
 
 
 if __name__ == "__main__":
