@@ -55,11 +55,17 @@ def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
     return [one] + [torch.randn_like(one) for _ in range(max(0, total // (one.numel() * one.element_size()) - 1))]
 
 
+def _together(work) -> float:
+    """Seconds until the last of `work` finished, each in a thread of its own, as a virtual device, all at once."""
+    from helpers.inference.pipelined import device_thread
+    from helpers.simulate.calibrate import run_together
+
+    return max(run_together([device_thread(fn) for fn in work]))
+
+
 def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s alone, slowdown while the other virtual device streams too): one row through every matrix of the
     working set, as decoding one token reads every weight once."""
-    from helpers.simulate.calibrate import run_together
-
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     x = torch.randn(1, shape.hidden, dtype=dtype)
     nbytes = sum(w.numel() * w.element_size() for w in mats[0])
@@ -69,8 +75,7 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
             F.linear(x, w)
 
     alone = _median(lambda: sweep(mats[0]), repeats)
-    together = statistics.median(max(run_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])]))
-                                 for _ in range(repeats))
+    together = statistics.median(_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])]) for _ in range(repeats))
     return nbytes / alone, max(1.0, together / alone)
 
 
@@ -81,8 +86,6 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
     through the working set: a CPU overlaps streaming and multiplying only in part, so the roofline's max(bytes /
     bandwidth, FLOPs / rate) holds only with a rate measured while streaming. Both devices at once share the memory:
     slower by how much each row count streams, so the slowdown is measured per row count too."""
-    from helpers.simulate.calibrate import run_together
-
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     per_row = 2.0 * sum(w.numel() for w in mats[0])
     alone, together = [], []
@@ -90,7 +93,7 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
         x = torch.randn(r, shape.hidden, dtype=dtype)
         sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in mats]
         alone.append((r, per_row * r / _median(sweeps[0], repeats)))
-        both = statistics.median(max(run_together(sweeps)) for _ in range(repeats))
+        both = statistics.median(_together(sweeps) for _ in range(repeats))
         together.append((r, per_row * r / both))
     return tuple(alone), tuple(together)
 
