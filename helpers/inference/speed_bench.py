@@ -4,10 +4,10 @@ engines timed on the same model, batches and contexts.
 - `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
   with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
   other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
-  set, out of the cache), the host time per
-  dispatched op (a tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the
-  all-reduce at hidden-state sizes (`helpers.simulate.calibrate.small_allreduce_link`) and DTensor's host time per
-  sharded linear.
+  set, out of the cache; both devices as threads with one intra-op thread each), the host time per dispatched op (a
+  tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the all-reduce at
+  hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and DTensor's
+  host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
   flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats).
 - `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
@@ -32,7 +32,7 @@ from helpers.sizing.shape import ModelShape, model_shape
 from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer,
                                      pipelined, tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
-from helpers.simulate.hardware import FREE_LINK
+from helpers.simulate.hardware import FREE_LINK, Link
 
 ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
@@ -63,6 +63,20 @@ def _together(work) -> float:
     return max(run_together([device_thread(fn) for fn in work]))
 
 
+def _alone_and_together(work, repeats: int) -> tuple[float, float]:
+    """Median seconds of `work[0]` alone and of all of `work` at once (`_together`), measured in turns (alone,
+    together, alone, ...) after one warm-up of each, so that a slow moment of the machine hurts both alike."""
+    work[0]()
+    _together(work)
+    alone, together = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        work[0]()
+        alone.append(time.perf_counter() - t0)
+        together.append(_together(work))
+    return statistics.median(alone), statistics.median(together)
+
+
 def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s alone, slowdown while the other virtual device streams too): one row through every matrix of the
     working set, as decoding one token reads every weight once."""
@@ -74,8 +88,7 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
         for w in ws:
             F.linear(x, w)
 
-    alone = _median(lambda: sweep(mats[0]), repeats)
-    together = statistics.median(_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])]) for _ in range(repeats))
+    alone, together = _alone_and_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])], repeats)
     return nbytes / alone, max(1.0, together / alone)
 
 
@@ -92,8 +105,8 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
     for r in sorted(set(rows)):
         x = torch.randn(r, shape.hidden, dtype=dtype)
         sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in mats]
-        alone.append((r, per_row * r / _median(sweeps[0], repeats)))
-        both = statistics.median(_together(sweeps) for _ in range(repeats))
+        one, both = _alone_and_together(sweeps, repeats)
+        alone.append((r, per_row * r / one))
         together.append((r, per_row * r / both))
     return tuple(alone), tuple(together)
 
@@ -111,20 +124,50 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
 
 
+LOCKSTEP_CALLS = 16  # all-reduces timed back to back: a decode step of an 8-layer model makes 16
+
+
+def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device, dtype: torch.dtype) -> Link:
+    """Rank worker: the all-reduce as tensor parallelism issues it, `LOCKSTEP_CALLS` of them one after the other in
+    lock step (the time per call, median of `repeats`), fitted as latency + bytes / bandwidth over hidden-state
+    sizes. Timing one all-reduce just after a barrier (both ranks released together, awake) found about 0.5 ms on
+    the CPU rig where the same all-reduce in a loop, as `generate` meets it twice per layer, took 1.7-2.4 ms: a rank
+    that waits sleeps, and waking it is part of what every all-reduce in a step costs."""
+    import torch.distributed as dist
+
+    from helpers.simulate.calibrate import fit_small_messages
+
+    seconds = []
+    for n in sizes:
+        buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
+        for _ in range(3):
+            dist.all_reduce(buf)
+        per_call = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(LOCKSTEP_CALLS):
+                dist.all_reduce(buf)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            per_call.append((time.perf_counter() - t0) / LOCKSTEP_CALLS)
+        seconds.append(statistics.median(per_call))
+    return fit_small_messages(sizes, seconds, "all-reduce in lock step, hidden-state sizes")
+
+
 def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int, dtype: torch.dtype,
                                 repeats: int) -> dict:
-    """Rank worker: the all-reduce at hidden-state sizes, and DTensor's host time per column-parallel linear (the
-    same matmul through parallelize_module against on plain tensors), both ranks at once."""
+    """Rank worker: the all-reduce at hidden-state sizes in lock step, and DTensor's host time per column-parallel
+    linear (the same matmul through parallelize_module against on plain tensors), both ranks at once."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from helpers.runtime.launch import rank_device
-    from helpers.simulate.calibrate import small_allreduce_link
 
     device = rank_device()
-    link = small_allreduce_link(sizes, repeats, device, dtype)
+    link = lockstep_allreduce_link(sizes, repeats, device, dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     linear = parallelize_module(nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device), mesh,
                                 ColwiseParallel())
@@ -142,7 +185,6 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode)."""
     from helpers.inference.generate import weight_format_name
     from helpers.runtime.launch import run
-    from helpers.simulate.hardware import Link
 
     if not rig.is_cpu:
         raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
@@ -160,7 +202,7 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
 
     tp = run(worker, sizes, shape.hidden, shape.intermediate, dtype, repeats, rig=rig)[0]
     return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
-                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce, hidden-state sizes"),
+                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce in lock step, hidden-state sizes"),
                     host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"],
                     note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
                          f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
@@ -242,8 +284,6 @@ def rig_as_dict(rig: SpeedRig) -> dict:
 
 def rig_from_dict(fields: dict) -> SpeedRig:
     """The SpeedRig `rig_as_dict` wrote (JSON's lists back to tuples; fields it did not know take their defaults)."""
-    from helpers.simulate.hardware import Link
-
     def device(d: dict) -> Device:
         points = {k: tuple(tuple(p) for p in d[k]) for k in ("flops", "busy_flops") if k in d}
         return Device(**{**d, **points})
