@@ -124,35 +124,41 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
 
 
-LOCKSTEP_CALLS = 16  # all-reduces timed back to back: a decode step of an 8-layer model makes 16
+LOCKSTEP_CALLS = 16  # all-reduces per timed loop: a decode step of an 8-layer model makes 16
 
 
-def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device, dtype: torch.dtype) -> Link:
-    """Rank worker: the all-reduce as tensor parallelism issues it, `LOCKSTEP_CALLS` of them one after the other in
-    lock step (the time per call, median of `repeats`), fitted as latency + bytes / bandwidth over hidden-state
-    sizes. Timing one all-reduce just after a barrier (both ranks released together, awake) found about 0.5 ms on
-    the CPU rig where the same all-reduce in a loop, as `generate` meets it twice per layer, took 1.7-2.4 ms: a rank
-    that waits sleeps, and waking it is part of what every all-reduce in a step costs."""
+def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device, dtype: torch.dtype,
+                            work) -> Link:
+    """Rank worker: the all-reduce as tensor parallelism meets it, between two stretches of `work` on both ranks
+    (a sharded layer's matmul): `LOCKSTEP_CALLS` x (work, all-reduce) less as many `work` alone, per call (median
+    of at least 7 such pairs: the wake-ups vary), at the smallest and the largest size of `sizes` (ascending).
+    Latency: the smallest message's time; bandwidth: what the largest adds over it. Timed just after a barrier, one
+    all-reduce of 4 KiB took 0.5-3.6 ms on the CPU rig from one run to the next, and a least-squares line over
+    4 KiB to 4 MiB takes its intercept from the large messages; between computations, as inside `generate`, the
+    cost includes waking the rank that waits (a waiting rank sleeps: 5% of a core busy in a loop of all-reduces)."""
     import torch.distributed as dist
 
-    from helpers.simulate.calibrate import fit_small_messages
+    def loop(with_allreduce: bool, buf: torch.Tensor) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(LOCKSTEP_CALLS):
+            work()
+            if with_allreduce:
+                dist.all_reduce(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
 
     seconds = []
-    for n in sizes:
+    for n in (sizes[0], sizes[-1]):
         buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
-        for _ in range(3):
-            dist.all_reduce(buf)
-        per_call = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(LOCKSTEP_CALLS):
-                dist.all_reduce(buf)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            per_call.append((time.perf_counter() - t0) / LOCKSTEP_CALLS)
-        seconds.append(statistics.median(per_call))
-    return fit_small_messages(sizes, seconds, "all-reduce in lock step, hidden-state sizes")
+        loop(True, buf)
+        per_call = [(loop(True, buf) - loop(False, buf)) / LOCKSTEP_CALLS for _ in range(max(repeats, 7))]
+        seconds.append(max(statistics.median(per_call), 1e-6))
+    latency = seconds[0]
+    extra = seconds[-1] - seconds[0]
+    bandwidth = (sizes[-1] - sizes[0]) / extra if extra > 0 and sizes[-1] > sizes[0] else float("inf")
+    return Link(latency, bandwidth, "all-reduce between computations, hidden-state sizes")
 
 
 def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int, dtype: torch.dtype,
@@ -167,12 +173,13 @@ def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int
     from helpers.runtime.launch import rank_device
 
     device = rank_device()
-    link = lockstep_allreduce_link(sizes, repeats, device, dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     linear = parallelize_module(nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device), mesh,
                                 ColwiseParallel())
     x = torch.zeros(1, 1, hidden, dtype=dtype, device=device)
     local = linear.weight.to_local()
+    with torch.no_grad():
+        link = lockstep_allreduce_link(sorted(sizes), repeats, device, dtype, lambda: F.linear(x, local))
     with torch.no_grad():
         wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
         plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
