@@ -124,25 +124,23 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
 
 
-LOCKSTEP_CALLS = 16  # all-reduces per timed loop: a decode step of an 8-layer model makes 16
-
-
 def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device, dtype: torch.dtype,
-                            work) -> Link:
-    """Rank worker: the all-reduce as tensor parallelism meets it, between two stretches of `work` on both ranks
-    (a sharded layer's matmul): `LOCKSTEP_CALLS` x (work, all-reduce) less as many `work` alone, per call (median
-    of at least 7 such pairs: the wake-ups vary), at the smallest and the largest size of `sizes` (ascending).
-    Latency: the smallest message's time; bandwidth: what the largest adds over it. Timed just after a barrier, one
-    all-reduce of 4 KiB took 0.5-3.6 ms on the CPU rig from one run to the next, and a least-squares line over
-    4 KiB to 4 MiB takes its intercept from the large messages; between computations, as inside `generate`, the
-    cost includes waking the rank that waits (a waiting rank sleeps: 5% of a core busy in a loop of all-reduces)."""
+                            work: Sequence) -> Link:
+    """Rank worker: the all-reduce as tensor parallelism meets it inside a decode step: after each of `work` (what
+    a rank computes between two all-reduces: its half of half a layer, weights from memory) one all-reduce, the
+    whole step timed, less the same work without them, per all-reduce (median of at least 7 such pairs: the
+    wake-ups vary), at the smallest and the largest size of `sizes` (ascending). Latency: the smallest message's
+    time; bandwidth: what the largest adds over it. Measured on the CPU rig, one all-reduce of 4 KiB just after a
+    barrier took 0.5 to 3.6 ms from one run to the next; between 0.1 ms of work 0.7 ms; between about 1 ms of work,
+    as in a decode step, 1.4-3 ms, as inside `generate` (1.7-2.4 ms): a rank that waits sleeps (5% of a core busy in
+    a loop of all-reduces), and the longer the work, the more the two ranks drift apart and the longer one waits."""
     import torch.distributed as dist
 
-    def loop(with_allreduce: bool, buf: torch.Tensor) -> float:
+    def step(with_allreduce: bool, buf: torch.Tensor) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(LOCKSTEP_CALLS):
-            work()
+        for fn in work:
+            fn()
             if with_allreduce:
                 dist.all_reduce(buf)
         if device.type == "cuda":
@@ -152,19 +150,34 @@ def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.de
     seconds = []
     for n in (sizes[0], sizes[-1]):
         buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
-        loop(True, buf)
-        per_call = [(loop(True, buf) - loop(False, buf)) / LOCKSTEP_CALLS for _ in range(max(repeats, 7))]
+        step(True, buf)
+        per_call = [(step(True, buf) - step(False, buf)) / len(work) for _ in range(max(repeats, 7))]
         seconds.append(max(statistics.median(per_call), 1e-6))
     latency = seconds[0]
     extra = seconds[-1] - seconds[0]
     bandwidth = (sizes[-1] - sizes[0]) / extra if extra > 0 and sizes[-1] > sizes[0] else float("inf")
-    return Link(latency, bandwidth, "all-reduce between computations, hidden-state sizes")
+    return Link(latency, bandwidth, "all-reduce inside a decode step, hidden-state sizes")
 
 
-def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int, dtype: torch.dtype,
-                                repeats: int) -> dict:
-    """Rank worker: the all-reduce at hidden-state sizes in lock step, and DTensor's host time per column-parallel
-    linear (the same matmul through parallelize_module against on plain tensors), both ranks at once."""
+def decode_step_work(shape: ModelShape, dtype: torch.dtype, device: torch.device, ranks: int) -> list:
+    """What one rank of tensor parallelism computes between two all-reduces of a decode step, once per all-reduce
+    of the step: one row through its share of half a decoder layer (weights out of the cache: every stretch its
+    own matrix)."""
+    from helpers.inference.speed import COLLECTIVES_PER_LAYER
+
+    layers = shape.decoder_layers
+    per_work = layers[0].weight_bytes / ranks / COLLECTIVES_PER_LAYER
+    rows = max(1, round(per_work / (shape.hidden * dtype.itemsize)))
+    x = torch.zeros(1, shape.hidden, dtype=dtype, device=device)
+    mats = [torch.randn(rows, shape.hidden, dtype=dtype, device=device)
+            for _ in range(len(layers) * COLLECTIVES_PER_LAYER)]
+    return [lambda w=w: F.linear(x, w) for w in mats]
+
+
+def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torch.dtype, repeats: int) -> dict:
+    """Rank worker: the all-reduce at hidden-state sizes inside a decode step's work, and DTensor's host time per
+    column-parallel linear (the same matmul through parallelize_module against on plain tensors), both ranks at
+    once."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -174,13 +187,13 @@ def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int
 
     device = rank_device()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    linear = parallelize_module(nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device), mesh,
-                                ColwiseParallel())
-    x = torch.zeros(1, 1, hidden, dtype=dtype, device=device)
+    linear = parallelize_module(nn.Linear(shape.hidden, shape.intermediate, bias=False, dtype=dtype, device=device),
+                                mesh, ColwiseParallel())
+    x = torch.zeros(1, 1, shape.hidden, dtype=dtype, device=device)
     local = linear.weight.to_local()
     with torch.no_grad():
-        link = lockstep_allreduce_link(sorted(sizes), repeats, device, dtype, lambda: F.linear(x, local))
-    with torch.no_grad():
+        work = decode_step_work(shape, dtype, device, dist.get_world_size())
+        link = lockstep_allreduce_link(sorted(sizes), repeats, device, dtype, work)
         wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
         plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
     dist.barrier()
@@ -207,7 +220,7 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
         sizes.append(2 * sizes[0])
     from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
 
-    tp = run(worker, sizes, shape.hidden, shape.intermediate, dtype, repeats, rig=rig)[0]
+    tp = run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
     return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
                     Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce in lock step, hidden-state sizes"),
                     host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"],
