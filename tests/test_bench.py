@@ -152,7 +152,7 @@ def test_progress_writes_lines_not_bars_when_not_a_terminal(capsys):
     bar.update()
     bar.close()
     err = capsys.readouterr().err
-    assert err == "bench: profiles\n"  # pytest's stderr is not a terminal: no bar drawn
+    assert err == "bench [0:00]: profiles\n"  # pytest's stderr is not a terminal: no bar drawn
     assert default_config(True, type("R", (), {"is_cpu": True})()).batch == 16
 
 
@@ -208,6 +208,8 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert {("single", "none"), ("naive", "ours"), ("gpipe", "ours"), ("1f1b", "ours"), ("gpipe", "torch"),
             ("1f1b", "torch"), ("ddp", "torch"), ("zero1", "torch"), ("fsdp2", "torch")} <= strategies
     assert {(s, e) for s in BEYOND_1F1B for e in ("ours", "torch")} <= strategies
+    assert [r["wire"] for r in data["rows"] if r["strategy"] == "ddp"] == ["auto", "bf16"]  # notebook 07's hook
+    assert "ddp, bf16 grads" in out
     for r in data["rows"] + data["splits"] + data["checkpointing"]:
         assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
         if r.get("strategy") not in ("ddp", "zero1", "fsdp2"):  # threads, processes, one thread: a drift each
@@ -367,7 +369,11 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
     assert config.rounds == 2 and config.steps == 3 and config.thread_repeats == 5
     keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
-    assert len(keys) == 16 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    assert len(keys) == 15 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    precise = two_rank_jobs(default_config("precise", reference_rigs()["CPU (2 cores)"]),
+                            reference_rigs()["CPU (2 cores)"])
+    assert set(precise) - set(keys) == {("naive", "ours", "gpipe", 1, False), ("gpipe", "torch", "gpipe", 8, True),
+                                        ("gpipe", "ours", "gpipe", 2, True), ("gpipe", "ours", "gpipe", 4, True)}
     orders, seen = [], []
 
     def launch(order):
@@ -447,20 +453,41 @@ def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine(
     assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)
 
 
-def test_the_one_device_reference_is_timed_beside_each_launch_and_taken_per_row():
-    from helpers.bench.rows import BenchRow, LaunchReference, run_in_rounds
+def test_a_rows_speedup_is_the_median_of_ratios_to_one_device_timed_with_it():
+    """Threads: each round's one-device step over the row's step in that round; processes: each launch's one-device
+    steps (timed in the launch, just before the job) over its steps. A slow minute slows both sides of a pair."""
+    from types import SimpleNamespace
 
-    calls = []
-    reference = LaunchReference(step=lambda: calls.append("single"), adam_s=0.25)
-    launches = {("a", "b"): lambda keys: [type("R", (), {"step_times": [1.0], "phase_times": [{"forward": 0.1, "backward": 0.2}],
-                                                          "thread_cpu_s": None})() for _ in keys]}
-    run_in_rounds(launches, rounds=2, desc="t", progress=False, around=reference.around(None))
-    assert calls == ["single"] * 4  # before and after each of the two launches
-    assert len(reference.samples["a"]) == len(reference.samples["b"]) == 4
-    plain, with_adam = reference.seconds("a"), reference.seconds("a", adam=True)
-    assert 0 <= plain < 0.1 and with_adam == pytest.approx(plain + 0.25)
-    assert reference.seconds("never launched") is None
+    from helpers.bench.rows import pool
+    from helpers.measure import Timings
+
+    times = Timings({"single": [1.0, 2.0, 1.0], "pipe": [0.5, 1.0, 0.8]})  # round 2 ran at half speed
+    assert times.paired_ratio("single", "pipe") == pytest.approx(2.0)  # the ratio of medians would say 1.25
+
+    def launch(reference, steps):
+        return SimpleNamespace(step_times=steps, reference_times=reference, thread_cpu_s=None,
+                               phase_times=[{"forward": 0.1, "backward": 0.2}])
+
+    got = pool([launch([1.0], [0.5, 0.5, 0.6]), launch([1.3], [0.65, 0.7, 0.6])])
+    assert got.speedup == pytest.approx(2.0) and got.reference_s == pytest.approx(1.15)
+    assert got.step_s == pytest.approx(0.6) and got.last.reference_times == [1.3]
+    assert pool([launch([], [0.5])]).speedup is None  # no reference timed: the run's one-device row is used
     row = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0],
-                   reference_s=1.0)
-    d = row.as_dict(batch=32, reference_s=2.0)  # the row's own reference wins over the run's one-device row
-    assert d["speedup"] == 2.0 and d["reference_timed"] == "between this row's launches"
+                   reference_s=1.1, speedup=2.0)
+    d = row.as_dict(batch=32, reference_s=3.0)  # the row's own paired speed-up wins over the run's one-device row
+    assert d["speedup"] == 2.0 and d["reference_s"] == 1.1
+    assert d["reference_timed"] == "in this row's launches, just before it"
+
+
+def test_each_job_of_a_bench_launch_runs_after_one_device_timed_alone_on_rank_0():
+    from helpers.bench.rows import run_beside_one_device
+    from helpers.models import StackConfig
+    from helpers.runtime.rig import cpu_rig
+    from helpers.training.job import TrainJob
+
+    cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8)
+    jobs = [TrainJob(cfg, pp=2, batch=4, microbatches=2, timed_steps=1),
+            TrainJob(cfg, dp=2, batch=4, optimizer="adam", timed_steps=1)]
+    got = run_beside_one_device(jobs, cpu_rig(), steps=2)
+    assert [len(r.reference_times) for r in got] == [2, 2] and all(t > 0 for r in got for t in r.reference_times)
+    assert all(len(r.step_times) == 1 for r in got)

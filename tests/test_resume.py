@@ -24,7 +24,7 @@ from helpers.runtime.launch import free_port, run, run_command
 from helpers.runtime.rig import cpu_rig
 from helpers.training.checkpoint import KILL_ENV, CheckpointSpec, complete_steps, step_folder
 from helpers.training.job import TrainJob
-from helpers.training.loop import TrainResult, _combine
+from helpers.training.loop import TrainResult, combine_ranks
 from tests.workers import trainings_resumed_after_kills
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
@@ -87,7 +87,7 @@ def launch(runs: dict[str, tuple[TrainJob, str | None]], world: int, results: Pa
     kills = sum(kill is not None for _, kill in runs.values())
     parts = run(trainings_resumed_after_kills, list(runs.values()), str(results), nranks=world, rig=cpu_rig(),
                 oversubscribe=True, restarts=kills, timeout=900)
-    return {name: _combine([rank[i] for rank in parts]) for i, name in enumerate(runs)}
+    return {name: combine_ranks([rank[i] for rank in parts]) for i, name in enumerate(runs)}
 
 
 def killed_runs(names, jobs, root: Path) -> dict[str, tuple[TrainJob, str]]:

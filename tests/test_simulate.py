@@ -301,6 +301,17 @@ def test_ddp_default_buckets_follow_pytorch():
     assert sizes == [MiB, 25 * MiB, 10 * MiB]  # 36 MiB of fp32 gradients: 1 MiB first, then 25 MiB buckets
 
 
+def test_ddp_gradients_sent_in_bf16_cross_in_half_the_bytes_and_pay_two_casts():
+    link = Link(0.05, MiB / 0.5)
+    job = Job("ddp", batch=2, bucket_mb=100, first_bucket_mb=100, wire="bf16")
+    free = simulate(ddp_workload(), job, link)  # copies cost nothing unless the rig's copy speed is given
+    assert free.step_s == pytest.approx(LAYERS * (F + B) + allreduce_s(link, LAYERS * MiB / 2, 2), rel=1e-12)
+    assert simulate(ddp_workload(), replace(job, wire="fp32"), link).step_s == pytest.approx(
+        simulate(ddp_workload(), replace(job, wire="auto"), link).step_s)  # fp32 gradients: nothing cast
+    with pytest.raises(ValueError, match="wire"):
+        Job("ddp", batch=2, wire="int8")
+
+
 def test_zero1_shards_the_optimizer_and_broadcasts_the_weights():
     link = Link(0.05, MiB / 0.5)
     sim = simulate(ddp_workload(optimizer_s=1.0), Job("zero1", batch=2, bucket_mb=1, first_bucket_mb=1), link)

@@ -114,6 +114,19 @@ def test_bf16_wire_trains_close_to_fp32(reference):
     assert 0 < max_grad_diff(grads, res.grads) < 1e-2  # rounded, not exact
 
 
+def test_ddp_gradients_sent_in_bf16_stay_close_to_one_device(reference):
+    """wire="bf16" on DDP: each gradient bucket crosses the link in bf16 (PyTorch's bf16_compress_hook, on gloo too)
+    and comes back into the fp32 gradients: one device's gradients to bf16's rounding; FSDP2 refuses it."""
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, dp=2, batch=BATCH, wire="bf16", timed_steps=1, return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5  # the first step's loss: before any reduced gradient is used
+    scale = max(g.abs().max().item() for g in grads)
+    assert 0 < max_grad_diff(grads, res.grads) <= Precision(autocast="bf16").tolerance * scale
+    assert all(g.dtype == torch.float32 for g in res.grads)
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        check_job(TrainJob(CFG, dp=2, data_parallel="fsdp2", batch=BATCH, wire="bf16"), cpu_rig())
+
+
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_data_parallel_equals_one_device_and_matches_zero_formulas(strategy, reference):
     loss, grads, n = reference

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
                              "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
                              "is predicted")
     length.add_argument("--precise", action="store_true",
-                        help="the default run's rows and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
+                        help="every row (the default run leaves out the threaded rows past 1F1B, the naive split on "
+                             "processes and torch's GPipe) and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
                              "the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats of the "
                              "split comparison and checkpoint sweep")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
@@ -98,13 +99,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def one_device_drift(rows) -> str:
-    """The one-device step in the threaded rounds against its median between the multi-process launches: how much
-    the machine's speed moved between the two parts of the run (what taking each ratio within its minutes removes)."""
+    """The one-device step in the threaded rounds against its median in the multi-process launches: how much the
+    machine's speed moved between the two parts of the run (what taking each ratio within its minutes removes)."""
     import statistics
 
     single = next(r.step_s for r in rows if r.strategy == "single")
     between = statistics.median(r.reference_s for r in rows if r.reference_s and r.optimizer == "none")
-    return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms between the "
+    return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms in the "
             f"multi-process launches ({between / single - 1:+.1%}); each row's speed-up uses its own minutes'")
 
 

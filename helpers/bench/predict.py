@@ -37,7 +37,7 @@ def simulation_job(row: BenchRow, batch: int, boundaries: Sequence[int] = ()):
     if entry.kind == "single":
         return Job("single", batch)
     return Job(entry.name, batch, microbatches=row.microbatches or 1,
-               boundaries=tuple(boundaries) or None if entry.pipeline else None)
+               boundaries=tuple(boundaries) or None if entry.pipeline else None, wire=row.wire)
 
 
 def predict_row(row: BenchRow, workload, rig_model, batch: int, boundaries: Sequence[int] = (),

@@ -15,7 +15,8 @@ BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", 
 
 LEGEND = f"""\
 strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), past 1F1B (notebook 06b:
-             ZB-H1; interleaved 1F1B, ZB-V, DualPipeV with 2 stages per device), DDP, ZeRO-1, FSDP2, DP x PP
+             ZB-H1; interleaved 1F1B, ZB-V, DualPipeV with 2 stages per device), DDP, ZeRO-1, FSDP2, DP x PP;
+             "ddp, bf16 grads": DDP with each gradient bucket sent in bf16 (notebook 07's compression hook)
 engine       ours = the course's schedule interpreter; torch = PyTorch's engine (torch.distributed.pipelining,
              DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard); none = plain autograd
 runner       one thread; threads = one thread per device in this process; processes = one process per device (gloo
@@ -41,9 +42,10 @@ forward, backward  how much longer the row's forward (backward, with any recompu
              error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
              the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
              backward
-speedup      measured samples/s / the one-device row's (single; single_adam for rows that include Adam); for
-             multi-process rows the one-device step timed just before and after each of the row's launches (the
-             machine's speed drifts over a run; a ratio is taken within the same minutes)
+speedup      one device's step time over the row's (single; single_adam for rows that include Adam), the median of
+             ratios of pairs timed together: threads, in the same interleaved round; processes, one device's step timed
+             by rank 0 alone in the same launch just before the job, over that launch's steps (the machine's speed
+             drifts over a run: each ratio is taken within the same minute)
 peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 
@@ -132,13 +134,20 @@ def _plus_minus(spread: float | None) -> str:
 
 def display_rows(dicts: Sequence[dict]) -> list[dict]:
     """The printed table's rows: measured, predicted and the error side by side."""
-    return [{"strategy": d["strategy"], "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
+    return [{"strategy": shown_strategy(d), "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
              "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "spread": _plus_minus(d.get("spread")),
              "predicted": d["predicted_samples_per_s"],
              "error": _percent(d["error"], d["excluded_from_target"]),
              "forward": _signed(d.get("forward_vs_predicted")), "backward": _signed(d.get("backward_vs_predicted")),
              "speedup": d["speedup"],
              "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+
+
+def shown_strategy(d: dict) -> str:
+    """A row's strategy as the table prints it: with the dtype its gradients cross the link in, where not their own
+    ('ddp, bf16 grads')."""
+    wire = d.get("wire", "auto")
+    return d["strategy"] if wire == "auto" else f"{d['strategy']}, {wire} grads"
 
 
 def _drift_said(d: dict) -> str:
@@ -157,7 +166,8 @@ def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
     """One line per row whose prediction is outside the target or excluded from it, with the reason."""
     out = []
     for d in dicts:
-        label = " ".join(str(d[k]) for k in (name_key, "engine", "runner", "microbatches") if d.get(k) is not None)
+        label = " ".join(str(v) for v in (shown_strategy(d) if name_key == "strategy" else d.get(name_key), d.get("engine"),
+                                          d.get("runner"), d.get("microbatches")) if v is not None)
         if d.get("excluded_from_target"):
             out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
         elif d.get("error") is not None and abs(d["error"]) > TARGET:
@@ -173,8 +183,9 @@ EXTRA_SPEEDUPS = {"splits": "speedup", "checkpointing": "step vs none"}  # each 
 
 def row_label(d: dict) -> str:
     """A row's name across runs: strategy (or split), engine, runner and micro-batches."""
-    m = d.get("microbatches")
-    parts = [d.get("strategy") or d.get("split"), d.get("engine"), d.get("runner"), f"m={m}" if m else None]
+    m, wire = d.get("microbatches"), d.get("wire", "auto")
+    parts = [d.get("strategy") or d.get("split"), d.get("engine"), d.get("runner"), f"m={m}" if m else None,
+             f"wire={wire}" if wire != "auto" else None]
     return " ".join(str(p) for p in parts if p)
 
 

@@ -47,7 +47,9 @@ class BenchRow:
     reference: str = "single"  # the one-device row this row's speed-up is taken against
     caller_s: float = 0.0  # measured work of the calling thread around the engine (zero_grad, optimizer step)
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
-    reference_s: float | None = None  # the one-device step timed between this row's launches (multi-process rows)
+    reference_s: float | None = None  # the one-device step timed in this row's launches (multi-process rows)
+    wire: str = "auto"  # what DDP's gradients cross the link in (TrainJob's `wire`); auto: their own dtype
+    speedup: float | None = None  # the median of the ratios of one device's step to this row's, each pair timed together
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
@@ -64,7 +66,7 @@ class BenchRow:
         """`reference_s`: the one-device row's step, used where this row has no `reference_s` of its own."""
         reference_s = self.reference_s or reference_s
         predicted = batch / self.predicted_s if self.predicted_s else None
-        return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner,
+        return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner, "wire": self.wire,
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
                 "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
                 "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
@@ -74,9 +76,9 @@ class BenchRow:
                 "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown, "cpu_s": self.cpu_s,
                 "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
                 "predicted_busy": self.predicted_busy,
-                "speedup": reference_s / self.step_s, "speedup_vs": self.reference,
-                "reference_s": reference_s, "reference_timed": "between this row's launches" if self.reference_s
-                else "in the threaded rounds", "peak_activation_bytes": self.peak_activation_bytes}
+                "speedup": self.speedup or reference_s / self.step_s, "speedup_vs": self.reference,
+                "reference_s": reference_s, "reference_timed": "in this row's launches, just before it"
+                if self.reference_s else "in the threaded rounds", "peak_activation_bytes": self.peak_activation_bytes}
 
 
 @dataclass(frozen=True)
@@ -93,18 +95,23 @@ class BenchConfig:
     extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
     thread_repeats: int = 3  # interleaved rounds of one device and the threaded pipelines
+    every_row: bool = True  # False (the default run): leave out the rows of `SHORTER_RUN_LEAVES_OUT`
 
 
 MODES = ("quick", "default", "precise")
+# what the default run leaves to --precise, to stay under 5 minutes on the 2-core rig: the threaded engine's rows
+# past 1F1B (ours runs them on processes beside torch's, where they are compared), the naive split on processes and
+# torch's GPipe (never torch's best pipeline); as (strategy, runner)
+SHORTER_RUN_LEAVES_OUT = {*((s, "threads") for s in BEYOND_1F1B), ("naive", "processes"), ("gpipe", "torch")}
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
-    model. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch count
-    (m=8) per pipeline, 5 interleaved rounds of the threaded rows, and every two-rank job in one launch per round,
-    2 rounds in opposite orders (6 timed steps of each job from two launches a minute or more apart: one
-    disturbed launch or step no longer decides a row). precise: GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
-    launches of 6 steps, 6 repeats of the extras."""
+    model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
+    count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
+    rows, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed steps of each job
+    from two launches a minute or more apart: one disturbed launch or step no longer decides a row). precise: every
+    row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 steps, 6 repeats of the extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
@@ -118,24 +125,29 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
         return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
                            torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
     return BenchConfig(cfg, batch=32, steps=3, gpipe_microbatches=(8,), onefoneb_microbatches=8,
-                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5)
+                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5, every_row=False)
 
 
 class Progress:
-    """One line on stderr per phase; on a terminal also tqdm bars, erased when done (leave=False), so nothing of
-    them runs into the table printed on stdout at the end."""
+    """One line on stderr per phase, with the minutes and seconds since the run started (where a run's time goes);
+    on a terminal also tqdm bars, erased when done (leave=False), so nothing of them runs into the table printed on
+    stdout at the end."""
 
     def __init__(self, enabled: bool = True):
         import sys
+        import time
 
         self.enabled = enabled
         self.bars = enabled and sys.stderr.isatty()
+        self.started = time.perf_counter()
 
     def phase(self, what: str) -> None:
         import sys
+        import time
 
         if self.enabled:
-            print(f"bench: {what}", file=sys.stderr, flush=True)
+            elapsed = int(time.perf_counter() - self.started)
+            print(f"bench [{elapsed // 60}:{elapsed % 60:02d}]: {what}", file=sys.stderr, flush=True)
 
     def bar(self, total: int, desc: str):
         from tqdm.auto import tqdm
@@ -146,8 +158,7 @@ class Progress:
 def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequence[PipelineRun] = (),
                 progress: Progress | None = None, extra: dict | None = None):
     """One device, without an optimizer and with Adam, timed in the same interleaved rounds as the threaded
-    pipelines; its activation peak as its ledger counts it. Returns the timings, the two rows and a
-    `LaunchReference` that times the same one-device step again between the multi-process launches."""
+    pipelines; its activation peak as its ledger counts it. Returns the timings and the two rows."""
     from helpers.simulate.calibrate import optimizer_seconds
 
     rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
@@ -171,7 +182,7 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
                    BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
                             optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
                             spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))
-                   ], LaunchReference(one_device, adam_s)
+                   ]
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -180,45 +191,6 @@ def _caller_seconds(run: PipelineRun) -> float:
     from helpers.simulate.calibrate import optimizer_seconds
 
     return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
-
-
-@dataclass
-class LaunchReference:
-    """One device's step (the `single` row's closure), timed again just before and just after every multi-process
-    launch: the reference of those rows' speed-ups, measured in the minutes they ran. The machine's speed drifts over
-    a run: in two quiet default runs the one-device step took 1.020 s and 0.973 s in the threaded rounds, while the
-    whole model timed beside the launches was 4% faster than in those rounds in the first run and 7% slower in the
-    second, so every process row's speed-up moved the same way, by up to 12% between the runs, while most pipeline
-    rows' own step times stayed within 4%. Rows with Adam add one
-    device's Adam step, measured (`adam_s`)."""
-
-    step: Callable[[], None]
-    adam_s: float
-    samples: dict = field(default_factory=dict)  # job key -> seconds of each one-device step timed beside it
-
-    def sample(self, keys: Sequence[Hashable]) -> None:
-        from helpers.measure import interleaved_medians
-
-        seconds = interleaved_medians({"single": self.step}, repeats=1, warmup=0)["single"]
-        for key in keys:
-            self.samples.setdefault(key, []).append(seconds)
-
-    def seconds(self, key: Hashable, adam: bool = False) -> float | None:
-        """Median one-device step timed beside the launches of `key` (plus Adam's step with `adam`); None if never
-        sampled."""
-        import statistics
-
-        got = self.samples.get(key)
-        return statistics.median(got) + (self.adam_s if adam else 0.0) if got else None
-
-    def around(self, sizes: Callable[[Sequence[Hashable]], None] | None) -> Callable:
-        """The hook `run_in_rounds` calls with a launch's keys before and after it: this reference's step, then the
-        whole-model calibration samples (`sizes`, if any)."""
-        def hook(keys: Sequence[Hashable]) -> None:
-            self.sample(keys)
-            if sizes is not None:
-                sizes(keys)
-        return hook
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
@@ -256,6 +228,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
     threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
+    threaded = [(s, m) for s, m in threaded if config.every_row or (s, "threads") not in SHORTER_RUN_LEAVES_OUT]
     runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
             for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
@@ -265,28 +238,32 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     if timer and rig.is_cpu:
         samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
                                                                                                        THREADS_KEY)
-    times, rows, reference = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
+    times, rows = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
-                             spread=times.spread(r.name), measured_phase_s=median_phases(r.phases)))
+                             spread=times.spread(r.name), measured_phase_s=median_phases(r.phases),
+                             speedup=times.paired_ratio("single", r.name)))
     for row in rows:  # one device and the threaded pipelines: timed in the same rounds as the samplers
         row.calibration_key = THREADS_KEY
-    return rows + process_rows(config, rig, progress, timer, reference)
+    return rows + process_rows(config, rig, progress, timer)
 
 
 def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
     """The keys of the bench's two-rank jobs this rig runs: pipelines as (strategy, engine, schedule, m, overlap),
-    data parallelism as (strategy, "dp")."""
+    data parallelism as (strategy, "dp", wire): DDP also with its gradients sent in bf16 (notebook 07's
+    compression hook)."""
     m = config.onefoneb_microbatches
     jobs = [("naive", "ours", "gpipe", 1, False)]
     jobs += [("gpipe", "ours", "gpipe", k, True) for k in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", m, True)]
     jobs += [(s, "torch", s, k, True) for k in config.torch_microbatches for s in ("gpipe", "1f1b")]
     jobs += [(s, engine, s, m, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
-    jobs += [(s, "dp") for s in ("ddp", "zero1", "fsdp2")]
+    jobs += [(s, "dp", "auto") for s in ("ddp", "zero1", "fsdp2")] + [("ddp", "dp", "bf16")]
     refused = bench_refusals(rig)
-    return [j for j in jobs if (j[0], "torch" if j[1] == "torch" else "processes") not in refused]
+    runner = lambda j: "torch" if j[1] == "torch" else "processes"  # noqa: E731
+    return [j for j in jobs if (j[0], runner(j)) not in refused
+            and (config.every_row or (j[0], runner(j)) not in SHORTER_RUN_LEAVES_OUT)]
 
 
 def train_job(key: tuple, config: BenchConfig):
@@ -295,7 +272,7 @@ def train_job(key: tuple, config: BenchConfig):
 
     if key[1] == "dp":
         return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, timed_steps=config.steps,
-                        optimizer="adam")
+                        optimizer="adam", wire=key[2])
     strategy, engine, schedule, m, overlap = key
     return TrainJob(config.cfg, pp=2, boundaries=bench_cut(schedule, config.cfg.n_blocks + 2), schedule=schedule,
                     microbatches=m, batch=config.batch, engine=engine, overlap=overlap, timed_steps=config.steps)
@@ -313,51 +290,119 @@ def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
         timer.sample(size, keys=[k for k in keys if key_microbatch(k, config) == size])
 
 
-def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
-                 reference: LaunchReference | None = None) -> list[BenchRow]:
+def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
     """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
     rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
-    then DP x PP (4 ranks). With `timer`, the whole model timed at each job's micro-batch size just before and
-    after the launch that ran it (`calibration_key`: the job's key); with `reference`, the one-device step too, each
-    row's speed-up then taken against it."""
-    from helpers.training.loop import run_trainings
-
+    each job after one device's step timed in the same launch (`run_beside_one_device`), then DP x PP (4 ranks).
+    With `timer`, the whole model timed at each job's micro-batch size just before and after the launch that ran it
+    (`calibration_key`: the job's key)."""
     jobs = two_rank_jobs(config, rig)
-    results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
+    results = run_in_rounds({tuple(jobs): lambda keys: run_beside_one_device([train_job(k, config) for k in keys],
+                                                                             rig)},
                             config.rounds, "multi-process jobs", progress,
-                            around=_around(reference, timer and (lambda keys: sample_launch(timer, keys, config))))
+                            around=timer and (lambda keys: sample_launch(timer, keys, config)))
     rows = []
     for key, got in results.items():
-        if key[1] == "dp":
-            rows.append(BenchRow(key[0], "torch", "processes", None, got.step_s, got.last.events,
-                                 got.last.peak_activations, optimizer="adam", reference="single_adam",
-                                 spread=got.spread, measured_phase_s=got.phase_s, calibration_key=key,
-                                 cpu_s=got.cpu_s))
-        else:
-            rows.append(BenchRow(key[0], key[1], "processes", key[3], got.step_s, got.last.events,
-                                 got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                                 calibration_key=key, cpu_s=got.cpu_s))
-    for row, key in zip(rows, results):
-        row.reference_s = reference.seconds(key, adam=row.optimizer == "adam") if reference else None
-    return rows + dp_x_pp_rows(config, rig, progress, timer, reference)
+        dp = key[1] == "dp"
+        rows.append(BenchRow(key[0], "torch" if dp else key[1], "processes", None if dp else key[3], got.step_s,
+                             got.last.events, got.last.peak_activations, optimizer="adam" if dp else "none",
+                             reference="single_adam" if dp else "single", spread=got.spread,
+                             measured_phase_s=got.phase_s, calibration_key=key, cpu_s=got.cpu_s,
+                             reference_s=got.reference_s, speedup=got.speedup, wire=key[2] if dp else "auto"))
+    return rows + dp_x_pp_rows(config, rig, progress, timer)
 
 
-def _around(reference: LaunchReference | None, sample: Callable | None) -> Callable | None:
-    """What runs beside each launch: the one-device reference and the calibration samples, whichever are given."""
-    return reference.around(sample) if reference else sample
+REFERENCE_STEPS = 1  # one-device steps rank 0 times before each job of a bench launch (and one warm-up per launch)
+
+
+def run_beside_one_device(jobs: Sequence, rig, oversubscribe: bool = False, timeout: float = 300.0,
+                          steps: int = REFERENCE_STEPS) -> list:
+    """`run_trainings` for the bench: one launch runs the jobs (one world size) one after the other, each just after
+    `steps` one-device steps of its block stack that rank 0 times alone (`one_device_reference`), kept in the job's
+    `TrainResult.reference_times`: each row's speed-up is taken against one device timed in the same minutes."""
+    from dataclasses import replace
+
+    from helpers.runtime.launch import run
+    from helpers.training.job import check_job
+    from helpers.training.loop import combine_ranks
+
+    for job in jobs:
+        check_job(job, rig, oversubscribe)
+    if not all(isinstance(job.model, StackConfig) for job in jobs):
+        raise ValueError("the bench times a one-device reference for block-stack jobs (a StackConfig model) only")
+    parts = run(jobs_beside_one_device, list(jobs), steps, nranks=jobs[0].world, rig=rig,
+                timeout=timeout * len(jobs), oversubscribe=oversubscribe)
+    return [replace(combine_ranks([rank[i][1] for rank in parts]), reference_times=parts[0][i][0])
+            for i in range(len(jobs))]
+
+
+def jobs_beside_one_device(jobs: Sequence, steps: int) -> list[tuple[list[float], dict]]:
+    """Every rank of a bench launch: for each job, its `one_device_reference` (times on rank 0), then the job."""
+    from helpers.training.loop import train_worker
+
+    built: dict = {}
+    return [(one_device_reference(job, steps, built), train_worker(job)) for job in jobs]
+
+
+def one_device_reference(job, steps: int, built: dict) -> list[float]:
+    """Rank 0 alone times `steps` steps of the job's whole block stack on its device (the job's global batch, Adam
+    if the job uses it: the bench's `single` and `single_adam` step), while every other rank waits at a barrier
+    (gloo and NCCL wait there without computing): one device timed in the same launch, process and minute as the
+    job that follows, so the machine's drift over a launch cancels in their ratio. `built` keeps each
+    (model, batch, optimizer)'s step between the jobs of a launch, built and warmed up once (two steps). Other
+    ranks: []."""
+    import torch.distributed as dist
+
+    from helpers.models import SyntheticTokens, build_stack
+    from helpers.runtime.launch import rank_device
+    from helpers.training.strategies import make_optimizer
+
+    times: list[float] = []
+    dist.barrier()
+    if dist.get_rank() == 0:
+        cfg, device = job.model, rank_device()
+        key = (cfg, job.batch, job.optimizer)
+        if key not in built:
+            model = build_stack(cfg).to(device)
+            x, y = SyntheticTokens(job.batch, cfg.seq_len, cfg.vocab).batch(0, job.batch)
+            built[key] = one_device_step(model, x, y, lm_loss, make_optimizer(job.optimizer, model.parameters(),
+                                                                               job.lr))
+            for _ in range(2):  # warm-up: Adam allocates its state in the first step, its temporaries in the
+                built[key]()    # second (memory the virtual machine backs at first touch: 1.6 s instead of 1.0)
+        times = [_timed(built[key], device) for _ in range(steps)]
+    dist.barrier()
+    return times
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one call of `step`, this rank's own device synchronised before and after (not every visible GPU,
+    as `helpers.measure` does: that would open a CUDA context on the other rank's GPU)."""
+    import time
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    t0 = time.perf_counter()
+    step()
+    sync()
+    return time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
 class Pooled:
     """A multi-process job's launches taken together: over every launch's timed steps, the median step time, its
     `relative_spread` and the median seconds of each phase (`median_phases`); the last launch's result (its
-    timeline and memory)."""
+    timeline and memory); with a one-device reference timed in each launch, its median and the speed-up."""
 
     step_s: float
     spread: float
     phase_s: dict[str, float]
     last: object
     cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
+    reference_s: float | None = None  # median of the one-device steps timed beside the job, over every launch
+    speedup: float | None = None  # median over launches of (that launch's reference / its median step)
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
@@ -365,18 +410,14 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
     them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch that runs the keys it is
     given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
-    processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always the
-    first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
+    processes: `run_beside_one_device`); every other round runs a group's jobs in reverse order, so no job is always
+    the first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
     bench times its calibration there, so each row's calibration sees the minutes it ran)."""
-    import statistics
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     jobs = [k for group in launches for k in group]
     progress.phase(f"{desc}: {len(jobs)} jobs in {len(launches)} launches x {rounds} round(s)")
-    steps: dict = {k: [] for k in jobs}
-    phases: dict = {k: [] for k in jobs}
-    cpu: dict = {k: [] for k in jobs}  # per launch, per rank: the median step's thread CPU seconds
-    last: dict = {}
+    launched: dict = {k: [] for k in jobs}  # every launch's result of each job
     bar = progress.bar(rounds * len(launches), desc)
     for r in range(rounds):
         for group, launch in launches.items():
@@ -384,41 +425,50 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
             if around is not None:
                 around(order)
             for key, got in zip(order, launch(order)):
-                last[key] = got
-                steps[key].extend(got.step_times)
-                phases[key].extend(got.phase_times)
-                cpu[key].append(got.thread_cpu_s)
+                launched[key].append(got)
             if around is not None:
                 around(order)
             bar.update()
     bar.close()
-    return {k: Pooled(statistics.median(steps[k]), relative_spread(steps[k]), median_phases(phases[k]), last[k],
-                      [statistics.median(c) for c in zip(*cpu[k])] if all(cpu[k]) else None)
-            for k in jobs}
+    return {k: pool(got) for k, got in launched.items()}
+
+
+def pool(launched: Sequence) -> Pooled:
+    """One job's `Pooled` from the `TrainResult` of each of its launches."""
+    import statistics
+
+    steps = [t for got in launched for t in got.step_times]
+    cpu = [got.thread_cpu_s for got in launched]
+    referenced = [got for got in launched if getattr(got, "reference_times", None)]
+    return Pooled(statistics.median(steps), relative_spread(steps),
+                  median_phases([p for got in launched for p in got.phase_times]), launched[-1],
+                  [statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
+                  statistics.median(t for got in referenced for t in got.reference_times) if referenced else None,
+                  statistics.median(statistics.median(got.reference_times) / statistics.median(got.step_times)
+                                    for got in referenced) if referenced else None)
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
 
 
-def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
-                 reference: LaunchReference | None = None) -> list[BenchRow]:
-    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds;
-    with `timer`, the whole model timed at its micro-batch size around them (and the one-device `reference`)."""
+def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
+    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds,
+    each after one device's step timed in the launch; with `timer`, the whole model timed at its micro-batch size
+    around them."""
     from helpers.training.job import TrainJob
-    from helpers.training.loop import run_training
 
     rows = []
     refused = bench_refusals(rig)
     if ("dp_x_pp", "processes") not in refused:
         m = DP_X_PP_MICROBATCHES(config)
-        results = run_in_rounds({("dp_x_pp",): lambda keys: [run_training(
-            TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
-                     timed_steps=config.steps),
-            rig, oversubscribe=rig.is_cpu)]}, config.rounds, "DP x PP", progress,
-            around=_around(reference, timer and (lambda keys: timer.sample(config.batch // 2 // m, keys=keys))))
+        job = TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
+                       timed_steps=config.steps)
+        results = run_in_rounds({("dp_x_pp",): lambda keys: run_beside_one_device([job], rig, rig.is_cpu)},
+                                config.rounds, "DP x PP", progress,
+                                around=timer and (lambda keys: timer.sample(config.batch // 2 // m, keys=keys)))
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
                              got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key="dp_x_pp", cpu_s=got.cpu_s,
-                             reference_s=reference.seconds("dp_x_pp") if reference else None))
+                             calibration_key="dp_x_pp", cpu_s=got.cpu_s, reference_s=got.reference_s,
+                             speedup=got.speedup))
     return rows

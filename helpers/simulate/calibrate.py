@@ -421,8 +421,9 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     and out of the collectives' buffers at this device's measured copy speed, shared over the collectives.
     What the profiler found it to be on the course's CPU rig: DTensor dispatch, copies slower than a plain copy,
     the collectives' wrappers, page faults; measured there 5.5-12.6 ms per collective over four runs, which brought
-    the bench's FSDP2 row from +21-31% to within 7% of measured. Timed with one sample: the compute is subtracted,
-    its noise is not."""
+    the bench's FSDP2 row from +21-31% to within 7% of measured. The median of each round's difference, not the
+    difference of the medians: the compute is subtracted within a round, so the minute's speed cancels (with the
+    medians' difference two quiet runs measured 8 and 17 ms)."""
     import copy
 
     import torch.distributed as dist
@@ -463,11 +464,11 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
             if r:
                 times[name].append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
-    medians = {k: statistics.median(v) for k, v in times.items()}
     shard_bytes = sum(gathers) / world + sum(units)  # copy-in of the shard, copy-out of what was gathered
     copies = (shard_bytes + sum(units)) * copy_seconds_per_byte(device)  # + gradients into the reduce-scatter
-    extra = medians["sharded"] - medians["plain"] - medians["collectives"] - copies
-    return max(0.0, extra / (len(gathers) + len(units)))
+    # each round's difference, then their median: a slow moment slows the three of one round alike and cancels
+    extra = statistics.median(s - p - c for s, p, c in zip(times["sharded"], times["plain"], times["collectives"]))
+    return max(0.0, (extra - copies) / (len(gathers) + len(units)))
 
 
 COLLECTIVE_KINDS = ("allgather", "reducescatter", "broadcast")  # measured besides the link benchmark's all-reduce

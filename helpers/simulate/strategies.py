@@ -38,6 +38,7 @@ from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout
                                        split_backwards)
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
+from helpers.simulate.roofline import VALUE_BYTES
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
 from helpers.units import MiB, fmt_bytes
@@ -68,6 +69,8 @@ class Job:
     # DDP's gradients are views of its buckets (gradient_as_bucket_view=True, as helpers' apply_ddp sets): no copy
     # of each gradient into its bucket, none back after the all-reduce; False: PyTorch's default, both copies
     bucket_views: bool = True
+    wire: str = "auto"  # DDP's gradient buckets on the link in this dtype (fp32, bf16, fp16: TrainJob's `wire`, cast
+    # before and back after each all-reduce); auto: in the gradients' own
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
     host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
@@ -94,6 +97,8 @@ class Job:
                              f"{self.checkpointing!r}")
         if not (self.fsdp2_host_s >= 0 and math.isfinite(self.fsdp2_host_s)):
             raise ValueError(f"FSDP2's host work per collective must be seconds >= 0, got {self.fsdp2_host_s!r}")
+        if self.wire != "auto" and self.wire not in VALUE_BYTES:
+            raise ValueError(f"unknown wire dtype {self.wire!r}; choose auto or one of {list(VALUE_BYTES)}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
         if self.samples_per_microbatch * self.dp * self.microbatches != self.batch:
@@ -113,7 +118,8 @@ class Job:
         boundaries, or the equal split it trains with)."""
         strategy = job.strategy if job.world > 1 else "single"
         return cls(strategy, job.batch, job.microbatches, pp=job.pp, dp=job.dp, checkpointing=job.checkpointing,
-                   schedule=job.schedule, boundaries=job.cut() if job.pp > 1 else None, bucket_mb=job.bucket_mb)
+                   schedule=job.schedule, boundaries=job.cut() if job.pp > 1 else None, bucket_mb=job.bucket_mb,
+                   wire=job.wire if job.pp == 1 else "auto")
 
     @property
     def world(self) -> int:
@@ -428,12 +434,20 @@ class _Builder:
     def run_ddp(self, zero1: bool) -> None:
         devices = list(range(self.job.dp))
         r = len(devices)
-        views = self.job.bucket_views
-        ready = self.local_steps(devices, copy_passes=1 if views else 2)  # [into its bucket,] the hook's division
-        reduced = [self.collective("allreduce", devices, collective_s(self.coll, "allreduce", nbytes, r), "comm",
-                                   [ready[(d, layer)] for d in devices]) for layer, nbytes in self.buckets()]
-        grads = 0 if views else self.w.bytes_per_param[1] * self.w.n_params  # buckets copied back into the grads
-        copied = [self.copy(d, grads, reduced[-1:]) for d in devices]
+        views, g = self.job.bucket_views, self.w.bytes_per_param[1]
+        cast = self.job.wire != "auto" and VALUE_BYTES[self.job.wire] != g
+        on_wire = VALUE_BYTES[self.job.wire] / g if cast else 1.0
+        # [into its bucket,] the hook's division[, its cast to the wire's dtype]
+        ready = self.local_steps(devices, copy_passes=1 + (not views) + cast)
+        reduced, back = [], {d: [] for d in devices}
+        for layer, nbytes in self.buckets():
+            reduced.append(self.collective("allreduce", devices, collective_s(self.coll, "allreduce",
+                                                                              nbytes * on_wire, r),
+                                           "comm", [ready[(d, layer)] for d in devices]))
+            if cast:  # each device copies the reduced bucket back into its gradients' dtype
+                back = {d: [self.copy(d, nbytes, reduced[-1:])] for d in devices}
+        grads = 0 if views else g * self.w.n_params  # buckets copied back into the grads
+        copied = [self.copy(d, grads, reduced[-1:] + back[d]) for d in devices]
         updates = [self.optimizer(d, 1 / r if zero1 else 1.0, [c]) for d, c in zip(devices, copied)]
         if zero1:  # each owner broadcasts its updated parameters, tensor by tensor, one after another
             w = self.w.bytes_per_param[0]

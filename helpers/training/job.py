@@ -43,7 +43,8 @@ class TrainJob:
     schedule: str = "gpipe"  # gpipe | 1f1b | zbh1; interleaved | zbv | dualpipev: 2 stages per device (pp x 2)
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
     engine: str = "ours"  # pipeline engine: ours (the interpreter) | torch (torch.distributed.pipelining)
-    wire: str = "auto"  # dtype of boundary transfers; auto: the model's own
+    wire: str = "auto"  # dtype on the link: pipeline boundaries, or (dp only) DDP's gradient buckets; auto: the
+    # model's own
     overlap: bool = True  # False: wait for every send before computing on (the blocking baseline)
     dtype: str = "fp32"  # weights: fp32 | bf16 | fp16
     autocast: str | None = None  # None | bf16 | fp16 (fp32 weights, 16-bit matmuls; fp16 adds loss scaling)
@@ -183,6 +184,10 @@ def _check_pipeline(job: TrainJob) -> None:
 def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
     if job.data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data-parallel strategy {job.data_parallel!r}; choose one of {DATA_PARALLEL}")
+    resolve_dtype(job.wire)
+    if job.wire != "auto" and job.fully_sharded:
+        raise ValueError(f"wire={job.wire!r} compresses DDP's gradient buckets (ddp, zero1); {job.data_parallel} "
+                         "reduces its gradients in MixedPrecisionPolicy's reduce_dtype")
     if job.pp > 1 and job.data_parallel != "ddp":
         raise ValueError(f"DP x PP here averages each stage's gradients over its replicas (data_parallel='ddp'); "
                          f"{job.data_parallel} inside pipeline stages is not part of this course")

@@ -51,6 +51,8 @@ class TrainResult:
     cuda_peak: list[int | None] = field(default_factory=list)  # per rank, torch.cuda.max_memory_allocated
     losses: list[float] = field(default_factory=list)  # every step's loss (after each optimizer step's update)
     state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # trained weights by layer (return_state)
+    # the bench's one-device steps timed in the same launch just before the job (helpers.bench.rows.run_beside_one_device)
+    reference_times: list[float] = field(default_factory=list)
     first_step: int = 0  # the step the run started from: a checkpoint's when it resumed; losses[k] is step first+k
     save_blocked: list[float] = field(default_factory=list)  # seconds each checkpoint save blocked the step (rank 0)
     # per rank, the median timed step's CPU seconds: of the rank's own thread (compute and the host work around it),
@@ -70,8 +72,8 @@ def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe:
     ranks again after a rank fails, up to this many times (with `job.checkpoint`, they resume from the latest
     checkpoint)."""
     check_job(job, rig, oversubscribe)
-    return _combine(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout, oversubscribe=oversubscribe,
-                        restarts=restarts))
+    return combine_ranks(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout,
+                             oversubscribe=oversubscribe, restarts=restarts))
 
 
 def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
@@ -88,10 +90,10 @@ def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, ov
         check_job(job, rig, oversubscribe)
     parts = run(train_workers, list(jobs), nranks=worlds[0], rig=rig, timeout=timeout * len(jobs),
                 oversubscribe=oversubscribe, restarts=restarts)
-    return [_combine([rank[i] for rank in parts]) for i in range(len(jobs))]
+    return [combine_ranks([rank[i] for rank in parts]) for i in range(len(jobs))]
 
 
-def _combine(parts: list[dict]) -> TrainResult:
+def combine_ranks(parts: list[dict]) -> TrainResult:
     """One job's result from what its ranks returned (`train_worker`)."""
     per_step = [max(p["times"][i] for p in parts) for i in range(min(len(p["times"]) for p in parts))]
     phases = [{phase: sum(p["phases"][i][phase] for p in parts) for phase in PHASES} for i in range(len(per_step))]
@@ -294,7 +296,8 @@ class _Rank:
         sharded = job.fully_sharded
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
-            wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec)
+            wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec,
+                                Wire.of(job.wire, compute=self.precision.weights))
 
         def sync_context(last: bool):
             if hasattr(wrapped, "no_sync") and not last:

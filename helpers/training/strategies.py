@@ -37,31 +37,37 @@ PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | No
 TiedPair = tuple[tuple[int, str], tuple[int, str]]
 
 
-def allreduce_hook(rec: Recorder, group):
+def allreduce_hook(rec: Recorder, group, wire: Wire = Wire()):
     """A DDP comm hook: PyTorch's default (average the bucket over the group), each bucket recorded as an
-    `allreduce` span from the moment backward handed it over to the moment the collective finished."""
+    `allreduce` span from the moment backward handed it over to the moment the collective finished. A `wire` in
+    another dtype sends the bucket in it and copies the result back (PyTorch's `bf16_compress_hook`, on any backend:
+    half the bytes in bf16, and gloo reduces bf16 too)."""
 
     def hook(state, bucket):
         mark = rec.start()
-        buffer = bucket.buffer().div_(dist.get_world_size(group))
-        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        buffer = bucket.buffer()
+        sent = wire.pack(buffer.div_(dist.get_world_size(group)))
+        fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
 
         def done(f):
             rec.finish(mark, "allreduce", bucket.index())
-            return f.value()[0]
+            reduced = f.value()[0]
+            return reduced if reduced is buffer else buffer.copy_(reduced)
 
         return fut.then(done)
 
     return hook
 
 
-def apply_ddp(module: nn.Module, group, device: torch.device, bucket_mb: float, rec: Recorder) -> nn.Module:
-    """Replicate `module` over `group`; gradients are averaged bucket by bucket during backward."""
+def apply_ddp(module: nn.Module, group, device: torch.device, bucket_mb: float, rec: Recorder,
+              wire: Wire = Wire()) -> nn.Module:
+    """Replicate `module` over `group`; gradients are averaged bucket by bucket during backward, sent as `wire`
+    carries them."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
               bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-    ddp.register_comm_hook(None, allreduce_hook(rec, group))
+    ddp.register_comm_hook(None, allreduce_hook(rec, group, wire))
     return ddp
 
 
