@@ -242,6 +242,33 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     assert predict_speed(str(tmp_path), "fp32", rig, 2, 64).tok_s("tensor parallel", "decode") > 0
 
 
+def test_a_runs_calibration_replays_its_rows(tmp_path):
+    """--json keeps the SpeedRig and the model's config beside the rows; --replay predicts them again from those
+    alone (no measurement), as compare did in the run."""
+    from transformers import LlamaConfig
+
+    from helpers.inference.speed_bench import compare, main, replay, rig_as_dict, rig_from_dict
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    small = model_shape(str(tmp_path), "fp32")
+    cpu = Device("cpu", 1e10, ((1, 1e9), (16, 4e9)), 1e-6, 1.2, ((1, 8e8), (16, 3e9)))
+    rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4)
+    saved = json.loads(json.dumps(rig_as_dict(rig)))
+    assert rig_from_dict(saved) == rig
+    measured = [{"engine": e, "phase": p, "batch": 4, "prompt": 16, "new_tokens": 4, "tok/s": 50.0, "measured": True}
+                for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")]
+    rows = compare(measured, rig, small)
+    (tmp_path / "run.json").write_text(json.dumps({"speed_rig": saved, "config": small.config.to_dict(),
+                                                    "rows": rows}))
+    again = replay(str(tmp_path / "run.json"))
+    assert [r["predicted tok/s"] for r in again] == pytest.approx([r["predicted tok/s"] for r in rows])
+    (tmp_path / "old.json").write_text(json.dumps({"rows": rows}))
+    with pytest.raises(ValueError, match="no calibration"):
+        main(["--replay", str(tmp_path / "old.json")])
+
+
 @pytest.mark.full
 def test_cpu_rig_calibration_and_measurement_run_end_to_end(tmp_path):
     """The measured rig: micro-benchmarks (two ranks for the all-reduce and DTensor), both engines measured at two
