@@ -99,6 +99,50 @@ def test_host_floor_counts_the_ops_a_layer_dispatches():
     assert decode.seconds == pytest.approx((32 * ops.per_layer + ops.outside) * 1e-3, rel=0.01)
 
 
+def test_pipelined_prefill_pays_the_busy_rate_only_while_both_stages_work():
+    """Two prompts through two stages: the first stage takes the first prompt alone, both work at once on one prompt
+    each, then the second stage takes the last one alone: only the overlap runs at the busy rate (the earlier model
+    charged it to both stages' whole round trip: 3 busy stages instead of 2 alone and 1 busy)."""
+    from helpers.inference.speed import layer_split, pipelined
+
+    shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
+    cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6, busy_slowdown=2.0)
+    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
+    phase = Phase("prefill", 1, 64, 64)
+    alone = layer_split(shape, phase, rig, ops)
+    both = pipelined(shape, phase, rig, ops, requests=2)
+    busy = max(both.parts["device 0"], both.parts["device 1"])
+    assert busy > 1.5 * max(alone.parts["device 0"], alone.parts["device 1"])  # the overlap is slower...
+    assert both.seconds == pytest.approx(alone.seconds + busy)  # ...but only the overlap
+
+
+def test_a_device_thread_runs_with_the_process_intra_op_threads():
+    """A new thread's OpenMP starts with as many threads as cores: two virtual devices on threads would each
+    multiply on every core (the calibration's busy rates measured four threads on two cores)."""
+    import ctypes
+    import os
+    import threading
+    from pathlib import Path
+
+    import torch
+
+    from helpers.inference.pipelined import device_thread
+
+    gomp = next(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*"), None)
+    if gomp is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs torch's bundled OpenMP and two cores")
+    omp, before, seen = ctypes.CDLL(str(gomp)), torch.get_num_threads(), {}
+    torch.set_num_threads(1)
+    try:
+        for name, fn in (("plain", omp.omp_get_max_threads), ("device", device_thread(omp.omp_get_max_threads))):
+            t = threading.Thread(target=lambda name=name, fn=fn: seen.update({name: fn()}))
+            t.start()
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["device"] == 1 and seen["plain"] > 1  # a plain thread would multiply on every core
+
+
 def test_crossovers_state_where_and_why():
     rows = crossovers("llama-2-70b", "nf4", "2x3090 PCIe", batches=(1, 4), contexts=(512, 4096))
     assert {(c.phase, c.axis) for c in rows} == {(p, a) for p in ("prefill", "decode") for a in ("batch", "context")}
@@ -196,6 +240,33 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     rows = compare(measured, rig, small)
     assert all(r["error"] == pytest.approx(r["predicted tok/s"] / 10 - 1) for r in rows)
     assert predict_speed(str(tmp_path), "fp32", rig, 2, 64).tok_s("tensor parallel", "decode") > 0
+
+
+def test_a_runs_calibration_replays_its_rows(tmp_path):
+    """--json keeps the SpeedRig and the model's config beside the rows; --replay predicts them again from those
+    alone (no measurement), as compare did in the run."""
+    from transformers import LlamaConfig
+
+    from helpers.inference.speed_bench import compare, main, replay, rig_as_dict, rig_from_dict
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    small = model_shape(str(tmp_path), "fp32")
+    cpu = Device("cpu", 1e10, ((1, 1e9), (16, 4e9)), 1e-6, 1.2, ((1, 8e8), (16, 3e9)))
+    rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4)
+    saved = json.loads(json.dumps(rig_as_dict(rig)))
+    assert rig_from_dict(saved) == rig
+    measured = [{"engine": e, "phase": p, "batch": 4, "prompt": 16, "new_tokens": 4, "tok/s": 50.0, "measured": True}
+                for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")]
+    rows = compare(measured, rig, small)
+    (tmp_path / "run.json").write_text(json.dumps({"speed_rig": saved, "config": small.config.to_dict(),
+                                                    "rows": rows}))
+    again = replay(str(tmp_path / "run.json"))
+    assert [r["predicted tok/s"] for r in again] == pytest.approx([r["predicted tok/s"] for r in rows])
+    (tmp_path / "old.json").write_text(json.dumps({"rows": rows}))
+    with pytest.raises(ValueError, match="no calibration"):
+        main(["--replay", str(tmp_path / "old.json")])
 
 
 @pytest.mark.full

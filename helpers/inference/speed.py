@@ -396,16 +396,19 @@ def layer_split(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts) -
 
 def pipelined(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts, requests: int = 2) -> EngineSpeed:
     """`requests` requests in flight (each of `phase.batch` rows). Decode: each cycle serves every request once and
-    lasts max(one request's round trip, requests x the slower stage). Prefill: the prompts fill the pipeline, the
-    last one leaves one round trip after the slower stage has taken the others."""
+    lasts max(one request's round trip, requests x the slower stage), both devices busy throughout. Prefill: the
+    prompts fill the pipeline and drain from it: the first stage takes the first prompt alone, then both stages work
+    at once (the first on prompt k + 1, the second on prompt k: `requests` - 1 overlaps, each as long as the slower
+    stage while both are busy), then the second stage takes the last prompt alone. Only the overlaps pay for sharing
+    the memory (the CPU rig's busy rates)."""
     devices = split_layers(shape, rig)
     stages = _stage_seconds(shape, phase, rig, devices, requests > 1, ops)
     hops = _hops(shape, phase, rig)
-    trip = sum(stages) + hops
     if phase.name == "decode":
-        t = max(trip, requests * max(stages))
+        t = max(sum(stages) + hops, requests * max(stages))
     else:
-        t = trip + (requests - 1) * max(stages)
+        alone = _stage_seconds(shape, phase, rig, devices, False, ops)
+        t = alone[0] + (requests - 1) * max(stages) + alone[1] + hops
     return EngineSpeed("pipelined", phase.name, t, requests * _tokens(phase) / t,
                        {"device 0": stages[0], "device 1": stages[1], "link": hops})
 

@@ -4,13 +4,15 @@ engines timed on the same model, batches and contexts.
 - `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
   with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
   other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
-  set, out of the cache), the host time per
-  dispatched op (a tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the
-  all-reduce at hidden-state sizes (`helpers.simulate.calibrate.small_allreduce_link`) and DTensor's host time per
-  sharded linear.
+  set, out of the cache; both devices as threads with one intra-op thread each), the host time per dispatched op (a
+  tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the all-reduce at
+  hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and DTensor's
+  host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
   flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats).
 - `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
+- `rig_as_dict` / `rig_from_dict`, `replay(path)`: a run's calibration saved beside its rows (`--json`) and its rows
+  predicted again from it (`--replay`): the model's next version checked against stored measurements in seconds.
 
 The command line, for a quiet machine: `python -m helpers.inference.speed_bench` (see --help). Wall-clock figures
 mean something only on a machine nothing else is using; tests never assert on them.
@@ -30,7 +32,7 @@ from helpers.sizing.shape import ModelShape, model_shape
 from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer,
                                      pipelined, tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
-from helpers.simulate.hardware import FREE_LINK
+from helpers.simulate.hardware import FREE_LINK, Link
 
 ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
@@ -53,11 +55,31 @@ def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
     return [one] + [torch.randn_like(one) for _ in range(max(0, total // (one.numel() * one.element_size()) - 1))]
 
 
+def _together(work) -> float:
+    """Seconds until the last of `work` finished, each in a thread of its own, as a virtual device, all at once."""
+    from helpers.inference.pipelined import device_thread
+    from helpers.simulate.calibrate import run_together
+
+    return max(run_together([device_thread(fn) for fn in work]))
+
+
+def _alone_and_together(work, repeats: int) -> tuple[float, float]:
+    """Median seconds of `work[0]` alone and of all of `work` at once (`_together`), measured in turns (alone,
+    together, alone, ...) after one warm-up of each, so that a slow moment of the machine hurts both alike."""
+    work[0]()
+    _together(work)
+    alone, together = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        work[0]()
+        alone.append(time.perf_counter() - t0)
+        together.append(_together(work))
+    return statistics.median(alone), statistics.median(together)
+
+
 def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s alone, slowdown while the other virtual device streams too): one row through every matrix of the
     working set, as decoding one token reads every weight once."""
-    from helpers.simulate.calibrate import run_together
-
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     x = torch.randn(1, shape.hidden, dtype=dtype)
     nbytes = sum(w.numel() * w.element_size() for w in mats[0])
@@ -66,9 +88,7 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
         for w in ws:
             F.linear(x, w)
 
-    alone = _median(lambda: sweep(mats[0]), repeats)
-    together = statistics.median(max(run_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])]))
-                                 for _ in range(repeats))
+    alone, together = _alone_and_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])], repeats)
     return nbytes / alone, max(1.0, together / alone)
 
 
@@ -79,16 +99,14 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
     through the working set: a CPU overlaps streaming and multiplying only in part, so the roofline's max(bytes /
     bandwidth, FLOPs / rate) holds only with a rate measured while streaming. Both devices at once share the memory:
     slower by how much each row count streams, so the slowdown is measured per row count too."""
-    from helpers.simulate.calibrate import run_together
-
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     per_row = 2.0 * sum(w.numel() for w in mats[0])
     alone, together = [], []
     for r in sorted(set(rows)):
         x = torch.randn(r, shape.hidden, dtype=dtype)
         sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in mats]
-        alone.append((r, per_row * r / _median(sweeps[0], repeats)))
-        both = statistics.median(max(run_together(sweeps)) for _ in range(repeats))
+        one, both = _alone_and_together(sweeps, repeats)
+        alone.append((r, per_row * r / one))
         together.append((r, per_row * r / both))
     return tuple(alone), tuple(together)
 
@@ -106,26 +124,76 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
 
 
-def tensor_parallel_calibration(sizes: list[int], hidden: int, intermediate: int, dtype: torch.dtype,
-                                repeats: int) -> dict:
-    """Rank worker: the all-reduce at hidden-state sizes, and DTensor's host time per column-parallel linear (the
-    same matmul through parallelize_module against on plain tensors), both ranks at once."""
+def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device, dtype: torch.dtype,
+                            work: Sequence) -> Link:
+    """Rank worker: the all-reduce as tensor parallelism meets it inside a decode step: after each of `work` (what
+    a rank computes between two all-reduces: its half of half a layer, weights from memory) one all-reduce, the
+    whole step timed, less the same work without them, per all-reduce (median of at least 7 such pairs: the
+    wake-ups vary), at the smallest and the largest size of `sizes` (ascending). Latency: the smallest message's
+    time; bandwidth: what the largest adds over it. Measured on the CPU rig, one all-reduce of 4 KiB just after a
+    barrier took 0.5 to 3.6 ms from one run to the next; between 0.1 ms of work 0.7 ms; between about 1 ms of work,
+    as in a decode step, 1.4-3 ms, as inside `generate` (1.7-2.4 ms): a rank that waits sleeps (5% of a core busy in
+    a loop of all-reduces), and the longer the work, the more the two ranks drift apart and the longer one waits."""
+    import torch.distributed as dist
+
+    def step(with_allreduce: bool, buf: torch.Tensor) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for fn in work:
+            fn()
+            if with_allreduce:
+                dist.all_reduce(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    seconds = []
+    for n in (sizes[0], sizes[-1]):
+        buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
+        step(True, buf)
+        per_call = [(step(True, buf) - step(False, buf)) / len(work) for _ in range(max(repeats, 7))]
+        seconds.append(max(statistics.median(per_call), 1e-6))
+    latency = seconds[0]
+    extra = seconds[-1] - seconds[0]
+    bandwidth = (sizes[-1] - sizes[0]) / extra if extra > 0 and sizes[-1] > sizes[0] else float("inf")
+    return Link(latency, bandwidth, "all-reduce inside a decode step, hidden-state sizes")
+
+
+def decode_step_work(shape: ModelShape, dtype: torch.dtype, device: torch.device, ranks: int) -> list:
+    """What one rank of tensor parallelism computes between two all-reduces of a decode step, once per all-reduce
+    of the step: one row through its share of half a decoder layer (weights out of the cache: every stretch its
+    own matrix)."""
+    from helpers.inference.speed import COLLECTIVES_PER_LAYER
+
+    layers = shape.decoder_layers
+    per_work = layers[0].weight_bytes / ranks / COLLECTIVES_PER_LAYER
+    rows = max(1, round(per_work / (shape.hidden * dtype.itemsize)))
+    x = torch.zeros(1, shape.hidden, dtype=dtype, device=device)
+    mats = [torch.randn(rows, shape.hidden, dtype=dtype, device=device)
+            for _ in range(len(layers) * COLLECTIVES_PER_LAYER)]
+    return [lambda w=w: F.linear(x, w) for w in mats]
+
+
+def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torch.dtype, repeats: int) -> dict:
+    """Rank worker: the all-reduce at hidden-state sizes inside a decode step's work, and DTensor's host time per
+    column-parallel linear (the same matmul through parallelize_module against on plain tensors), both ranks at
+    once."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from helpers.runtime.launch import rank_device
-    from helpers.simulate.calibrate import small_allreduce_link
 
     device = rank_device()
-    link = small_allreduce_link(sizes, repeats, device, dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    linear = parallelize_module(nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device), mesh,
-                                ColwiseParallel())
-    x = torch.zeros(1, 1, hidden, dtype=dtype, device=device)
+    linear = parallelize_module(nn.Linear(shape.hidden, shape.intermediate, bias=False, dtype=dtype, device=device),
+                                mesh, ColwiseParallel())
+    x = torch.zeros(1, 1, shape.hidden, dtype=dtype, device=device)
     local = linear.weight.to_local()
     with torch.no_grad():
+        work = decode_step_work(shape, dtype, device, dist.get_world_size())
+        link = lockstep_allreduce_link(sorted(sizes), repeats, device, dtype, work)
         wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
         plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
     dist.barrier()
@@ -137,7 +205,6 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode)."""
     from helpers.inference.generate import weight_format_name
     from helpers.runtime.launch import run
-    from helpers.simulate.hardware import Link
 
     if not rig.is_cpu:
         raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
@@ -153,9 +220,9 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
         sizes.append(2 * sizes[0])
     from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
 
-    tp = run(worker, sizes, shape.hidden, shape.intermediate, dtype, repeats, rig=rig)[0]
+    tp = run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
     return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
-                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce, hidden-state sizes"),
+                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce in lock step, hidden-state sizes"),
                     host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"],
                     note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
                          f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
@@ -228,6 +295,40 @@ def compare(measured: Sequence[dict], rig: SpeedRig, shape: ModelShape) -> list[
     return out
 
 
+def rig_as_dict(rig: SpeedRig) -> dict:
+    """Every field of a SpeedRig as JSON-ready values (what `rig_from_dict` reads back)."""
+    from dataclasses import asdict
+
+    return asdict(rig)
+
+
+def rig_from_dict(fields: dict) -> SpeedRig:
+    """The SpeedRig `rig_as_dict` wrote (JSON's lists back to tuples; fields it did not know take their defaults)."""
+    def device(d: dict) -> Device:
+        points = {k: tuple(tuple(p) for p in d[k]) for k in ("flops", "busy_flops") if k in d}
+        return Device(**{**d, **points})
+
+    devices = tuple(device(d) for d in fields["devices"])
+    return SpeedRig(**{**fields, "devices": devices, "hop": Link(**fields["hop"]),
+                       "allreduce": Link(**fields["allreduce"])})
+
+
+def replay(path: str) -> list[dict]:
+    """A `--json` run's measured rows predicted again from its saved calibration and model config, by the speed model
+    as it is now: no measurement, seconds."""
+    import tempfile
+    from pathlib import Path
+
+    saved = json.loads(Path(path).read_text())
+    if "speed_rig" not in saved or "config" not in saved:
+        raise ValueError(f"{path} holds no calibration: write one with python -m helpers.inference.speed_bench --json")
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "config.json").write_text(json.dumps(saved["config"]))
+        shape = model_shape(folder, "fp32")
+    measured = [{k: v for k, v in r.items() if k not in ("predicted tok/s", "error")} for r in saved["rows"]]
+    return compare(measured, rig_from_dict(saved["speed_rig"]), shape)
+
+
 def error_summary(rows: Sequence[dict]) -> list[dict]:
     """Per engine and phase: the largest and the median absolute error."""
     out = []
@@ -268,8 +369,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--json", help="also write the rows, the calibration and the model's config here")
+    parser.add_argument("--replay", metavar="JSON", help="measure nothing: predict the rows of an earlier --json "
+                                                          "run again from its calibration")
     ns = parser.parse_args(argv)
+    if ns.replay:
+        rows = replay(ns.replay)
+        print(table(rows))
+        print(table(error_summary(rows)))
+        return
     rig = detect_rig(force_cpu=True)
     claim_cpu_device(rig)
     batches = [int(b) for b in ns.batches.split(",")]
@@ -285,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(error_summary(rows)))
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"rig": speed.note, "rows": rows, "summary": error_summary(rows)}, f, indent=2)
+            json.dump({"rig": speed.note, "speed_rig": rig_as_dict(speed), "config": shape.config.to_dict(),
+                       "rows": rows, "summary": error_summary(rows)}, f, indent=2)
 
 
 if __name__ == "__main__":
