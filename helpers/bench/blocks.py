@@ -114,11 +114,17 @@ def run_rows(runs: Sequence[PipelineRun], times: dict[str, float], batch: int,
         report = r.ledger.report()
         rows.append({"split": r.name, "boundaries": list(r.boundaries), "step (ms)": times[r.name] * 1e3,
                      "samples/s": batch / times[r.name], **_spread_of(times, r.name),
-                     **({"speedup": times[baseline] / times[r.name]} if baseline else {}),
+                     **({"speedup": _ratio(times, baseline, r.name)} if baseline else {}),
                      "busy": [round(busy.get(i, 0.0), 2) for i in range(len(report))],
                      "params": [m.params for m in report.values()],
                      "activations": [m.activations for m in report.values()]})
     return rows
+
+
+def _ratio(times: dict[str, float], reference: str, name: str) -> float:
+    """`reference`'s time over `name`'s: paired round by round where `times` kept its samples (a `Timings`: a slow
+    minute then slows both sides of each ratio), else the ratio of the two medians."""
+    return times.paired_ratio(reference, name) if isinstance(times, Timings) else times[reference] / times[name]
 
 
 def _spread_of(times: dict[str, float], name: str) -> dict:

@@ -103,7 +103,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
     times = time_pipeline_runs(runs, x, y, repeats, extra=calibration, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="none")
     for row in rows:
-        row["step vs none"] = times[row["split"]] / times["none"]
+        row["step vs none"] = times.paired_ratio(row["split"], "none")  # each round's pair: its minute cancels
     if rig_model is not None:
         workload = measure_workload(model, x, y, lm_loss, batch // m, repeats, whole=timer.seconds(batch // m)).workload
         _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()),

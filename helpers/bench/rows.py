@@ -109,7 +109,7 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
     count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
-    rows, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed steps of each job
+    rows, 3 of the extras, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed steps of each job
     from two launches a minute or more apart: one disturbed launch or step no longer decides a row). precise: every
     row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 steps, 6 repeats of the extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
@@ -125,7 +125,7 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
         return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
                            torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
     return BenchConfig(cfg, batch=32, steps=3, gpipe_microbatches=(8,), onefoneb_microbatches=8,
-                       torch_microbatches=(8,), rounds=2, extra_repeats=2, thread_repeats=5, every_row=False)
+                       torch_microbatches=(8,), rounds=2, extra_repeats=3, thread_repeats=5, every_row=False)
 
 
 class Progress:

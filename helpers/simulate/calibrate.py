@@ -412,6 +412,10 @@ def fsdp2_units(model: nn.Module) -> list[int]:
             if any(True for _ in layer.parameters())]
 
 
+FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_seconds` (one sample each, about 0.1 s): with 5 its median read
+# 3.2 and 8.5 ms per collective in two quiet runs, moving the FSDP2 row's prediction by 20%
+
+
 def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                        repeats: int) -> float:
     """Rank worker: the host work `fully_shard` does around each collective it issues, beyond the collective and
@@ -528,7 +532,8 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
     sharded = all(k in samples for k in ("allgather", "reducescatter"))  # else FSDP2 cannot run on this rig
     return {"ratios": ratios, "collectives": samples,
             "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5)),
-            "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, 5)) if sharded else 0.0}
+            "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, FSDP2_HOST_ROUNDS))
+            if sharded else 0.0}
 
 
 def process_calibration(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
