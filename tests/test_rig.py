@@ -101,3 +101,66 @@ def test_a_cpu_device_keeps_freed_memory_as_a_gpu_allocator_does():
                          cwd=Path(__file__).resolve().parent.parent, check=True).stdout
     faults = ast.literal_eval(out.strip().splitlines()[-1])
     assert max(faults[-3:]) < faults[0] / 10, faults  # counts, not times: seen 20-100x apart; 10x is the margin
+
+
+def _openmp_max_threads():
+    """libgomp's omp_get_max_threads (torch's bundled OpenMP), or skip where there is none or one core."""
+    import ctypes
+    import os
+    from pathlib import Path
+
+    gomp = next(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*"), None)
+    if gomp is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs torch's bundled OpenMP and two cores")
+    return ctypes.CDLL(str(gomp)).omp_get_max_threads
+
+
+def test_a_device_thread_runs_with_the_process_intra_op_threads():
+    """A new thread's OpenMP starts with as many threads as cores: two virtual devices on threads would each
+    compute on every core (the calibration's busy rates measured four threads on two cores)."""
+    import threading
+
+    from helpers.runtime.rig import device_thread
+
+    omp_max, before, seen = _openmp_max_threads(), torch.get_num_threads(), {}
+    torch.set_num_threads(1)
+    try:
+        for name, fn in (("plain", omp_max), ("device", device_thread(omp_max))):
+            t = threading.Thread(target=lambda name=name, fn=fn: seen.update({name: fn()}))
+            t.start()
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["device"] == 1 and seen["plain"] > 1  # a plain thread would compute on every core
+
+
+def test_every_thread_that_computes_as_a_device_has_one_intra_op_thread():
+    """The threaded training engine's stages and the calibration's runs together: each a virtual device of one
+    intra-op thread by construction (`device_thread`). In a plain thread a GELU over 4 M values used 1.9 CPU-s per
+    second; the bench model's training step used 1.0 either way (its ops set their thread count as they start), so
+    the threaded rows measured before this change stand."""
+    from torch import nn
+
+    from helpers.bench.blocks import bench_cut, make_pipeline_run
+    from helpers.models import SyntheticTokens, StackConfig, build_stack
+    from helpers.simulate.calibrate import run_together
+
+    omp_max, before, seen = _openmp_max_threads(), torch.get_num_threads(), []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(omp_max())
+            return x
+
+    torch.set_num_threads(1)
+    try:
+        rig = cpu_rig()
+        cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8)
+        model = build_stack(cfg)
+        model.insert(1, Probe())
+        run = make_pipeline_run("probe", model, bench_cut("1f1b", len(model)), rig.devices, rig.labels, "1f1b", 2)
+        run.step(*SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4))
+        run_together([lambda: seen.append(omp_max())] * 2)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

@@ -116,33 +116,6 @@ def test_pipelined_prefill_pays_the_busy_rate_only_while_both_stages_work():
     assert both.seconds == pytest.approx(alone.seconds + busy)  # ...but only the overlap
 
 
-def test_a_device_thread_runs_with_the_process_intra_op_threads():
-    """A new thread's OpenMP starts with as many threads as cores: two virtual devices on threads would each
-    multiply on every core (the calibration's busy rates measured four threads on two cores)."""
-    import ctypes
-    import os
-    import threading
-    from pathlib import Path
-
-    import torch
-
-    from helpers.inference.pipelined import device_thread
-
-    gomp = next(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*"), None)
-    if gomp is None or (os.cpu_count() or 1) < 2:
-        pytest.skip("needs torch's bundled OpenMP and two cores")
-    omp, before, seen = ctypes.CDLL(str(gomp)), torch.get_num_threads(), {}
-    torch.set_num_threads(1)
-    try:
-        for name, fn in (("plain", omp.omp_get_max_threads), ("device", device_thread(omp.omp_get_max_threads))):
-            t = threading.Thread(target=lambda name=name, fn=fn: seen.update({name: fn()}))
-            t.start()
-            t.join()
-    finally:
-        torch.set_num_threads(before)
-    assert seen["device"] == 1 and seen["plain"] > 1  # a plain thread would multiply on every core
-
-
 def test_crossovers_state_where_and_why():
     rows = crossovers("llama-2-70b", "nf4", "2x3090 PCIe", batches=(1, 4), contexts=(512, 4096))
     assert {(c.phase, c.axis) for c in rows} == {(p, a) for p in ("prefill", "decode") for a in ("batch", "context")}

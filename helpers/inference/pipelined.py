@@ -12,31 +12,18 @@ import queue
 import threading
 import time
 from contextlib import nullcontext
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Mapping, Sequence
 
 import torch
+
+from helpers.runtime.rig import device_thread
 
 from helpers.inference.generate import (Generation, LayerSplit, Request, StageSpec, Stopping, resolve_stopping,
                                         stages_from_device_map, sync_devices)
 from helpers.models.hf import HFModel
 
-T = TypeVar("T")
 _STOP = object()  # down the pipe: no more work
 _ABORT = object()  # to stage 0: another stage failed
-
-
-def device_thread(fn: Callable[[], T]) -> Callable[[], T]:
-    """`fn` made to run in a new thread as one virtual device: with this process's intra-op thread count (one per
-    virtual device on the CPU rig). A new thread's OpenMP starts with as many threads as cores until
-    `torch.set_num_threads` is called in it (measured: a 256-row matmul in a fresh thread ran on both cores, so two
-    such "devices" at once ran four threads on two cores)."""
-    threads = torch.get_num_threads()
-
-    def run() -> T:
-        torch.set_num_threads(threads)
-        return fn()
-
-    return run
 
 
 class _Aborted(Exception):

@@ -57,10 +57,9 @@ def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def _together(work) -> float:
     """Seconds until the last of `work` finished, each in a thread of its own, as a virtual device, all at once."""
-    from helpers.inference.pipelined import device_thread
     from helpers.simulate.calibrate import run_together
 
-    return max(run_together([device_thread(fn) for fn in work]))
+    return max(run_together(work))
 
 
 def _alone_and_together(work, repeats: int) -> tuple[float, float]:

@@ -22,6 +22,7 @@ from helpers.pipeline.schedules import Layout, chunks_of, layout_of, make_schedu
 from helpers.pipeline.stages import SplitModel, StageExecutor, make_executors
 from helpers.pipeline.transports import Mailboxes, MailboxTransport, PipelineAborted
 from helpers.precision import Precision
+from helpers.runtime.rig import device_thread
 from helpers.timeline import Event, Recorder
 
 ContextFn = Callable[[torch.Tensor, "torch.Tensor | None"], object]
@@ -101,7 +102,8 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
             errors.append((s, exc))
             boxes.fail()
 
-    threads = [threading.Thread(target=worker, args=(s,), name=f"stage{s}", daemon=True) for s in range(p)]
+    threads = [threading.Thread(target=device_thread(lambda s=s: worker(s)), name=f"stage{s}", daemon=True)
+               for s in range(p)]
     for t in threads:
         t.start()
     for t in threads:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 from helpers.units import GiB
 
@@ -140,6 +142,23 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
+
+
+def device_thread(fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn` made to run in a new thread as one virtual device: with this process's intra-op thread count (one per
+    virtual device on the CPU rig). A new thread's OpenMP starts with as many threads as cores until
+    `torch.set_num_threads` is called in it (measured on the 2-core rig: a GELU over 4 M values in a fresh thread ran
+    1.9 CPU-seconds per second, in the main thread 1.05; a 256-row matmul in a fresh thread used both cores too,
+    while the bench model's whole training step used 1.0), so two such "devices" at once could run four threads on
+    two cores. Every thread that computes as a device starts here: the threaded pipelines' stages (training and
+    inference) and the calibration's runs together."""
+    threads = torch.get_num_threads()
+
+    def run() -> T:
+        torch.set_num_threads(threads)
+        return fn()
+
+    return run
 
 
 def claim_cpu_device(rig: Rig) -> None:

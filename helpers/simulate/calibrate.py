@@ -27,6 +27,7 @@ from torch import nn
 
 from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.profile import Profile, profile_layers
+from helpers.runtime.rig import device_thread
 from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.simulate.workload import Workload
 
@@ -306,7 +307,7 @@ def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
         work[i]()
         took[i] = time.perf_counter() - t0
 
-    threads = [threading.Thread(target=timed, args=(i,)) for i in range(len(work))]
+    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i))) for i in range(len(work))]
     for t in threads:
         t.start()
     for t in threads:
