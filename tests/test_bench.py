@@ -94,6 +94,9 @@ def test_rows_carry_prediction_and_error_and_the_table_flags_misses():
 
 def test_timeline_names_are_plain():
     assert timeline_name(row("ddp", "processes", None)) == "timeline_ddp_ours_processes.png"
+    compressed = row("ddp", "processes", None)
+    compressed.wire = "bf16"  # DDP's two rows keep a timeline each
+    assert timeline_name(compressed) == "timeline_ddp_ours_processes_bf16.png"
     assert timeline_name(row("dp_x_pp", "processes (4 ranks)", 2)) == "timeline_dp_x_pp_ours_processes-4-ranks_m2.png"
 
 
@@ -220,8 +223,8 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         assert len(r["whole_model_s"]) == 2 and min(r["whole_model_s"]) > 0  # the calibration timed with the row
         # threads: the busy-core slowdown timed in the rows' own rounds; processes: the run's, in the calibration
         assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] == "threads")
-        # a multi-process row's speed-up is taken against one device timed beside its own launches
-        assert (r["reference_timed"] == "between this row's launches") == r["runner"].startswith("processes")
+        # a multi-process row's speed-up is taken launch by launch against one device timed around each launch
+        assert (r["reference_timed"] == "around this row's launches") == r["runner"].startswith("processes")
         assert r["reference_s"] > 0
     assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
@@ -229,7 +232,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert len(pngs) == len(data["rows"]) and not any("None" in p.name for p in pngs)
     assert {p.with_suffix(".json") for p in pngs} == set(tmp_path.glob("timeline_*.json"))  # Perfetto traces
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
-    assert "between the multi-process launches" in out
+    assert "around the multi-process launches" in out
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():

@@ -111,10 +111,11 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
 
 
 def timeline_name(row: BenchRow) -> str:
-    """timeline_<strategy>_<engine>_<runner>[_m<m>].png, with only letters, digits, '-' and '_'."""
+    """timeline_<strategy>_<engine>_<runner>[_m<m>][_<wire>].png, with only letters, digits, '-' and '_'."""
     import re
 
-    parts = [row.strategy, row.engine, row.runner] + ([f"m{row.microbatches}"] if row.microbatches else [])
+    parts = [row.strategy, row.engine, row.runner] + ([f"m{row.microbatches}"] if row.microbatches else []) + \
+        ([row.wire] if row.wire != "auto" else [])
     return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
 
 
