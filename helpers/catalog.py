@@ -55,6 +55,12 @@ class Strategy:
         return self.reshard_after_forward is not None
 
     @property
+    def bucketed(self) -> bool:
+        """A full replica per device whose gradients DDP all-reduces bucket by bucket (DDP, ZeRO-1): what a DDP
+        comm hook, its bucket size and its gradient compression apply to."""
+        return self.kind == "data_parallel" and not self.fully_sharded
+
+    @property
     def trained(self) -> bool:
         """Runs on several devices through `train()` (one device is the reference, not a strategy to pick)."""
         return bool(self.engines)

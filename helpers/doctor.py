@@ -279,13 +279,15 @@ def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = 
         f"; timeline {sorted(kinds)}"
 
 
-def _processes(rig: Rig, reference, **fields) -> str:
+def _processes(rig: Rig, reference, compare_as: Precision | None = None, **fields) -> str:
+    """`fields` as a TrainJob on processes against one device's `reference`, to the job's precision's tolerance
+    (or `compare_as`'s: DDP's gradients sent in bf16 round them as bf16 autocast would)."""
     from helpers.training.job import TrainJob
     from helpers.training.loop import run_training
 
     job = TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields)
     res = run_training(job, rig, oversubscribe=rig.is_cpu)
-    return _compare(reference, res.loss, res.grads, job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
+    return _compare(reference, res.loss, res.grads, compare_as or job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
 
 
 def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
@@ -407,6 +409,8 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[],
          lambda: _processes(rig, reference(bf16), schedule="1f1b", microbatches=4, autocast="bf16", **pipe)),
         ("processes: 1F1B m=4, fp16 autocast + loss scaling", "1f1b", "processes",
          lambda: _processes(rig, reference(fp16), schedule="1f1b", microbatches=4, autocast="fp16", **pipe)),
+        ("processes: ddp, gradients sent in bf16", "ddp", "processes",
+         lambda: _processes(rig, reference(), bf16, dp=2, wire="bf16", optimizer="adam")),
         ("processes: ddp, fp16 autocast + loss scaling", "ddp", "processes",
          lambda: _processes(rig, reference(fp16), dp=2, autocast="fp16", optimizer="adam")),
         ("processes: fsdp2, bf16 MixedPrecisionPolicy", "fsdp2", "processes",

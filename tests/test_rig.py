@@ -157,7 +157,7 @@ def test_every_thread_that_computes_as_a_device_has_one_intra_op_thread():
         rig = cpu_rig()
         cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8)
         model = build_stack(cfg)
-        model.insert(1, Probe())
+        model.insert(0, Probe())  # first in its stage thread: before any op could set the thread count
         run = make_pipeline_run("probe", model, bench_cut("1f1b", len(model)), rig.devices, rig.labels, "1f1b", 2)
         run.step(*SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4))
         run_together([lambda: seen.append(omp_max())] * 2)

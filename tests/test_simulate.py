@@ -308,6 +308,11 @@ def test_ddp_gradients_sent_in_bf16_cross_in_half_the_bytes_and_pay_two_casts():
     assert free.step_s == pytest.approx(LAYERS * (F + B) + allreduce_s(link, LAYERS * MiB / 2, 2), rel=1e-12)
     assert simulate(ddp_workload(), replace(job, wire="fp32"), link).step_s == pytest.approx(
         simulate(ddp_workload(), replace(job, wire="auto"), link).step_s)  # fp32 gradients: nothing cast
+    # with copies at 1 MiB per 0.1 s: each layer's 1 MiB of gradients cast in the backward (+0.1 s each) and the
+    # reduced 4 MiB bucket copied back (+0.4 s), against the all-reduce's 2 MiB fewer (-1.0 s)
+    costly = replace(ddp_workload(), copy_bandwidth=MiB / 0.1)
+    assert simulate(costly, job, link).step_s - simulate(costly, replace(job, wire="auto"), link).step_s == \
+        pytest.approx(LAYERS * 0.1 + LAYERS * 0.1 - 1.0)
     with pytest.raises(ValueError, match="wire"):
         Job("ddp", batch=2, wire="int8")
 

@@ -125,6 +125,8 @@ def test_ddp_gradients_sent_in_bf16_stay_close_to_one_device(reference):
     assert all(g.dtype == torch.float32 for g in res.grads)
     with pytest.raises(ValueError, match="reduce_dtype"):
         check_job(TrainJob(CFG, dp=2, data_parallel="fsdp2", batch=BATCH, wire="bf16"), cpu_rig())
+    with pytest.raises(ValueError, match="gradient buckets cross the link"):  # before any process starts
+        check_job(TrainJob(CFG, dp=2, batch=BATCH, wire="int8"), cpu_rig())
 
 
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> None:
                              "is predicted")
     length.add_argument("--precise", action="store_true",
                         help="every row (the default run leaves out the threaded rows past 1F1B, the naive split on "
-                             "processes and torch's GPipe) and GPipe at m=2 and m=4, timed longer: 8 interleaved rounds of "
-                             "the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats of the "
-                             "split comparison and checkpoint sweep")
+                             "processes and torch's GPipe) and GPipe at m=2 and m=4, timed longer: 8 interleaved "
+                             "rounds of the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats "
+                             "of the split comparison and checkpoint sweep")
     parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
     parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")

@@ -167,8 +167,9 @@ def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
     """One line per row whose prediction is outside the target or excluded from it, with the reason."""
     out = []
     for d in dicts:
-        label = " ".join(str(v) for v in (shown_strategy(d) if name_key == "strategy" else d.get(name_key), d.get("engine"),
-                                          d.get("runner"), d.get("microbatches")) if v is not None)
+        name = shown_strategy(d) if name_key == "strategy" else d.get(name_key)
+        parts = (name, d.get("engine"), d.get("runner"), d.get("microbatches"))
+        label = " ".join(str(v) for v in parts if v is not None)
         if d.get("excluded_from_target"):
             out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
         elif d.get("error") is not None and abs(d["error"]) > TARGET:

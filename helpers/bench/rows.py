@@ -49,7 +49,7 @@ class BenchRow:
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
     reference_s: float | None = None  # the one-device step timed around this row's launches (multi-process rows)
     wire: str = "auto"  # what DDP's gradients cross the link in (TrainJob's `wire`); auto: their own dtype
-    speedup: float | None = None  # the median of the ratios of one device's step to this row's, each pair timed together
+    speedup: float | None = None  # median of the ratios of one device's step to this row's, each pair timed together
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
@@ -109,9 +109,10 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
     count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
-    rows, 3 of the extras, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed steps of each job
-    from two launches a minute or more apart: one disturbed launch or step no longer decides a row). precise: every
-    row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 steps, 6 repeats of the extras."""
+    rows, 3 of the extras, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed
+    steps of each job from two launches a minute or more apart: one disturbed launch or step no longer decides a
+    row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 steps, 6 repeats of the
+    extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from helpers.catalog import strategy as catalog_entry
 from helpers.gpu_sizes.footprint import Footprint, ModelSpec, held, n_layers, stage_bytes, training_step
 from helpers.gpu_sizes.plans import NOTEBOOK, Part
 from helpers.gpu_sizes.suite import Replay
@@ -111,7 +112,7 @@ def data_parallel(what: str, spec: ModelSpec, batch: int, strategy: str, optimiz
     stage = stage_bytes(spec, batch // world, autocast=autocast)
     parts = []
     for r in range(world):
-        if strategy in ("ddp", "zero1"):
+        if catalog_entry(strategy).bucketed:
             fp = training_step(stage, optimizer, autocast=autocast, state_shards=world if strategy == "zero1" else 1)
             fp = fp + Footprint(grads=stage.params)  # the buckets
         else:

@@ -16,11 +16,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from helpers.runtime.rig import device_thread
-
 from helpers.inference.generate import (Generation, LayerSplit, Request, StageSpec, Stopping, resolve_stopping,
                                         stages_from_device_map, sync_devices)
 from helpers.models.hf import HFModel
+from helpers.runtime.rig import device_thread
 
 _STOP = object()  # down the pipe: no more work
 _ABORT = object()  # to stage 0: another stage failed

@@ -11,9 +11,9 @@ from typing import Callable, Literal, TypeVar
 
 import torch
 
-T = TypeVar("T")
-
 from helpers.units import GiB
+
+T = TypeVar("T")
 
 DEFAULT_CPU_BUDGET_GIB = 2.0
 FORCE_CPU_ENV = "LAB_FORCE_CPU"

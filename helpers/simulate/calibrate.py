@@ -375,22 +375,6 @@ def broadcast_message_seconds(device: torch.device, repeats: int, nbytes: int = 
     return max(0.0, (split - one) / (messages - 1))
 
 
-def small_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device,
-                         dtype: torch.dtype = torch.float32) -> Link:
-    """Rank worker: the all-reduce tensor parallelism pays per layer, fitted as seconds = latency + bytes / bandwidth
-    over messages of a hidden state's size (`sizes` in bytes: rows x hidden x bytes per value, a few KiB to a few
-    MiB), not over the large messages of `link_benchmark`, whose sweep decides the intercept by their noise."""
-    import torch.distributed as dist
-
-    from helpers.pipeline.comm import timed_across_ranks
-
-    seconds = []
-    for n in sizes:
-        buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
-        seconds.append(timed_across_ranks(lambda: dist.all_reduce(buf), repeats, device))
-    return fit_small_messages(sizes, seconds, "all-reduce, hidden-state sizes")
-
-
 def fit_small_messages(sizes: Sequence[float], seconds: Sequence[float], name: str) -> Link:
     """`fit_link` for small messages, whose bytes can be lost in the latency's noise (the times need not grow with
     the size, or grow so steeply that the line's intercept falls to zero, which no backend's message costs): then the

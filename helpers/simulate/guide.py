@@ -29,7 +29,6 @@ from helpers.simulate.workload import LayerCost, Workload
 
 GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
-BUCKETED = ("ddp", "zero1")  # the strategies that all-reduce gradients in DDP's buckets
 AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 
 
@@ -198,7 +197,7 @@ def exposed_exchange(job: Job) -> Job:
     overlap. What the published two-GPU runs show (Lambda's logs: helpers.simulate.published), where PyTorch's DDP
     and FSDP2 are designed to overlap (notebook 07 measures DDP's overlap here); a pipeline is left as it is (its
     transfers are small and on its schedule's critical path already)."""
-    if job.strategy in BUCKETED:
+    if job.entry.bucketed:
         return replace(job, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
     return replace(job, host_waits=True) if job.strategy == "fsdp2" else job
 

@@ -559,7 +559,7 @@ class _Builder:
             self.run_single()
         elif self.job.entry.kind == "pipeline":
             self.run_pipeline(self.job.entry.schedule)
-        elif strategy in ("ddp", "zero1"):
+        elif self.job.entry.bucketed:
             self.run_ddp(zero1=strategy == "zero1")
         elif self.job.entry.fully_sharded:
             self.run_fsdp2()

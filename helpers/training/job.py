@@ -184,7 +184,13 @@ def _check_pipeline(job: TrainJob) -> None:
 def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
     if job.data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data-parallel strategy {job.data_parallel!r}; choose one of {DATA_PARALLEL}")
-    resolve_dtype(job.wire)
+    try:
+        resolve_dtype(job.wire)
+    except ValueError:
+        if job.pp > 1:  # DP x PP: the wire is the pipeline's boundaries', said by its own check
+            raise
+        raise ValueError(f"wire={job.wire!r}: DDP's gradient buckets cross the link as 'auto' (the gradients' own "
+                         "dtype), fp32, fp16 or bf16") from None
     if job.wire != "auto" and job.fully_sharded:
         raise ValueError(f"wire={job.wire!r} compresses DDP's gradient buckets (ddp, zero1); {job.data_parallel} "
                          "reduces its gradients in MixedPrecisionPolicy's reduce_dtype")
@@ -194,7 +200,7 @@ def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
     layers = job.layered.meta_layers()
     if job.fully_sharded and not any(any(True for _ in l.parameters()) for l in layers):
         raise ValueError("FSDP2 shards layer by layer, but the model has no layers with parameters")
-    if job.data_parallel in ("ddp", "zero1") and capacity_bytes is not None and job.pp == 1:
+    if catalog_entry(job.data_parallel).bucketed and capacity_bytes is not None and job.pp == 1:
         n = sum(p.numel() for l in layers for p in l.parameters())
         need = training_state_bytes(n, "fp32 + Adam") if job.data_parallel == "ddp" else \
             zero_formula("zero1", n, job.dp)

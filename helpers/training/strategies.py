@@ -52,7 +52,7 @@ def allreduce_hook(rec: Recorder, group, wire: Wire = Wire()):
         def done(f):
             rec.finish(mark, "allreduce", bucket.index())
             reduced = f.value()[0]
-            return reduced if reduced is buffer else buffer.copy_(reduced)
+            return reduced if sent is buffer else buffer.copy_(reduced)  # no cast sent: reduced in place
 
         return fut.then(done)
 
