@@ -116,6 +116,27 @@ def test_pipelined_prefill_pays_the_busy_rate_only_while_both_stages_work():
     assert both.seconds == pytest.approx(alone.seconds + busy)  # ...but only the overlap
 
 
+def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_them():
+    """Each all-reduce waits `allreduce_drift` x the work since the last one: over a step, drift x the decoder
+    layers' work, on top of latency + bytes / bandwidth; the row-parallel linears' DTensor work comes with their
+    all-reduce (as the CPU rig measures it), so only the five column-parallel linears pay `sharded_linear_s`."""
+    from dataclasses import replace
+
+    from helpers.inference.speed import COLUMN_LINEARS_PER_LAYER, tensor_parallel, unit_seconds
+
+    shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
+    cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6)
+    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4)
+    phase = Phase("decode", 1, 1, 128)
+    still = tensor_parallel(shape, phase, rig, ops)
+    drifting = tensor_parallel(shape, phase, replace(rig, allreduce_drift=0.25), ops)
+    layer = shape.decoder_layers[0]
+    work = len(shape.decoder_layers) * unit_seconds(layer, shape, phase, cpu, rig, ops.per_layer + 2, 0.5, busy=True,
+                                                    extra_host_s=1e-4 * COLUMN_LINEARS_PER_LAYER)
+    assert drifting.parts["link"] - still.parts["link"] == pytest.approx(0.25 * work)
+    assert drifting.parts["device 0"] == still.parts["device 0"]
+
+
 def test_crossovers_state_where_and_why():
     rows = crossovers("llama-2-70b", "nf4", "2x3090 PCIe", batches=(1, 4), contexts=(512, 4096))
     assert {(c.phase, c.axis) for c in rows} == {(p, a) for p in ("prefill", "decode") for a in ("batch", "context")}

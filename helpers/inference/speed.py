@@ -44,6 +44,7 @@ SPLITS = ENGINES[1:]  # the engines that use both devices
 PHASES = ("prefill", "decode")
 SHARDED_LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 COLLECTIVES_PER_LAYER = 2  # the row-parallel o and down projections' all-reduces
+COLUMN_LINEARS_PER_LAYER = SHARDED_LINEARS_PER_LAYER - COLLECTIVES_PER_LAYER  # q, k, v, gate, up: no collective
 RING_STEPS = 2  # a 2-rank ring all-reduce: one reduce-scatter step, one all-gather step
 
 
@@ -100,7 +101,11 @@ class SpeedRig:
     `hop`: one point-to-point message (seconds = latency + bytes / bandwidth); `allreduce`: one all-reduce of the
     whole tensor over both devices, as a Link whose latency is the small-message cost; `host_overlaps`: True on GPUs
     (the host launches ahead of the kernels), False on the CPU rig (the thread that dispatches also computes);
-    `sharded_linear_s`: host time DTensor adds to each sharded linear (measured on the CPU rig; 0 where unknown)."""
+    `sharded_linear_s`: host time DTensor adds to each column-parallel linear (measured on the CPU rig; 0 where
+    unknown). The row-parallel ones' host work comes with their all-reduce: the CPU rig's `allreduce` is measured
+    through a row-parallel linear, as the engine issues it. `allreduce_drift`: seconds each all-reduce waits per
+    second of work since the last one (the ranks drift apart while they work and the earlier waits for the later;
+    measured on the CPU rig, where a rank's time slices vary; 0 on GPUs, where kernels keep time)."""
 
     name: str
     devices: tuple[Device, Device]
@@ -108,6 +113,7 @@ class SpeedRig:
     allreduce: Link
     host_overlaps: bool = True
     sharded_linear_s: float = 0.0
+    allreduce_drift: float = 0.0
     note: str = ""
     sources: dict = field(default_factory=dict, compare=False)
 
@@ -162,7 +168,7 @@ def speed_rig(name: str | SpeedRig) -> SpeedRig:
                speed_data()["allreduce_small"]["nccl_floor_source"],
                **{g: hardware["gpus"][g]["source"] for g in entry["gpus"]}}
     a, b = (_gpu_device(g) for g in entry["gpus"])
-    return SpeedRig(name, (a, b), link, rig_allreduce(entry["link"]), True, 0.0, entry["note"], sources)
+    return SpeedRig(name, (a, b), link, rig_allreduce(entry["link"]), note=entry["note"], sources=sources)
 
 
 def _known_gpu(reported: str) -> str:
@@ -200,9 +206,8 @@ def speed_rig_from_doctor(report: dict | str) -> SpeedRig:
     hop = link(lambda path: path.startswith("processes: point-to-point"))
     allreduce = link(lambda path: "all-reduce" in path and path.endswith("hidden-state sizes"))
     a, b = (_gpu_device(_known_gpu(name)) for name in gpus[:2])
-    return SpeedRig("your rig (doctor)", (a, b), hop, allreduce, True, 0.0,
-                    f"{gpus[0]} + {gpus[1]}, links measured by the doctor",
-                    {"links": "python -m helpers.doctor", "gpus": "data/hardware.json"})
+    return SpeedRig("your rig (doctor)", (a, b), hop, allreduce, note=f"{gpus[0]} + {gpus[1]}, links measured by the "
+                    "doctor", sources={"links": "python -m helpers.doctor", "gpus": "data/hardware.json"})
 
 
 # --- what the host launches ---------------------------------------------------------------------------------------
@@ -415,17 +420,22 @@ def pipelined(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts, req
 
 def tensor_parallel(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts) -> EngineSpeed:
     """Each device runs half of every decoder layer (and of an untied head) at once; the step waits for the slower
-    device, then for the collectives: two all-reduces of the hidden state per layer, an all-gather of the logits."""
+    device, then for the collectives: two all-reduces of the hidden state per layer (each also waiting for the ranks'
+    drift over the work since the last, `SpeedRig.allreduce_drift`), an all-gather of the logits."""
     halves = [0.0, 0.0]
+    decoders = [0.0, 0.0]
     for d, device in enumerate(rig.devices):
         for layer, n in _distinct(shape.layers):
             sharded = layer.kind == "decoder" or (layer.kind == "head" and not shape.tied)
-            extra = rig.sharded_linear_s * SHARDED_LINEARS_PER_LAYER if layer.kind == "decoder" else 0.0
+            extra = rig.sharded_linear_s * COLUMN_LINEARS_PER_LAYER if layer.kind == "decoder" else 0.0
             launched = _unit_ops(layer, ops) + (COLLECTIVES_PER_LAYER if layer.kind == "decoder" else 0)
-            halves[d] += n * unit_seconds(layer, shape, phase, device, rig, launched, 0.5 if sharded else 1.0,
-                                          busy=True, extra_host_s=extra)
+            seconds = n * unit_seconds(layer, shape, phase, device, rig, launched, 0.5 if sharded else 1.0, busy=True,
+                                       extra_host_s=extra)
+            halves[d] += seconds
+            decoders[d] += seconds if layer.kind == "decoder" else 0.0
     hidden_bytes = phase.rows * shape.hidden * shape.format.activation_bytes
-    link = len(shape.decoder_layers) * COLLECTIVES_PER_LAYER * rig.allreduce.seconds(hidden_bytes)
+    collectives = len(shape.decoder_layers) * COLLECTIVES_PER_LAYER
+    link = collectives * rig.allreduce.seconds(hidden_bytes) + rig.allreduce_drift * max(decoders)
     if not shape.tied:  # ColwiseParallel head with replicated output: gather the other half of the vocabulary
         link += rig.allreduce.seconds(phase.batch * shape.vocab * shape.format.activation_bytes / 2)
     t = max(halves) + link

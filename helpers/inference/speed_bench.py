@@ -4,7 +4,8 @@ engines timed on the same model, batches and contexts.
 - `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
   with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
   other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
-  set, out of the cache; both devices as threads with one intra-op thread each), the host time per dispatched op (a
+  set, out of the cache; both devices as threads with one intra-op thread each; one row: the streaming sweep's own
+  rate, not a second reading of it), the host time per dispatched op (a
   tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the all-reduce at
   hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and DTensor's
   host time per sharded linear.
@@ -23,7 +24,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from helpers.simulate.hardware import FREE_LINK, Link
 
 ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
+LOCKSTEP_PAIRS = 25  # steps with and without all-reduces per calibrated point (7 moved the latency 1.6-2.4 ms)
 
 
 def _median(fn, repeats: int, warmup: int = 1) -> float:
@@ -49,10 +51,19 @@ def _median(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
-    """MLP-shaped matrices adding up to the model's decoder weights: the working set a decode step streams."""
+    """MLP-shaped matrices adding up to the model's decoder weights: the working set a decode step streams. (The
+    layer's own seven shapes measured 10-20% faster at 4 and 16 rows, and predicted the engines' decode 10-20% too
+    fast there: the elementwise work between the matmuls, which the model counts only as dispatch, is what the
+    slower MLP-shaped rate stands for.)"""
     one = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
     total = sum(layer.weight_bytes for layer in shape.decoder_layers)
     return [one] + [torch.randn_like(one) for _ in range(max(0, total // (one.numel() * one.element_size()) - 1))]
+
+
+def _sweep(mats: Sequence[torch.Tensor], rows: int, dtype: torch.dtype):
+    """A function multiplying `rows` rows through every matrix of `mats`, as a forward does (inputs made once)."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in mats}
+    return lambda: [F.linear(inputs[w.shape[1]], w) for w in mats]
 
 
 def _together(work) -> float:
@@ -80,14 +91,8 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
     """(bytes/s alone, slowdown while the other virtual device streams too): one row through every matrix of the
     working set, as decoding one token reads every weight once."""
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
-    x = torch.randn(1, shape.hidden, dtype=dtype)
     nbytes = sum(w.numel() * w.element_size() for w in mats[0])
-
-    def sweep(ws) -> None:
-        for w in ws:
-            F.linear(x, w)
-
-    alone, together = _alone_and_together([lambda: sweep(mats[0]), lambda: sweep(mats[1])], repeats)
+    alone, together = _alone_and_together([_sweep(m, 1, dtype) for m in mats], repeats)
     return nbytes / alone, max(1.0, together / alone)
 
 
@@ -97,17 +102,26 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
     cache. One matrix timed alone stays in the cache, and at a few rows it multiplies faster than the same rows swept
     through the working set: a CPU overlaps streaming and multiplying only in part, so the roofline's max(bytes /
     bandwidth, FLOPs / rate) holds only with a rate measured while streaming. Both devices at once share the memory:
-    slower by how much each row count streams, so the slowdown is measured per row count too."""
+    slower by how much each row count streams, so the slowdown is measured per row count too. Every row count is
+    timed once per round, `repeats` rounds (medians): a slow moment of the machine spreads over all of them instead
+    of bending one point of the curve (a 16-row point read 30 GFLOP/s in one run, 41 in three others)."""
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     per_row = 2.0 * sum(w.numel() for w in mats[0])
-    alone, together = [], []
-    for r in sorted(set(rows)):
-        x = torch.randn(r, shape.hidden, dtype=dtype)
-        sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in mats]
-        one, both = _alone_and_together(sweeps, repeats)
-        alone.append((r, per_row * r / one))
-        together.append((r, per_row * r / both))
-    return tuple(alone), tuple(together)
+    counts = sorted(set(rows))
+    sweeps = {r: [_sweep(m, r, dtype) for m in mats] for r in counts}
+    for r in counts:  # warm-up: each row count's first multiply allocates its outputs
+        sweeps[r][0]()
+        _together(sweeps[r])
+    alone: dict[int, list[float]] = {r: [] for r in counts}
+    together: dict[int, list[float]] = {r: [] for r in counts}
+    for _ in range(repeats):
+        for r in counts:
+            t0 = time.perf_counter()
+            sweeps[r][0]()
+            alone[r].append(time.perf_counter() - t0)
+            together[r].append(_together(sweeps[r]))
+    return (tuple((r, per_row * r / statistics.median(alone[r])) for r in counts),
+            tuple((r, per_row * r / statistics.median(together[r])) for r in counts))
 
 
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
@@ -123,39 +137,77 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
 
 
-def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, device: torch.device, dtype: torch.dtype,
-                            work: Sequence) -> Link:
-    """Rank worker: the all-reduce as tensor parallelism meets it inside a decode step: after each of `work` (what
-    a rank computes between two all-reduces: its half of half a layer, weights from memory) one all-reduce, the
-    whole step timed, less the same work without them, per all-reduce (median of at least 7 such pairs: the
-    wake-ups vary), at the smallest and the largest size of `sizes` (ascending). Latency: the smallest message's
-    time; bandwidth: what the largest adds over it. Measured on the CPU rig, one all-reduce of 4 KiB just after a
-    barrier took 0.5 to 3.6 ms from one run to the next; between 0.1 ms of work 0.7 ms; between about 1 ms of work,
-    as in a decode step, 1.4-3 ms, as inside `generate` (1.7-2.4 ms): a rank that waits sleeps (5% of a core busy in
-    a loop of all-reduces), and the longer the work, the more the two ranks drift apart and the longer one waits."""
-    import torch.distributed as dist
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A collective's result, arrived: DTensor hands back an AsyncCollectiveTensor whose sum is still on its way."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    def step(with_allreduce: bool, buf: torch.Tensor) -> float:
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class LockstepAllreduce(NamedTuple):
+    """The all-reduce tensor parallelism pays, as the calibration measures it: `link` (seconds = latency + bytes /
+    bandwidth, with no work between two all-reduces) and `drift`: seconds of waiting per second of work between two
+    all-reduces (the two ranks drift apart while they work, and each all-reduce waits for the later one)."""
+
+    link: Link
+    drift: float
+
+
+def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, mesh, device: torch.device, dtype: torch.dtype,
+                            work: Sequence, hidden: int, stretch: int = 4) -> LockstepAllreduce:
+    """Rank worker: the all-reduce as tensor parallelism issues it inside a decode step. After each of `work` (what a
+    rank computes between two all-reduces: its half of half a layer, weights from memory) one row-parallel linear
+    (`RowwiseParallel`, as the engine's o and down projections: the local matmul, then DTensor turns the partial
+    sums into whole ones with an all-reduce through functional collectives), the whole step timed, less the same
+    step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs: the
+    wake-ups vary). At the smallest size of `sizes` (ascending) twice: after each piece of work, and after every `stretch`
+    pieces (four times the work between two all-reduces); at the largest size after each piece. Drift: what the
+    longer stretch adds per second of work; latency: the smallest message's time less its drift; bandwidth: what the
+    largest message adds over the smallest.
+
+    Measured on the CPU rig: one all-reduce of 4 KiB just after a barrier took 0.5 to 3.6 ms from one run to the
+    next; between about 1 ms of work `dist.all_reduce` took 1.3-1.6 ms and the same sum through RowwiseParallel
+    1.7-2.5 ms (DTensor's redistribution costs the host as much as the wait); after 0.8, 1.6 and 3.4 ms of work
+    1.8, 2.0 and 2.4 ms; inside the engine's own decode (2.4 ms of work between two) 2.3 ms. A rank that waits
+    sleeps (5% of a core busy in a loop of all-reduces), and the longer the work, the further the ranks drift."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    row = parallelize_module(nn.Linear(8 * mesh.size(), hidden, bias=False, dtype=dtype, device=device), mesh,
+                             RowwiseParallel())
+    local = row.weight.to_local()
+
+    def step(issue, every: int) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        for fn in work:
+        for i, fn in enumerate(list(work) * every):
             fn()
-            if with_allreduce:
-                dist.all_reduce(buf)
+            if i % every == every - 1:
+                issue()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
-    seconds = []
-    for n in (sizes[0], sizes[-1]):
-        buf = torch.zeros(max(1, n // dtype.itemsize), dtype=dtype, device=device)
-        step(True, buf)
-        per_call = [(step(True, buf) - step(False, buf)) / len(work) for _ in range(max(repeats, 7))]
-        seconds.append(max(statistics.median(per_call), 1e-6))
-    latency = seconds[0]
-    extra = seconds[-1] - seconds[0]
+    def per_allreduce(nbytes: int, every: int) -> tuple[float, float]:
+        """(seconds of work between two all-reduces, seconds one all-reduce adds), medians."""
+        x = torch.zeros(max(1, nbytes // (hidden * dtype.itemsize)), 1, local.shape[1], dtype=dtype, device=device)
+        summed, plain = (lambda: _waited(row(x))), (lambda: F.linear(x, local))
+        step(summed, every)
+        step(plain, every)
+        pairs = [(step(plain, every), step(summed, every)) for _ in range(LOCKSTEP_PAIRS)]
+        return (statistics.median(p for p, _ in pairs) / len(work),
+                max(statistics.median((s - p) / len(work) for p, s in pairs), 1e-6))
+
+    short, small = per_allreduce(sizes[0], 1)
+    long, small_after_long = per_allreduce(sizes[0], stretch)
+    drift = max(0.0, (small_after_long - small) / (long - short)) if long > short else 0.0
+    _, large = per_allreduce(sizes[-1], 1)
+    extra = large - small
     bandwidth = (sizes[-1] - sizes[0]) / extra if extra > 0 and sizes[-1] > sizes[0] else float("inf")
-    return Link(latency, bandwidth, "all-reduce inside a decode step, hidden-state sizes")
+    return LockstepAllreduce(Link(max(small - drift * short, 1e-6), bandwidth,
+                                  "all-reduce of a row-parallel linear inside a decode step, hidden-state sizes"),
+                             drift)
 
 
 def decode_step_work(shape: ModelShape, dtype: torch.dtype, device: torch.device, ranks: int) -> list:
@@ -192,11 +244,12 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
     local = linear.weight.to_local()
     with torch.no_grad():
         work = decode_step_work(shape, dtype, device, dist.get_world_size())
-        link = lockstep_allreduce_link(sorted(sizes), repeats, device, dtype, work)
+        allreduce = lockstep_allreduce_link(sorted(sizes), repeats, mesh, device, dtype, work, shape.hidden)
         wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
         plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
     dist.barrier()
-    return {"latency_s": link.latency_s, "bandwidth": link.bandwidth, "sharded_linear_s": max(wrapped - plain, 0.0)}
+    return {"latency_s": allreduce.link.latency_s, "bandwidth": allreduce.link.bandwidth, "drift": allreduce.drift,
+            "sharded_linear_s": max(wrapped - plain, 0.0)}
 
 
 def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5) -> SpeedRig:
@@ -211,7 +264,9 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     dtype = model.weights_dtype
     shape = model_shape(model.path, weight_format_name(dtype))
     bandwidth, slowdown = stream_rates(shape, dtype, repeats)
-    alone, together = matmul_rates(shape, dtype, rows, repeats)
+    alone, together = matmul_rates(shape, dtype, [r for r in rows if r > 1], repeats)
+    streaming = 2 * bandwidth / dtype.itemsize  # one row through the working set: the streaming sweep, read once
+    alone, together = ((1, streaming),) + alone, ((1, streaming / slowdown),) + together
     device = Device("CPU virtual device", bandwidth, alone, host_seconds_per_op(shape.config.model_type), slowdown,
                     together)
     sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
@@ -221,11 +276,12 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
 
     tp = run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
     return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
-                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce in lock step, hidden-state sizes"),
-                    host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"],
+                    Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce of a row-parallel linear in lock step"),
+                    host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"], allreduce_drift=tp["drift"],
                     note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
                          f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
-                         f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s, DTensor "
+                         f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s + {tp['drift']:.2f} x the "
+                         f"work between two, DTensor "
                          f"{tp['sharded_linear_s'] * 1e6:.0f} us per sharded linear")
 
 
