@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -164,3 +166,47 @@ def test_every_thread_that_computes_as_a_device_has_one_intra_op_thread():
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
+
+
+needs_two_pinnable_cores = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs Linux and two usable cores")
+
+
+@needs_two_pinnable_cores
+def test_each_rank_and_its_threads_run_on_cores_of_its_own(monkeypatch):
+    """A CPU rank is a device of its own: every thread of rank r (gloo's included) on device r's cores, none shared
+    with the other rank; LAB_PIN_CORES=0 leaves them to the scheduler (every usable core)."""
+    from helpers.runtime.launch import run
+    from tests import workers
+
+    rig = cpu_rig()
+    ranks = run(workers.cores_of_every_thread, rig=rig)
+    mine = [{c for thread in threads for c in thread} for threads in ranks]
+    assert all(len(threads) > 1 for threads in ranks)  # the communication threads are there to be pinned
+    assert all(len(cores) == rig.threads_per_device for cores in mine) and not mine[0] & mine[1]
+    monkeypatch.setenv("LAB_PIN_CORES", "0")
+    usable = sorted(os.sched_getaffinity(0))
+    assert all(thread == usable for threads in run(workers.cores_of_every_thread, rig=rig) for thread in threads)
+
+
+@needs_two_pinnable_cores
+def test_a_device_thread_with_an_index_runs_on_its_devices_cores():
+    import threading
+
+    from helpers.runtime.rig import device_thread
+
+    before, seen = torch.get_num_threads(), {}
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=device_thread(lambda i=i: seen.update({i: os.sched_getaffinity(0)}), i, 2))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    usable = sorted(os.sched_getaffinity(0))
+    assert seen == {0: {usable[0]}, 1: {usable[1]}}
+    assert os.sched_getaffinity(0) == set(usable)  # the caller's own thread is left as it was

@@ -104,6 +104,11 @@ def rank_defaults() -> dict:
     return {"default_device": str(torch.empty(1).device), "backend": str(dist.get_backend())}
 
 
+def cores_of_every_thread() -> list[list[int]]:
+    """The cores each thread of this rank may run on (its communication threads included)."""
+    return [sorted(os.sched_getaffinity(int(tid))) for tid in sorted(os.listdir("/proc/self/task"))]
+
+
 def tensor_parallel_shards(path: str) -> dict:
     """What a tensor-parallel rank holds after `load_sharded`: each parameter's local shape, its bytes in all, and
     its half of the first query projection."""

@@ -102,8 +102,8 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
             errors.append((s, exc))
             boxes.fail()
 
-    threads = [threading.Thread(target=device_thread(lambda s=s: worker(s)), name=f"stage{s}", daemon=True)
-               for s in range(p)]
+    threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), s, p), name=f"stage{s}",
+                                daemon=True) for s in range(p)]
     for t in threads:
         t.start()
     for t in threads:

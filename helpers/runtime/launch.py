@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from helpers.runtime import live
-from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig
+from helpers.runtime.rig import CPU_BUDGET_ENV, FORCE_CPU_ENV, Rig, claim_cpu_device, detect_rig, pin_to_device_cores
 from helpers.runtime.strict import enter_device_strict_mode, strict_backend, strict_requested
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -131,6 +131,8 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     backend = rig.backend
     if rig.is_cpu:
         claim_cpu_device(rig)
+        pin_to_device_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                            rig.threads_per_device)
         if strict_requested():  # CI: fail here as NCCL would fail on GPUs (helpers.runtime.strict)
             enter_device_strict_mode()
             backend = strict_backend(device, backend)

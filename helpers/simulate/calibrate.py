@@ -307,7 +307,7 @@ def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
         work[i]()
         took[i] = time.perf_counter() - t0
 
-    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i))) for i in range(len(work))]
+    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i), i, len(work))) for i in range(len(work))]
     for t in threads:
         t.start()
     for t in threads:
