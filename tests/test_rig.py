@@ -174,20 +174,20 @@ needs_two_pinnable_cores = pytest.mark.skipif(
 
 
 @needs_two_pinnable_cores
-def test_each_rank_and_its_threads_run_on_cores_of_its_own(monkeypatch):
-    """A CPU rank is a device of its own: every thread of rank r (gloo's included) on device r's cores, none shared
-    with the other rank; LAB_PIN_CORES=0 leaves them to the scheduler (every usable core)."""
+def test_each_rank_computes_on_cores_of_its_own(monkeypatch):
+    """A CPU rank is a device of its own: its main thread (where it computes) on device r's cores, none shared with
+    the other rank; the threads the process group started (gloo's) stay free to run wherever a core is idle, as a
+    GPU's communication does not take its compute; LAB_PIN_CORES=0 leaves the ranks to the scheduler."""
     from helpers.runtime.launch import run
     from tests import workers
 
-    rig = cpu_rig()
-    ranks = run(workers.cores_of_every_thread, rig=rig)
-    mine = [{c for thread in threads for c in thread} for threads in ranks]
-    assert all(len(threads) > 1 for threads in ranks)  # the communication threads are there to be pinned
-    assert all(len(cores) == rig.threads_per_device for cores in mine) and not mine[0] & mine[1]
+    rig, usable = cpu_rig(), sorted(os.sched_getaffinity(0))
+    ranks = run(workers.cores_of_threads, rig=rig)
+    assert all(len(r["main"]) == rig.threads_per_device for r in ranks)
+    assert not set(ranks[0]["main"]) & set(ranks[1]["main"])
+    assert all(r["others"] and all(cores == usable for cores in r["others"]) for r in ranks)
     monkeypatch.setenv("LAB_PIN_CORES", "0")
-    usable = sorted(os.sched_getaffinity(0))
-    assert all(thread == usable for threads in run(workers.cores_of_every_thread, rig=rig) for thread in threads)
+    assert all(r["main"] == usable for r in run(workers.cores_of_threads, rig=rig))
 
 
 @needs_two_pinnable_cores

@@ -104,9 +104,11 @@ def rank_defaults() -> dict:
     return {"default_device": str(torch.empty(1).device), "backend": str(dist.get_backend())}
 
 
-def cores_of_every_thread() -> list[list[int]]:
-    """The cores each thread of this rank may run on (its communication threads included)."""
-    return [sorted(os.sched_getaffinity(int(tid))) for tid in sorted(os.listdir("/proc/self/task"))]
+def cores_of_threads() -> dict:
+    """The cores this rank's main thread may run on, and those of each of its other threads (gloo's among them)."""
+    me = os.getpid()
+    return {"main": sorted(os.sched_getaffinity(0)),
+            "others": [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task") if int(t) != me]}
 
 
 def tensor_parallel_shards(path: str) -> dict:

@@ -131,8 +131,6 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     backend = rig.backend
     if rig.is_cpu:
         claim_cpu_device(rig)
-        pin_to_device_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                            rig.threads_per_device)
         if strict_requested():  # CI: fail here as NCCL would fail on GPUs (helpers.runtime.strict)
             enter_device_strict_mode()
             backend = strict_backend(device, backend)
@@ -141,6 +139,9 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     if not dist.is_initialized():
         eager = {"device_id": device} if rig.backend == "nccl" else {}
         join_group(backend, timedelta(seconds=timeout_s), **eager)
+    if rig.is_cpu:  # after joining: the group's communication threads, started meanwhile, stay free to move
+        pin_to_device_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                            rig.threads_per_device)
     return rig
 
 

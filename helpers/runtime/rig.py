@@ -159,33 +159,29 @@ def device_thread(fn: Callable[[], T], index: int | None = None, world: int = 2)
     def run() -> T:
         torch.set_num_threads(threads)
         if index is not None:
-            pin_to_device_cores(index, world, threads, whole_process=False)
+            pin_to_device_cores(index, world, threads)
         return fn()
 
     return run
 
 
-def pin_to_device_cores(index: int, world: int, threads_per_device: int, whole_process: bool = True) -> bool:
-    """Pin this process (every thread it has, and so every thread it starts later; with `whole_process=False` the
-    calling thread alone) to the cores of virtual device `index` of `world`: `threads_per_device` cores of its own,
-    as a GPU is a device of its own. Only where the devices fit the usable cores (more ranks than cores share them as
-    the scheduler pleases; a GPU rig's host threads use every core, so they are never pinned) and the system can pin
+def pin_to_device_cores(index: int, world: int, threads_per_device: int) -> bool:
+    """Pin the calling thread to the cores of virtual device `index` of `world`: `threads_per_device` cores of its own,
+    as a GPU is a device of its own; threads it starts later inherit them. Only where the devices fit the usable cores (more ranks than cores share them as the
+    scheduler pleases; a GPU rig's host threads use every core, so they are never pinned) and the system can pin
     (Linux); LAB_PIN_CORES=0 leaves every device to the scheduler. Returns whether it pinned.
 
-    Why: unpinned, two ranks and their communication threads on two cores migrate, and a rank that wakes from an
-    all-reduce waits for whichever core the scheduler frees: on the CPU rig the all-reduce tensor parallelism meets
-    between two stretches of decode work (lock step, RowwiseParallel) read 1.7-2.8 ms over nine calibrations
-    unpinned, 1.5-1.9 ms pinned; inside the engine's decode 2.0-2.6 ms unpinned, 1.4-2.0 ms pinned."""
+    A rank pins its main thread once it has joined the group (`helpers.runtime.launch.init_rank`): gloo's threads,
+    started meanwhile, stay free to run on whichever core is idle, as a GPU's communication does not take its
+    compute. Measured on the 2-core rig (default bench runs, quiet machine): with every thread of a rank pinned,
+    ZeRO-1 fell from 1.56x one device to 1.38-1.40x (its all-reduce thread queued behind the backward on one core);
+    unpinned, a rank migrates and wakes late from its all-reduces: inside tensor-parallel decode 2.0-2.8 ms per
+    all-reduce unpinned against 1.5-2.1 ms with the main threads pinned, and two unpinned runs' threaded splits and
+    checkpointing ratios differed by up to 19% (4% pinned)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     if os.environ.get(PIN_CORES_ENV, "1").strip() == "0" or world * threads_per_device > len(cores):
         return False
-    mine = set(cores[index * threads_per_device:(index + 1) * threads_per_device])
-    tasks = os.listdir("/proc/self/task") if whole_process and os.path.isdir("/proc/self/task") else ["0"]
-    for tid in tasks:
-        try:
-            os.sched_setaffinity(int(tid), mine)
-        except OSError:  # a thread that ended meanwhile
-            pass
+    os.sched_setaffinity(0, set(cores[index * threads_per_device:(index + 1) * threads_per_device]))
     return True
 
 
