@@ -117,9 +117,10 @@ def test_pipelined_prefill_pays_the_busy_rate_only_while_both_stages_work():
 
 
 def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_them():
-    """Each all-reduce waits `allreduce_drift` x the work since the last one: over a step, drift x the decoder
-    layers' work, on top of latency + bytes / bandwidth; the row-parallel linears' DTensor work comes with their
-    all-reduce (as the CPU rig measures it), so only the five column-parallel linears pay `sharded_linear_s`."""
+    """Each all-reduce waits, beyond its latency, what the calibration measured after as much work since the last
+    one (interpolated between its points, never extrapolated past the last); the row-parallel linears' DTensor work
+    comes with their all-reduce (as the CPU rig measures it), so only the five column-parallel linears pay
+    `sharded_linear_s`."""
     from dataclasses import replace
 
     from helpers.inference.speed import COLUMN_LINEARS_PER_LAYER, tensor_parallel, unit_seconds
@@ -127,13 +128,15 @@ def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_th
     shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
     cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6)
     rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4)
+    waiting = replace(rig, allreduce_waits=((1e-3, 0.0), (4e-3, 6e-4), (16e-3, 8e-4)))
+    assert [waiting.allreduce_wait(w) for w in (0.0, 2.5e-3, 10e-3, 1.0)] == pytest.approx([0, 3e-4, 7e-4, 8e-4])
     phase = Phase("decode", 1, 1, 128)
-    still = tensor_parallel(shape, phase, rig, ops)
-    drifting = tensor_parallel(shape, phase, replace(rig, allreduce_drift=0.25), ops)
+    still, drifting = (tensor_parallel(shape, phase, r, ops) for r in (rig, waiting))
     layer = shape.decoder_layers[0]
-    work = len(shape.decoder_layers) * unit_seconds(layer, shape, phase, cpu, rig, ops.per_layer + 2, 0.5, busy=True,
-                                                    extra_host_s=1e-4 * COLUMN_LINEARS_PER_LAYER)
-    assert drifting.parts["link"] - still.parts["link"] == pytest.approx(0.25 * work)
+    work = unit_seconds(layer, shape, phase, cpu, rig, ops.per_layer + 2, 0.5, busy=True,
+                        extra_host_s=1e-4 * COLUMN_LINEARS_PER_LAYER) / 2  # between two all-reduces
+    collectives = 2 * len(shape.decoder_layers)
+    assert drifting.parts["link"] - still.parts["link"] == pytest.approx(collectives * waiting.allreduce_wait(work))
     assert drifting.parts["device 0"] == still.parts["device 0"]
 
 
@@ -248,7 +251,8 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     config.save_pretrained(tmp_path)
     small = model_shape(str(tmp_path), "fp32")
     cpu = Device("cpu", 1e10, ((1, 1e9), (16, 4e9)), 1e-6, 1.2, ((1, 8e8), (16, 3e9)))
-    rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4)
+    rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4,
+                   allreduce_waits=((1e-3, 0.0), (4e-3, 2e-4)))
     saved = json.loads(json.dumps(rig_as_dict(rig)))
     assert rig_from_dict(saved) == rig
     measured = [{"engine": e, "phase": p, "batch": 4, "prompt": 16, "new_tokens": 4, "tok/s": 50.0, "measured": True}

@@ -103,9 +103,10 @@ class SpeedRig:
     (the host launches ahead of the kernels), False on the CPU rig (the thread that dispatches also computes);
     `sharded_linear_s`: host time DTensor adds to each column-parallel linear (measured on the CPU rig; 0 where
     unknown). The row-parallel ones' host work comes with their all-reduce: the CPU rig's `allreduce` is measured
-    through a row-parallel linear, as the engine issues it. `allreduce_drift`: seconds each all-reduce waits per
-    second of work since the last one (the ranks drift apart while they work and the earlier waits for the later;
-    measured on the CPU rig, where a rank's time slices vary; 0 on GPUs, where kernels keep time)."""
+    through a row-parallel linear, as the engine issues it. `allreduce_waits`: (seconds of work since the last
+    all-reduce, seconds the next one waits beyond `allreduce`) points: the ranks drift apart while they work and
+    the earlier waits for the later (`allreduce_wait`; measured on the CPU rig, where a rank's time slices vary;
+    none on GPUs, where kernels keep time)."""
 
     name: str
     devices: tuple[Device, Device]
@@ -113,7 +114,21 @@ class SpeedRig:
     allreduce: Link
     host_overlaps: bool = True
     sharded_linear_s: float = 0.0
-    allreduce_drift: float = 0.0
+    allreduce_waits: tuple[tuple[float, float], ...] = ()
+
+    def allreduce_wait(self, work_s: float) -> float:
+        """Seconds an all-reduce waits for the later rank after `work_s` seconds of work since the last one:
+        interpolated between the measured points, none below the first (where `allreduce` was measured), the last
+        point's beyond the last: not extrapolated (one calibration on the CPU rig: 0.9 ms more after 3.1 ms of work,
+        3.3 ms more after 12.6 ms; a linear drift fitted on two short stretches charged prefill's long ones 20% too
+        much)."""
+        points = sorted(self.allreduce_waits)
+        if not points or work_s <= points[0][0]:
+            return points[0][1] if points else 0.0
+        for (w0, s0), (w1, s1) in zip(points, points[1:]):
+            if work_s <= w1:
+                return s0 + (work_s - w0) / (w1 - w0) * (s1 - s0)
+        return points[-1][1]
     note: str = ""
     sources: dict = field(default_factory=dict, compare=False)
 
@@ -421,7 +436,7 @@ def pipelined(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts, req
 def tensor_parallel(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts) -> EngineSpeed:
     """Each device runs half of every decoder layer (and of an untied head) at once; the step waits for the slower
     device, then for the collectives: two all-reduces of the hidden state per layer (each also waiting for the ranks'
-    drift over the work since the last, `SpeedRig.allreduce_drift`), an all-gather of the logits."""
+    drift over the work since the last, `SpeedRig.allreduce_wait`), an all-gather of the logits."""
     halves = [0.0, 0.0]
     decoders = [0.0, 0.0]
     for d, device in enumerate(rig.devices):
@@ -435,7 +450,7 @@ def tensor_parallel(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCount
             decoders[d] += seconds if layer.kind == "decoder" else 0.0
     hidden_bytes = phase.rows * shape.hidden * shape.format.activation_bytes
     collectives = len(shape.decoder_layers) * COLLECTIVES_PER_LAYER
-    link = collectives * rig.allreduce.seconds(hidden_bytes) + rig.allreduce_drift * max(decoders)
+    link = collectives * (rig.allreduce.seconds(hidden_bytes) + rig.allreduce_wait(max(decoders) / collectives))
     if not shape.tied:  # ColwiseParallel head with replicated output: gather the other half of the vocabulary
         link += rig.allreduce.seconds(phase.batch * shape.vocab * shape.format.activation_bytes / 2)
     t = max(halves) + link

@@ -38,6 +38,7 @@ from helpers.simulate.hardware import FREE_LINK, Link
 ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
 LOCKSTEP_PAIRS = 25  # steps with and without all-reduces per calibrated point (7 moved the latency 1.6-2.4 ms)
+STRETCHES = (4, 16)  # the longer work between two all-reduces the calibration measures: 4 and 16 pieces
 
 
 def _median(fn, repeats: int, warmup: int = 1) -> float:
@@ -146,24 +147,25 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 class LockstepAllreduce(NamedTuple):
     """The all-reduce tensor parallelism pays, as the calibration measures it: `link` (seconds = latency + bytes /
-    bandwidth, with no work between two all-reduces) and `drift`: seconds of waiting per second of work between two
-    all-reduces (the two ranks drift apart while they work, and each all-reduce waits for the later one)."""
+    bandwidth, after the shortest work) and `waits`: (seconds of work since the last all-reduce, seconds the next
+    waits beyond the link's) points: the two ranks drift apart while they work, and each all-reduce waits for the
+    later one (`SpeedRig.allreduce_waits`)."""
 
     link: Link
-    drift: float
+    waits: tuple[tuple[float, float], ...]
 
 
 def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, mesh, device: torch.device, dtype: torch.dtype,
-                            work: Sequence, hidden: int, stretch: int = 4) -> LockstepAllreduce:
+                            work: Sequence, hidden: int, stretches: Sequence[int] = STRETCHES) -> LockstepAllreduce:
     """Rank worker: the all-reduce as tensor parallelism issues it inside a decode step. After each of `work` (what a
     rank computes between two all-reduces: its half of half a layer, weights from memory) one row-parallel linear
     (`RowwiseParallel`, as the engine's o and down projections: the local matmul, then DTensor turns the partial
     sums into whole ones with an all-reduce through functional collectives), the whole step timed, less the same
     step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs: the
-    wake-ups vary). At the smallest size of `sizes` (ascending) twice: after each piece of work, and after every `stretch`
-    pieces (four times the work between two all-reduces); at the largest size after each piece. Drift: what the
-    longer stretch adds per second of work; latency: the smallest message's time less its drift; bandwidth: what the
-    largest message adds over the smallest.
+    wake-ups vary). At the smallest size of `sizes` (ascending) after every piece of work, and after every k pieces
+    for each k of `stretches` (longer work between two all-reduces, as in prefill); at the largest size after every
+    piece. Latency: the smallest message's time after one piece; waits: what each longer stretch adds; bandwidth:
+    what the largest message adds over the smallest.
 
     Measured on the CPU rig: one all-reduce of 4 KiB just after a barrier took 0.5 to 3.6 ms from one run to the
     next; between about 1 ms of work `dist.all_reduce` took 1.3-1.6 ms and the same sum through RowwiseParallel
@@ -195,19 +197,20 @@ def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, mesh, device: to
         summed, plain = (lambda: _waited(row(x))), (lambda: F.linear(x, local))
         step(summed, every)
         step(plain, every)
-        pairs = [(step(plain, every), step(summed, every)) for _ in range(LOCKSTEP_PAIRS)]
+        pairs = [(step(plain, every), step(summed, every)) for _ in range(max(3, LOCKSTEP_PAIRS // every))]
         return (statistics.median(p for p, _ in pairs) / len(work),
                 max(statistics.median((s - p) / len(work) for p, s in pairs), 1e-6))
 
     short, small = per_allreduce(sizes[0], 1)
-    long, small_after_long = per_allreduce(sizes[0], stretch)
-    drift = max(0.0, (small_after_long - small) / (long - short)) if long > short else 0.0
+    waits = [(short, 0.0)]
+    for k in stretches:
+        longer, after = per_allreduce(sizes[0], k)
+        waits.append((longer, max(after - small, waits[-1][1])))  # the wait never shrinks with more work
     _, large = per_allreduce(sizes[-1], 1)
     extra = large - small
     bandwidth = (sizes[-1] - sizes[0]) / extra if extra > 0 and sizes[-1] > sizes[0] else float("inf")
-    return LockstepAllreduce(Link(max(small - drift * short, 1e-6), bandwidth,
-                                  "all-reduce of a row-parallel linear inside a decode step, hidden-state sizes"),
-                             drift)
+    return LockstepAllreduce(Link(small, bandwidth, "all-reduce of a row-parallel linear inside a decode step, "
+                                                    "hidden-state sizes"), tuple(waits))
 
 
 def decode_step_work(shape: ModelShape, dtype: torch.dtype, device: torch.device, ranks: int) -> list:
@@ -248,7 +251,7 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
         wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
         plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
     dist.barrier()
-    return {"latency_s": allreduce.link.latency_s, "bandwidth": allreduce.link.bandwidth, "drift": allreduce.drift,
+    return {"latency_s": allreduce.link.latency_s, "bandwidth": allreduce.link.bandwidth, "waits": allreduce.waits,
             "sharded_linear_s": max(wrapped - plain, 0.0)}
 
 
@@ -277,12 +280,12 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     tp = run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
     return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
                     Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce of a row-parallel linear in lock step"),
-                    host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"], allreduce_drift=tp["drift"],
+                    host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"], allreduce_waits=tp["waits"],
                     note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
                          f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
-                         f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s + {tp['drift']:.2f} x the "
-                         f"work between two, DTensor "
-                         f"{tp['sharded_linear_s'] * 1e6:.0f} us per sharded linear")
+                         f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s, waiting "
+                         + ", ".join(f"{s * 1e6:.0f} us more after {w * 1e3:.1f} ms of work" for w, s in tp["waits"][1:])
+                         + f", DTensor {tp['sharded_linear_s'] * 1e6:.0f} us per column-parallel linear")
 
 
 # --- the engines, measured ----------------------------------------------------------------------------------------
@@ -358,13 +361,19 @@ def rig_as_dict(rig: SpeedRig) -> dict:
 
 
 def rig_from_dict(fields: dict) -> SpeedRig:
-    """The SpeedRig `rig_as_dict` wrote (JSON's lists back to tuples; fields it did not know take their defaults)."""
-    def device(d: dict) -> Device:
-        points = {k: tuple(tuple(p) for p in d[k]) for k in ("flops", "busy_flops") if k in d}
-        return Device(**{**d, **points})
+    """The SpeedRig `rig_as_dict` wrote (JSON's lists back to tuples; fields it did not know take their defaults,
+    fields this version no longer has are left out)."""
+    from dataclasses import fields as fields_of
 
-    devices = tuple(device(d) for d in fields["devices"])
-    return SpeedRig(**{**fields, "devices": devices, "hop": Link(**fields["hop"]),
+    def points(d: dict, names: Sequence[str]) -> dict:
+        return {k: tuple(tuple(p) for p in d[k]) for k in names if k in d}
+
+    def device(d: dict) -> Device:
+        return Device(**{**d, **points(d, ("flops", "busy_flops"))})
+
+    known = {f.name for f in fields_of(SpeedRig)}
+    return SpeedRig(**{**{k: v for k, v in fields.items() if k in known}, **points(fields, ("allreduce_waits",)),
+                       "devices": tuple(device(d) for d in fields["devices"]), "hop": Link(**fields["hop"]),
                        "allreduce": Link(**fields["allreduce"])})
 
 
