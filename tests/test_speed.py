@@ -138,6 +138,9 @@ def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_th
     collectives = 2 * len(shape.decoder_layers)
     assert drifting.parts["link"] - still.parts["link"] == pytest.approx(collectives * waiting.allreduce_wait(work))
     assert drifting.parts["device 0"] == still.parts["device 0"]
+    plain = tensor_parallel(shape, phase, replace(rig, sharded_linear_s=0.0), ops)
+    layers = len(shape.decoder_layers)  # DTensor's host time on q, k, v, gate and up; o and down's is in the link
+    assert still.parts["device 0"] - plain.parts["device 0"] == pytest.approx(layers * COLUMN_LINEARS_PER_LAYER * 1e-4)
 
 
 def test_crossovers_state_where_and_why():

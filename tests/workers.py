@@ -105,10 +105,16 @@ def rank_defaults() -> dict:
 
 
 def cores_of_threads() -> dict:
-    """The cores this rank's main thread may run on, and those of each of its other threads (gloo's among them)."""
-    me = os.getpid()
-    return {"main": sorted(os.sched_getaffinity(0)),
-            "others": [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task") if int(t) != me]}
+    """The cores this rank's main thread may run on, and those of each of its other threads (gloo's among them;
+    a thread that ended meanwhile is left out)."""
+    me, others = os.getpid(), []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if int(tid) != me:
+                others.append(sorted(os.sched_getaffinity(int(tid))))
+        except OSError:
+            pass
+    return {"main": sorted(os.sched_getaffinity(0)), "others": others}
 
 
 def tensor_parallel_shards(path: str) -> dict:

@@ -176,8 +176,8 @@ class Pipelined(LayerSplit):
                 for box in (*inboxes, feedback):
                     box.put(_ABORT)
 
-        threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), s, p), name=f"stage{s}",
-                                    daemon=True) for s in range(p)]
+        threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), self.runners[s].device, s, p),
+                                    name=f"stage{s}", daemon=True) for s in range(p)]
         for t in threads:
             t.start()
         for t in threads:

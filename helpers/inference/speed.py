@@ -115,6 +115,8 @@ class SpeedRig:
     host_overlaps: bool = True
     sharded_linear_s: float = 0.0
     allreduce_waits: tuple[tuple[float, float], ...] = ()
+    note: str = ""
+    sources: dict = field(default_factory=dict, compare=False)
 
     def allreduce_wait(self, work_s: float) -> float:
         """Seconds an all-reduce waits for the later rank after `work_s` seconds of work since the last one:
@@ -129,8 +131,6 @@ class SpeedRig:
             if work_s <= w1:
                 return s0 + (work_s - w0) / (w1 - w0) * (s1 - s0)
         return points[-1][1]
-    note: str = ""
-    sources: dict = field(default_factory=dict, compare=False)
 
 
 def speed_rigs() -> list[str]:

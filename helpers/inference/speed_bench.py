@@ -37,7 +37,7 @@ from helpers.simulate.hardware import FREE_LINK, Link
 
 ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
-LOCKSTEP_PAIRS = 25  # steps with and without all-reduces per calibrated point (7 moved the latency 1.6-2.4 ms)
+LOCKSTEP_PAIRS = 25  # steps with and without all-reduces at the shortest work (7 moved the latency 1.6-2.4 ms)
 STRETCHES = (4, 16)  # the longer work between two all-reduces the calibration measures: 4 and 16 pieces
 
 
@@ -74,18 +74,23 @@ def _together(work) -> float:
     return max(run_together(work))
 
 
-def _alone_and_together(work, repeats: int) -> tuple[float, float]:
-    """Median seconds of `work[0]` alone and of all of `work` at once (`_together`), measured in turns (alone,
-    together, alone, ...) after one warm-up of each, so that a slow moment of the machine hurts both alike."""
-    work[0]()
-    _together(work)
-    alone, together = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _alone_and_together(works: dict, repeats: int) -> dict:
+    """For each key of `works` (a list of works, one per virtual device): median seconds of its first work alone
+    and of all its works at once (`_together`). After one warm-up of each, every key is timed once per round, alone
+    then together, `repeats` rounds: a slow moment of the machine hurts alone and together alike, and spreads over
+    all keys instead of bending one (a 16-row matmul point read 30 GFLOP/s in one run, 41 in three others)."""
+    for work in works.values():
         work[0]()
-        alone.append(time.perf_counter() - t0)
-        together.append(_together(work))
-    return statistics.median(alone), statistics.median(together)
+        _together(work)
+    alone: dict = {key: [] for key in works}
+    together: dict = {key: [] for key in works}
+    for _ in range(repeats):
+        for key, work in works.items():
+            t0 = time.perf_counter()
+            work[0]()
+            alone[key].append(time.perf_counter() - t0)
+            together[key].append(_together(work))
+    return {key: (statistics.median(alone[key]), statistics.median(together[key])) for key in works}
 
 
 def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
@@ -93,7 +98,7 @@ def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tup
     working set, as decoding one token reads every weight once."""
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     nbytes = sum(w.numel() * w.element_size() for w in mats[0])
-    alone, together = _alone_and_together([_sweep(m, 1, dtype) for m in mats], repeats)
+    alone, together = _alone_and_together({1: [_sweep(m, 1, dtype) for m in mats]}, repeats)[1]
     return nbytes / alone, max(1.0, together / alone)
 
 
@@ -103,26 +108,14 @@ def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], rep
     cache. One matrix timed alone stays in the cache, and at a few rows it multiplies faster than the same rows swept
     through the working set: a CPU overlaps streaming and multiplying only in part, so the roofline's max(bytes /
     bandwidth, FLOPs / rate) holds only with a rate measured while streaming. Both devices at once share the memory:
-    slower by how much each row count streams, so the slowdown is measured per row count too. Every row count is
-    timed once per round, `repeats` rounds (medians): a slow moment of the machine spreads over all of them instead
-    of bending one point of the curve (a 16-row point read 30 GFLOP/s in one run, 41 in three others)."""
+    slower by how much each row count streams, so the slowdown is measured per row count too; all row counts in
+    the same rounds (`_alone_and_together`)."""
     mats = [_weights(shape, dtype), _weights(shape, dtype)]
     per_row = 2.0 * sum(w.numel() for w in mats[0])
     counts = sorted(set(rows))
-    sweeps = {r: [_sweep(m, r, dtype) for m in mats] for r in counts}
-    for r in counts:  # warm-up: each row count's first multiply allocates its outputs
-        sweeps[r][0]()
-        _together(sweeps[r])
-    alone: dict[int, list[float]] = {r: [] for r in counts}
-    together: dict[int, list[float]] = {r: [] for r in counts}
-    for _ in range(repeats):
-        for r in counts:
-            t0 = time.perf_counter()
-            sweeps[r][0]()
-            alone[r].append(time.perf_counter() - t0)
-            together[r].append(_together(sweeps[r]))
-    return (tuple((r, per_row * r / statistics.median(alone[r])) for r in counts),
-            tuple((r, per_row * r / statistics.median(together[r])) for r in counts))
+    seconds = _alone_and_together({r: [_sweep(m, r, dtype) for m in mats] for r in counts}, repeats)
+    return (tuple((r, per_row * r / seconds[r][0]) for r in counts),
+            tuple((r, per_row * r / seconds[r][1]) for r in counts))
 
 
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
@@ -155,23 +148,25 @@ class LockstepAllreduce(NamedTuple):
     waits: tuple[tuple[float, float], ...]
 
 
-def lockstep_allreduce_link(sizes: Sequence[int], repeats: int, mesh, device: torch.device, dtype: torch.dtype,
-                            work: Sequence, hidden: int, stretches: Sequence[int] = STRETCHES) -> LockstepAllreduce:
+def lockstep_allreduce_link(sizes: Sequence[int], mesh, device: torch.device, dtype: torch.dtype, work: Sequence,
+                            hidden: int, stretches: Sequence[int] = STRETCHES) -> LockstepAllreduce:
     """Rank worker: the all-reduce as tensor parallelism issues it inside a decode step. After each of `work` (what a
     rank computes between two all-reduces: its half of half a layer, weights from memory) one row-parallel linear
     (`RowwiseParallel`, as the engine's o and down projections: the local matmul, then DTensor turns the partial
     sums into whole ones with an all-reduce through functional collectives), the whole step timed, less the same
-    step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs: the
-    wake-ups vary). At the smallest size of `sizes` (ascending) after every piece of work, and after every k pieces
-    for each k of `stretches` (longer work between two all-reduces, as in prefill); at the largest size after every
-    piece. Latency: the smallest message's time after one piece; waits: what each longer stretch adds; bandwidth:
-    what the largest message adds over the smallest.
+    step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs; with
+    an all-reduce every k pieces, of `LOCKSTEP_PAIRS` / k, at least 3: the same work in all; the wake-ups vary). At
+    the smallest size of `sizes` (ascending) after every piece of work, and after every k pieces for each k of
+    `stretches` (longer work between two all-reduces, as in prefill); at the largest size after every piece.
+    Latency: the smallest message's time after one piece; waits: what each longer stretch adds; bandwidth: what the
+    largest message adds over the smallest.
 
     Measured on the CPU rig: one all-reduce of 4 KiB just after a barrier took 0.5 to 3.6 ms from one run to the
     next; between about 1 ms of work `dist.all_reduce` took 1.3-1.6 ms and the same sum through RowwiseParallel
-    1.7-2.5 ms (DTensor's redistribution costs the host as much as the wait); after 0.8, 1.6 and 3.4 ms of work
-    1.8, 2.0 and 2.4 ms; inside the engine's own decode (2.4 ms of work between two) 2.3 ms. A rank that waits
-    sleeps (5% of a core busy in a loop of all-reduces), and the longer the work, the further the ranks drift."""
+    1.7-2.5 ms (DTensor's redistribution costs the host as much as the wait); inside the engine's own decode (2.4
+    ms of work between two) 2.3 ms. Two calibrations with 1, 4 and 16 pieces (0.8, 3.1 and 12.6 ms of work): 1.9,
+    2.8 and 5.2 ms; 1.5, 2.6 and 4.7 ms. A rank that waits sleeps (5% of a core busy in a loop of all-reduces), and
+    the longer the work, the further the ranks drift apart."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
@@ -247,7 +242,7 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
     local = linear.weight.to_local()
     with torch.no_grad():
         work = decode_step_work(shape, dtype, device, dist.get_world_size())
-        allreduce = lockstep_allreduce_link(sorted(sizes), repeats, mesh, device, dtype, work, shape.hidden)
+        allreduce = lockstep_allreduce_link(sorted(sizes), mesh, device, dtype, work, shape.hidden)
         wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
         plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
     dist.barrier()
@@ -284,7 +279,8 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
                     note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
                          f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
                          f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s, waiting "
-                         + ", ".join(f"{s * 1e6:.0f} us more after {w * 1e3:.1f} ms of work" for w, s in tp["waits"][1:])
+                         + ", ".join(f"{s * 1e6:.0f} us more after {w * 1e3:.1f} ms of work"
+                                     for w, s in tp["waits"][1:])
                          + f", DTensor {tp['sharded_linear_s'] * 1e6:.0f} us per column-parallel linear")
 
 
@@ -368,11 +364,14 @@ def rig_from_dict(fields: dict) -> SpeedRig:
     def points(d: dict, names: Sequence[str]) -> dict:
         return {k: tuple(tuple(p) for p in d[k]) for k in names if k in d}
 
-    def device(d: dict) -> Device:
-        return Device(**{**d, **points(d, ("flops", "busy_flops"))})
+    def known(cls, d: dict) -> dict:
+        names = {f.name for f in fields_of(cls)}
+        return {k: v for k, v in d.items() if k in names}
 
-    known = {f.name for f in fields_of(SpeedRig)}
-    return SpeedRig(**{**{k: v for k, v in fields.items() if k in known}, **points(fields, ("allreduce_waits",)),
+    def device(d: dict) -> Device:
+        return Device(**{**known(Device, d), **points(d, ("flops", "busy_flops"))})
+
+    return SpeedRig(**{**known(SpeedRig, fields), **points(fields, ("allreduce_waits",)),
                        "devices": tuple(device(d) for d in fields["devices"]), "hop": Link(**fields["hop"]),
                        "allreduce": Link(**fields["allreduce"])})
 

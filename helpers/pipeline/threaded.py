@@ -102,7 +102,7 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
             errors.append((s, exc))
             boxes.fail()
 
-    threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), s, p), name=f"stage{s}",
+    threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), devices[s], s, p), name=f"stage{s}",
                                 daemon=True) for s in range(p)]
     for t in threads:
         t.start()

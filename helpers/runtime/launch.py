@@ -139,9 +139,9 @@ def init_rank(rig: Rig | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> R
     if not dist.is_initialized():
         eager = {"device_id": device} if rig.backend == "nccl" else {}
         join_group(backend, timedelta(seconds=timeout_s), **eager)
-    if rig.is_cpu:  # after joining: the group's communication threads, started meanwhile, stay free to move
-        pin_to_device_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                            rig.threads_per_device)
+    local = [os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    if rig.is_cpu and all(local):  # after joining: the group's threads, started meanwhile, stay free to move
+        pin_to_device_cores(int(local[0]), int(local[1]), rig.threads_per_device)
     return rig
 
 

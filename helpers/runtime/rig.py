@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Literal, TypeVar
+from typing import Callable, Literal, Sequence, TypeVar
 
 import torch
 
@@ -145,31 +145,41 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
 
 
-def device_thread(fn: Callable[[], T], index: int | None = None, world: int = 2) -> Callable[[], T]:
+def device_thread(fn: Callable[[], T], device: torch.device | None = None, index: int = 0,
+                  world: int = 1) -> Callable[[], T]:
     """`fn` made to run in a new thread as one virtual device: with this process's intra-op thread count (one per
     virtual device on the CPU rig). A new thread's OpenMP starts with as many threads as cores until
     `torch.set_num_threads` is called in it (measured on the 2-core rig: a GELU over 4 M values in a fresh thread ran
     1.9 CPU-seconds per second, in the main thread 1.05; a 256-row matmul in a fresh thread used both cores too,
     while the bench model's whole training step used 1.0), so two such "devices" at once could run four threads on
     two cores. Every thread that computes as a device starts here: the threaded pipelines' stages (training and
-    inference) and the calibration's runs together. With `index` (of `world` devices) the thread also gets its
-    device's cores (`pin_to_device_cores`), as a rank does."""
+    inference) and the calibration's runs together. A thread that computes on CPU `device`, device `index` of
+    `world`, also gets that device's cores (`pin_to_device_cores`), as a rank does; a GPU's host thread is never
+    pinned."""
     threads = torch.get_num_threads()
+    cores = _usable_core_ids()  # the caller's: a new thread inherits them, and pinning reads them before it pins
 
     def run() -> T:
         torch.set_num_threads(threads)
-        if index is not None:
-            pin_to_device_cores(index, world, threads)
+        if device is not None and device.type == "cpu":
+            pin_to_device_cores(index, world, threads, cores)
         return fn()
 
     return run
 
 
-def pin_to_device_cores(index: int, world: int, threads_per_device: int) -> bool:
-    """Pin the calling thread to the cores of virtual device `index` of `world`: `threads_per_device` cores of its own,
-    as a GPU is a device of its own; threads it starts later inherit them. Only where the devices fit the usable cores (more ranks than cores share them as the
-    scheduler pleases; a GPU rig's host threads use every core, so they are never pinned) and the system can pin
-    (Linux); LAB_PIN_CORES=0 leaves every device to the scheduler. Returns whether it pinned.
+def _usable_core_ids() -> list[int]:
+    """The cores this thread may run on, in order ([] where the system cannot pin: macOS, Windows)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+
+
+def pin_to_device_cores(index: int, world: int, threads_per_device: int, cores: Sequence[int] | None = None) -> bool:
+    """Pin the calling thread to the cores of virtual device `index` of `world` devices: `threads_per_device` of
+    `cores` (default: those it may use now) of its own, as a GPU is a device of its own; threads it starts later
+    inherit them. Only where there are several devices and they fit the cores (more ranks than cores share them as
+    the scheduler pleases) and the system can pin (Linux); LAB_PIN_CORES=0 leaves every device to the scheduler.
+    Cores are taken in the system's numbering: where it numbers a physical core's two hyperthreads next to each
+    other, two one-thread devices share a physical core. Returns whether it pinned.
 
     A rank pins its main thread once it has joined the group (`helpers.runtime.launch.init_rank`): gloo's threads,
     started meanwhile, stay free to run on whichever core is idle, as a GPU's communication does not take its
@@ -178,8 +188,8 @@ def pin_to_device_cores(index: int, world: int, threads_per_device: int) -> bool
     unpinned, a rank migrates and wakes late from its all-reduces: inside tensor-parallel decode 2.0-2.8 ms per
     all-reduce unpinned against 1.5-2.1 ms with the main threads pinned, and two unpinned runs' threaded splits and
     checkpointing ratios differed by up to 19% (4% pinned)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-    if os.environ.get(PIN_CORES_ENV, "1").strip() == "0" or world * threads_per_device > len(cores):
+    cores = list(cores) if cores is not None else _usable_core_ids()
+    if os.environ.get(PIN_CORES_ENV, "1").strip() == "0" or world < 2 or world * threads_per_device > len(cores):
         return False
     os.sched_setaffinity(0, set(cores[index * threads_per_device:(index + 1) * threads_per_device]))
     return True

@@ -295,7 +295,8 @@ def typical_slowdown(ratios: Sequence[float]) -> float:
 
 
 def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
-    """Each of `work` in a thread of its own, all released at once; the seconds each took."""
+    """Each of `work` in a thread of its own, as CPU virtual devices (what the calibration's runs together time),
+    all released at once; the seconds each took."""
     import threading
 
     took = [0.0] * len(work)
@@ -307,7 +308,8 @@ def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
         work[i]()
         took[i] = time.perf_counter() - t0
 
-    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i), i, len(work))) for i in range(len(work))]
+    cpu, n = torch.device("cpu"), len(work)
+    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i), cpu, i, n)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
