@@ -185,9 +185,9 @@ def pin_to_device_cores(index: int, world: int, threads_per_device: int, cores: 
     started meanwhile, stay free to run on whichever core is idle, as a GPU's communication does not take its
     compute. Measured on the 2-core rig (default bench runs, quiet machine): with every thread of a rank pinned,
     ZeRO-1 fell from 1.56x one device to 1.38-1.40x (its all-reduce thread queued behind the backward on one core);
-    unpinned, a rank migrates and wakes late from its all-reduces: inside tensor-parallel decode 2.0-2.8 ms per
-    all-reduce unpinned against 1.5-2.1 ms with the main threads pinned, and two unpinned runs' threaded splits and
-    checkpointing ratios differed by up to 19% (4% pinned)."""
+    unpinned, a rank migrates and wakes late from its all-reduces: inside tensor-parallel decode 1.5-2.8 ms per
+    all-reduce (2.3 typical) unpinned against 1.5-2.1 ms (1.7 typical) with the main threads pinned, and two
+    unpinned runs' threaded splits and checkpointing ratios differed by up to 19% (5% pinned)."""
     cores = list(cores) if cores is not None else _usable_core_ids()
     if os.environ.get(PIN_CORES_ENV, "1").strip() == "0" or world < 2 or world * threads_per_device > len(cores):
         return False
