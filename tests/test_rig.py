@@ -194,7 +194,7 @@ def test_each_rank_computes_on_cores_of_its_own(monkeypatch):
 @needs_two_pinnable_cores
 def test_a_cpu_device_thread_runs_on_its_devices_cores(monkeypatch):
     """Device threads of CPU devices pinned to their device's cores, the caller's thread left as it was; a thread
-    for a CUDA device (a GPU's host thread) and a lone device never pinned."""
+    for a CUDA device (a GPU's host thread), a lone device and devices that do not fit the cores never pinned."""
     import threading
 
     from helpers.runtime.rig import device_thread
@@ -215,6 +215,7 @@ def test_a_cpu_device_thread_runs_on_its_devices_cores(monkeypatch):
         cpu = torch.device("cpu")
         assert [cores(cpu, i, 2) for i in range(2)] == [{usable[0]}, {usable[1]}]
         assert cores(torch.device("cuda", 0), 0, 2) == cores(cpu, 0, 1) == set(usable)
+        assert cores(cpu, 0, len(usable) + 1) == set(usable)  # more devices than cores: the scheduler shares them
     finally:
         torch.set_num_threads(before)
     assert os.sched_getaffinity(0) == set(usable)

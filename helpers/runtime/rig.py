@@ -19,7 +19,7 @@ DEFAULT_CPU_BUDGET_GIB = 2.0
 FORCE_CPU_ENV = "LAB_FORCE_CPU"
 CPU_BUDGET_ENV = "LAB_CPU_BUDGET_GIB"
 CPU_THREADS_ENV = "LAB_CPU_THREADS"
-PIN_CORES_ENV = "LAB_PIN_CORES"  # 0: leave CPU ranks unpinned (`pin_to_device_cores`)
+PIN_CORES_ENV = "LAB_PIN_CORES"  # 0: leave CPU virtual devices unpinned (`pin_to_device_cores`)
 KEEP_FREED_ENV = "LAB_KEEP_FREED_MEMORY"  # 0: leave glibc's allocator at its defaults (notebook 06 compares both)
 
 RigKind = Literal["two_gpus", "one_gpu", "cpu"]
