@@ -116,6 +116,30 @@ def test_pipelined_prefill_pays_the_busy_rate_only_while_both_stages_work():
     assert both.seconds == pytest.approx(alone.seconds + busy)  # ...but only the overlap
 
 
+def test_pipelined_stages_wait_for_the_interpreter_lock_on_every_op_only_while_both_work():
+    """The pipelined engine's stage threads share one interpreter lock: while both work, each op a stage dispatches
+    waits `lock_wait_s_per_op` more (its layers' ops, and the ops outside the layers each stage runs); the layer split
+    (one stage at a time) and tensor parallelism (one process per rank) never wait for it."""
+    from dataclasses import replace
+
+    from helpers.inference.speed import layer_split, pipelined, tensor_parallel
+
+    shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
+    cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6, busy_slowdown=1.2)
+    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
+    waiting = replace(rig, devices=(replace(cpu, lock_wait_s_per_op=1e-5),) * 2)
+    decode = Phase("decode", 1, 1, 128)
+    per_stage = [layers * ops.per_layer + ops.outside for layers in (16, 16)]  # 32 decoder layers cut in half
+    free, locked = (pipelined(shape, decode, r, ops) for r in (rig, waiting))
+    for d in (0, 1):
+        assert locked.parts[f"device {d}"] - free.parts[f"device {d}"] == pytest.approx(per_stage[d] * 1e-5)
+    for engine in (layer_split, tensor_parallel):
+        assert engine(shape, decode, waiting, ops).seconds == engine(shape, decode, rig, ops).seconds
+    prefill = Phase("prefill", 1, 64, 64)  # only the overlap waits: one stage-time's worth, not three
+    added = pipelined(shape, prefill, waiting, ops).seconds - pipelined(shape, prefill, rig, ops).seconds
+    assert added == pytest.approx(max(per_stage) * 1e-5)
+
+
 def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_them():
     """Each all-reduce waits, beyond its latency, what the calibration measured after as much work since the last
     one (interpolated between its points, never extrapolated past the last); the row-parallel linears' DTensor work
@@ -215,24 +239,32 @@ def test_the_simulator_exports_the_speed_model():
 
 
 def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
-    """The in-process calibration (weight streaming, matmul rates by rows, host time per op) gives rates, for a model
-    given as a config directory; the comparison puts a prediction and its error beside each measured row."""
+    """The in-process calibration (weight streaming, matmul rates by rows, host time per op and the interpreter lock's
+    wait per op with both device threads decoding), sampled in rounds, gives rates for a model given as a config
+    directory; the comparison puts a prediction and its error beside each measured row."""
     import torch
     from transformers import LlamaConfig
 
-    from helpers.inference.speed_bench import compare, host_seconds_per_op, matmul_rates, stream_rates
+    from helpers.inference.speed_bench import DeviceCalibration, StageDecodes, compare
 
-    LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=2).save_pretrained(tmp_path)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
     small = model_shape(str(tmp_path), "fp32")
-    rate, slowdown = stream_rates(small, torch.float32, repeats=1)
-    assert rate > 0 and slowdown >= 1
-    alone, together = matmul_rates(small, torch.float32, [4, 1, 4], repeats=1)
-    assert [r for r, _ in alone] == [r for r, _ in together] == [1, 4]  # one point per row count, both ways
+    calibration = DeviceCalibration(small, torch.float32, [4, 1, 4])
+    with pytest.raises(ValueError, match="no round"):
+        calibration.device()
+    calibration.sample()
+    calibration.sample()
+    device = calibration.device()
+    rate = device.bandwidth
+    assert rate > 0 and device.busy_slowdown >= 1 and device.host_s_per_op >= 0 and device.lock_wait_s_per_op >= 0
+    assert [r for r, _ in device.flops] == [r for r, _ in device.busy_flops] == [1, 4]  # a point per row count
+    assert device.flops[0][1] == pytest.approx(2 * rate / 4)  # one row: the streaming sweep's rate (fp32)
+    assert 0 <= StageDecodes(config, torch.float32, batches=(1,)).lock_wait_per_op() < 1e-3
     busy = Device("cpu", 1e9, ((1, 4e9), (16, 8e9)), 0.0, 2.0, ((1, 1e9), (16, 4e9)))
     assert busy.rate(4, busy=True) == pytest.approx(2.5e9) and busy.rate(4) == pytest.approx(6e9)  # log-interpolated
     assert Device("gpu", 1e9, ((1, 4e9),), 0.0, 2.0).rate(1, busy=True) == 2e9  # no busy points: the slowdown
-    assert host_seconds_per_op("llama", repeats=2) >= 0
     dev = Device("cpu", rate, ((1, 1e9),), 1e-6)
     rig = SpeedRig("measured", (dev, dev), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
     measured = [{"engine": e, "phase": p, "batch": 1, "prompt": 8, "new_tokens": 4, "tok/s": 10.0, "measured": True}

@@ -65,7 +65,11 @@ class Device:
     `host_s_per_op`: host time to dispatch one op; `busy_slowdown`: how much slower the device streams and computes
     while the other device is busy too (1 on GPUs, measured on the CPU rig where both share memory and caches);
     `busy_flops`: where measured (CPU rig), the matmul rate by rows while the other device multiplies too, which
-    replaces `busy_slowdown` for the arithmetic (two cores sharing one memory slow down by how much they stream)."""
+    replaces `busy_slowdown` for the arithmetic (two cores sharing one memory slow down by how much they stream);
+    `lock_wait_s_per_op`: what each op waits for the interpreter lock while the other device's thread works in the
+    same process (the pipelined engine's stage threads: each op takes the lock to dispatch and a thread whose op
+    ended waits while the other holds it; measured on the CPU rig, where it adds to the host's time; 0 where
+    unmeasured: on GPUs the host launches ahead of the kernels)."""
 
     name: str
     bandwidth: float
@@ -73,6 +77,7 @@ class Device:
     host_s_per_op: float
     busy_slowdown: float = 1.0
     busy_flops: tuple[tuple[int, float], ...] = ()
+    lock_wait_s_per_op: float = 0.0
 
     def rate(self, rows: int, busy: bool = False) -> float:
         """FLOP/s at `rows` rows (while the other device works too, with `busy`), interpolated in log(rows) between
@@ -374,13 +379,17 @@ class EngineSpeed:
 
 def _stage_seconds(shape: ModelShape, phase: Phase, rig: SpeedRig, devices: list[int], busy: bool,
                    ops: OpCounts) -> list[float]:
-    """Each stage's seconds; the second stage also builds its masks and rotary embedding (the ops outside layers)."""
+    """Each stage's seconds; the second stage also builds its masks and rotary embedding (the ops outside layers).
+    `busy`: the stages are the pipelined engine's threads working at once: the busy rates, and every op waits for
+    the interpreter lock the threads share (`Device.lock_wait_s_per_op`)."""
     stages = [0.0, 0.0]
     for d in (0, 1):
         mine = [layer for layer, where in zip(shape.layers, devices) if where == d]
-        stages[d] = sum(n * unit_seconds(layer, shape, phase, rig.devices[d], rig, _unit_ops(layer, ops), busy=busy)
-                        for layer, n in _distinct(mine))
-    stages[1] += ops.outside * rig.devices[1].host_s_per_op
+        device, outside = rig.devices[d], ops.outside if d else 0
+        dispatched = sum(n * _unit_ops(layer, ops) for layer, n in _distinct(mine)) + outside
+        stages[d] = (sum(n * unit_seconds(layer, shape, phase, device, rig, _unit_ops(layer, ops), busy=busy)
+                         for layer, n in _distinct(mine))
+                     + outside * device.host_s_per_op + (dispatched * device.lock_wait_s_per_op if busy else 0.0))
     return stages
 
 

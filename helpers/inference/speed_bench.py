@@ -2,15 +2,17 @@
 engines timed on the same model, batches and contexts.
 
 - `calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig, measured with micro-benchmarks, never
-  with the engines themselves: the rate one virtual device streams the model's weights at (alone, and while the
-  other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
-  set, out of the cache; both devices as threads with one intra-op thread each; one row: the streaming sweep's own
-  rate, not a second reading of it), the host time per dispatched op (a
-  tiny model of the same family, per layer, divided by the ops it dispatches), and in two ranks the all-reduce at
-  hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and DTensor's
-  host time per sharded linear.
+  with the engines themselves (`DeviceCalibration`, in rounds): the rate one virtual device streams the model's
+  weights at (alone, and while the other device streams too), its matmul rate at the row counts the workload
+  multiplies (through the whole working set, out of the cache; both devices as threads with one intra-op thread
+  each; one row: the streaming sweep's own rate, not a second reading of it), the host time per dispatched op (a
+  tiny model of the same family, per layer, divided by the ops it dispatches), what each op waits for the
+  interpreter lock while both devices' threads decode in one process (`StageDecodes`), and in two ranks the
+  all-reduce at hidden-state sizes issued back to back as tensor parallelism issues them
+  (`lockstep_allreduce_link`) and DTensor's host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
-  flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats).
+  flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats); the
+  command line takes a round of the calibration before each batch and prompt length, so both see the same minutes.
 - `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
 - `rig_as_dict` / `rig_from_dict`, `replay(path)`: a run's calibration saved beside its rows (`--json`) and its rows
   predicted again from it (`--replay`): the model's next version checked against stored measurements in seconds.
@@ -21,10 +23,11 @@ mean something only on a machine nothing else is using; tests never assert on th
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +42,23 @@ ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
 LOCKSTEP_PAIRS = 25  # steps with and without all-reduces at the shortest work (7 moved the latency 1.6-2.4 ms)
 STRETCHES = (4, 16)  # the longer work between two all-reduces the calibration measures: 4 and 16 pieces
+LOCK_WAIT_BATCHES = (1, 16)  # decode batches the interpreter lock's wait is measured at (it hardly moves with them)
+DECODE_STEPS = 4  # per timing of a stage-sized model's decode (lock_wait_per_op)
 
 
-def _median(fn, repeats: int, warmup: int = 1) -> float:
-    times = []
-    for r in range(warmup + repeats):
+def _extra_seconds(fn, base, repeats: int, warmup: int = 1) -> float:
+    """Median over `repeats` interleaved pairs of `fn`'s time less `base`'s: a slow moment of the machine hurts both
+    of a pair alike (timed one after the other, DTensor's host time per linear read 150 us in three runs, 460 in a
+    fourth)."""
+    def seconds(f) -> float:
         t0 = time.perf_counter()
+        f()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
         fn()
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        base()
+    return statistics.median(seconds(fn) - seconds(base) for _ in range(repeats))
 
 
 def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -74,61 +84,130 @@ def _together(work) -> float:
     return max(run_together(work))
 
 
-def _alone_and_together(works: dict, repeats: int) -> dict:
-    """For each key of `works` (a list of works, one per virtual device): median seconds of its first work alone
-    and of all its works at once (`_together`). After one warm-up of each, every key is timed once per round, alone
-    then together, `repeats` rounds: a slow moment of the machine hurts alone and together alike, and spreads over
-    all keys instead of bending one (a 16-row matmul point read 30 GFLOP/s in one run, 41 in three others)."""
-    for work in works.values():
-        work[0]()
-        _together(work)
-    alone: dict = {key: [] for key in works}
-    together: dict = {key: [] for key in works}
-    for _ in range(repeats):
-        for key, work in works.items():
+class DeviceCalibration:
+    """The CPU virtual device's micro-benchmarks for one model, sampled in rounds: `sample()` times each once,
+    `device()` is the medians of the rounds so far. The speed bench takes a round before each of the engines'
+    measurements, so that the calibration and the engines share the same minutes of the machine (two runs with the
+    calibration all before the engines: the engines' rows 3% apart (median), the calibration's matmul rates 3-16%,
+    and the runs priced 34 and 22 of 36 rows within 15%; four runs with rounds between: 27-29). Per round:
+
+    - weight streaming: one row through every matrix of the working set, as decoding one token reads every weight
+      once, alone and while the other virtual device streams too;
+    - matmul rates: `rows` rows multiplied through every matrix of the working set, as a forward does (the weights
+      come from memory, not from the cache: one matrix timed alone stays in the cache, and at a few rows multiplies
+      faster than the same rows swept through the working set; a CPU overlaps streaming and multiplying only in
+      part, so the roofline's max(bytes / bandwidth, FLOPs / rate) holds only with a rate measured while
+      streaming), alone and both devices at once (slower by how much each row count streams, so per row count);
+    - the host's time per op (`host_seconds_per_op`) and the interpreter lock's wait per op (`lock_wait_per_op`).
+
+    Each row count alone then together, all in the same round: a slow moment of the machine hurts alone and together
+    alike and spreads over all row counts (a 16-row point read 30 GFLOP/s in one run, 41 in three others)."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, rows: Sequence[int]):
+        self.shape, self.dtype = shape, dtype
+        mats = [_weights(shape, dtype), _weights(shape, dtype)]
+        self.nbytes = sum(w.numel() * w.element_size() for w in mats[0])
+        self.per_row = 2.0 * sum(w.numel() for w in mats[0])
+        self.works = {r: [_sweep(m, r, dtype) for m in mats] for r in sorted({1, *rows})}
+        self.decodes = StageDecodes(shape.config, dtype)
+        for work in self.works.values():  # warm-up: the matrices' pages touched, the threads' pools started
+            work[0]()
+            _together(work)
+        self.alone: dict = {r: [] for r in self.works}
+        self.together: dict = {r: [] for r in self.works}
+        self.host: list[float] = []
+        self.waits: list[float] = []
+
+    def sample(self) -> None:
+        for r, work in self.works.items():
             t0 = time.perf_counter()
             work[0]()
-            alone[key].append(time.perf_counter() - t0)
-            together[key].append(_together(work))
-    return {key: (statistics.median(alone[key]), statistics.median(together[key])) for key in works}
+            self.alone[r].append(time.perf_counter() - t0)
+            self.together[r].append(_together(work))
+        self.host.append(host_seconds_per_op(self.shape.config.model_type))
+        self.waits.append(self.decodes.lock_wait_per_op())
 
-
-def stream_rates(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
-    """(bytes/s alone, slowdown while the other virtual device streams too): one row through every matrix of the
-    working set, as decoding one token reads every weight once."""
-    mats = [_weights(shape, dtype), _weights(shape, dtype)]
-    nbytes = sum(w.numel() * w.element_size() for w in mats[0])
-    alone, together = _alone_and_together({1: [_sweep(m, 1, dtype) for m in mats]}, repeats)[1]
-    return nbytes / alone, max(1.0, together / alone)
-
-
-def matmul_rates(shape: ModelShape, dtype: torch.dtype, rows: Sequence[int], repeats: int = 5) -> tuple:
-    """((rows, FLOP/s) alone, (rows, FLOP/s) while the other virtual device does the same): that many rows multiplied
-    through every matrix of the model's working set, as a forward does: the weights come from memory, not from the
-    cache. One matrix timed alone stays in the cache, and at a few rows it multiplies faster than the same rows swept
-    through the working set: a CPU overlaps streaming and multiplying only in part, so the roofline's max(bytes /
-    bandwidth, FLOPs / rate) holds only with a rate measured while streaming. Both devices at once share the memory:
-    slower by how much each row count streams, so the slowdown is measured per row count too; all row counts in
-    the same rounds (`_alone_and_together`)."""
-    mats = [_weights(shape, dtype), _weights(shape, dtype)]
-    per_row = 2.0 * sum(w.numel() for w in mats[0])
-    counts = sorted(set(rows))
-    seconds = _alone_and_together({r: [_sweep(m, r, dtype) for m in mats] for r in counts}, repeats)
-    return (tuple((r, per_row * r / seconds[r][0]) for r in counts),
-            tuple((r, per_row * r / seconds[r][1]) for r in counts))
+    def device(self) -> Device:
+        """The device as the medians of the rounds sampled so far (at least one) price it. One row: the streaming
+        sweep's rate, not a second reading of it."""
+        if not self.host:
+            raise ValueError("no round sampled: call sample() first")
+        alone = {r: statistics.median(t) for r, t in self.alone.items()}
+        together = {r: statistics.median(t) for r, t in self.together.items()}
+        bandwidth, slowdown = self.nbytes / alone[1], max(1.0, together[1] / alone[1])
+        streaming = 2 * bandwidth / self.dtype.itemsize
+        counts = [r for r in alone if r > 1]
+        return Device("CPU virtual device", bandwidth,
+                      ((1, streaming),) + tuple((r, self.per_row * r / alone[r]) for r in counts),
+                      statistics.median(self.host), slowdown,
+                      ((1, streaming / slowdown),) + tuple((r, self.per_row * r / together[r]) for r in counts),
+                      max(statistics.median(self.waits), 0.0))
 
 
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     """Host time of one dispatched op: a decode step of a tiny model of the family (hidden 64, where the arithmetic
     is nothing) with 4 layers against 1, per layer, divided by the ops a layer dispatches."""
-    steps = {}
-    for layers in (1, 4):
+    ids = torch.ones(1, 8, dtype=torch.long)
+
+    def step(layers: int):
         model = tiny_model(model_type, layers)
-        ids = torch.ones(1, 8, dtype=torch.long)
+        cache = model(ids, use_cache=True).cache
+        return lambda: (model(ids[:, :1], cache=cache, use_cache=True), cache.crop(-1))
+
+    with torch.no_grad():
+        extra = _extra_seconds(step(4), step(1), repeats)
+    return max(extra, 0.0) / 3 / ops_per_layer(model_type)
+
+
+class StageDecodes:
+    """Decode steps of a stage-sized model of the workload's family and layer shapes (`config`, a Hugging Face
+    config; random weights, half its decoder layers), one per virtual device, at each of `batches`: what
+    `lock_wait_per_op` times."""
+
+    def __init__(self, config, dtype: torch.dtype, batches: Sequence[int] = LOCK_WAIT_BATCHES):
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = max(1, config.num_hidden_layers // 2)
+        counts = op_counts(config.model_type)
+        self.dispatched = DECODE_STEPS * (config.num_hidden_layers * counts.per_layer + counts.outside)
+        torch.manual_seed(0)
+        stages = [AutoModelForCausalLM.from_config(config).to(dtype).eval() for _ in range(2)]
+        self.works = [[self._decoding(stage, b) for stage in stages] for b in batches]
+        for work in self.works:
+            _off_cpu(work)
+
+    @staticmethod
+    def _decoding(stage: torch.nn.Module, batch: int):
+        ids = torch.ones(batch, 8, dtype=torch.long)
         with torch.no_grad():
-            cache = model(ids, use_cache=True).cache
-            steps[layers] = _median(lambda: (model(ids[:, :1], cache=cache, use_cache=True), cache.crop(-1)), repeats)
-    return max(steps[4] - steps[1], 0.0) / 3 / ops_per_layer(model_type)
+            cache = stage(ids, use_cache=True).cache
+
+        def steps() -> None:
+            with torch.no_grad():  # grad mode belongs to the thread
+                for _ in range(DECODE_STEPS):
+                    stage(ids[:, :1], cache=cache, use_cache=True)
+                    cache.crop(-1)
+        return steps
+
+    def lock_wait_per_op(self) -> float:
+        """Seconds each dispatched op waits for the interpreter lock while the other device's thread decodes in the
+        same process, as the pipelined engine's two stage threads do: every op takes the lock to dispatch and gives
+        it back while it computes, and a thread whose op ended waits while the other holds it. The wall time the
+        thread's CPU time does not account for, both devices at once less alone, per op (layers x ops per layer,
+        and the ops outside the layers), the median over the batches. Six runs on this rig: 3-17 us per op, 7
+        typical (the host's own time: 6 us); the engine's stage spans waited 1.1-2.5 ms per decode step at batches
+        1 and 16 (6-13 us per op); with a streaming sweep (a few large matmuls) on the other thread, 0.2-0.3 us:
+        the wait comes with the other thread's many small ops, which the sweep does not have."""
+        return statistics.median((_off_cpu(work) - _off_cpu(work[:1])) / self.dispatched for work in self.works)
+
+
+def _off_cpu(work: Sequence) -> float:
+    """Seconds the first of `work` (each on a virtual device's thread, all at once) spent off its CPU."""
+    from helpers.simulate.calibrate import run_together_with_cpu
+
+    wall, cpu = run_together_with_cpu(work)[0]
+    return wall - cpu
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -243,30 +322,37 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
     with torch.no_grad():
         work = decode_step_work(shape, dtype, device, dist.get_world_size())
         allreduce = lockstep_allreduce_link(sorted(sizes), mesh, device, dtype, work, shape.hidden)
-        wrapped = _median(lambda: linear(x), 20 * repeats, warmup=5)
-        plain = _median(lambda: F.linear(x, local), 20 * repeats, warmup=5)
+        sharded = _extra_seconds(lambda: linear(x), lambda: F.linear(x, local), 20 * repeats, warmup=5)
     dist.barrier()
     return {"latency_s": allreduce.link.latency_s, "bandwidth": allreduce.link.bandwidth, "waits": allreduce.waits,
-            "sharded_linear_s": max(wrapped - plain, 0.0)}
+            "sharded_linear_s": max(sharded, 0.0)}
 
 
-def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5) -> SpeedRig:
-    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
-    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode)."""
+def model_shape_of(model: HFModel) -> ModelShape:
+    """The saved model's shape in the weight format it holds (what the calibration and the predictions price)."""
     from helpers.inference.generate import weight_format_name
+
+    return model_shape(model.path, weight_format_name(model.weights_dtype))
+
+
+def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5,
+                      device: Device | None = None) -> SpeedRig:
+    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
+    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode). `device`:
+    a virtual device already calibrated (`DeviceCalibration`, sampled while the engines were measured); else
+    `repeats` rounds now."""
     from helpers.runtime.launch import run
 
     if not rig.is_cpu:
         raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
                          "links: python -m helpers.doctor --json doctor.json, then speed_rig('doctor.json')")
-    dtype = model.weights_dtype
-    shape = model_shape(model.path, weight_format_name(dtype))
-    bandwidth, slowdown = stream_rates(shape, dtype, repeats)
-    alone, together = matmul_rates(shape, dtype, [r for r in rows if r > 1], repeats)
-    streaming = 2 * bandwidth / dtype.itemsize  # one row through the working set: the streaming sweep, read once
-    alone, together = ((1, streaming),) + alone, ((1, streaming / slowdown),) + together
-    device = Device("CPU virtual device", bandwidth, alone, host_seconds_per_op(shape.config.model_type), slowdown,
-                    together)
+    dtype, shape = model.weights_dtype, model_shape_of(model)
+    if device is None:
+        calibration = DeviceCalibration(shape, dtype, rows)
+        for _ in range(repeats):
+            calibration.sample()
+        device = calibration.device()
+    bandwidth, slowdown = device.bandwidth, device.busy_slowdown
     sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
     if len(sizes) < 2:
         sizes.append(2 * sizes[0])
@@ -277,7 +363,9 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
                     Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce of a row-parallel linear in lock step"),
                     host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"], allreduce_waits=tp["waits"],
                     note=f"measured: {bandwidth / 1e9:.3g} GB/s weight streaming ({slowdown:.2f}x slower with both "
-                         f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op, all-reduce "
+                         f"devices busy), {device.host_s_per_op * 1e6:.2f} us per op "
+                         f"({device.lock_wait_s_per_op * 1e6:.2f} us more waiting for the interpreter lock with both "
+                         f"stage threads busy), all-reduce "
                          f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s, waiting "
                          + ", ".join(f"{s * 1e6:.0f} us more after {w * 1e3:.1f} ms of work"
                                      for w, s in tp["waits"][1:])
@@ -287,10 +375,11 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
 # --- the engines, measured ----------------------------------------------------------------------------------------
 
 def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequence[int], new_tokens: int,
-                    repeats: int = 3) -> list[dict]:
+                    repeats: int = 3, before_each: Callable[[], None] | None = None) -> list[dict]:
     """Prefill and decode tokens per second of the layer split (one request of `batch` prompts), the pipelined split
     (2 such requests in flight) and tensor parallelism (one request), for every batch and prompt length (prompts of
-    equal length: no padding). The split cuts the decoder layers in half, as the prediction does."""
+    equal length: no padding). The split cuts the decoder layers in half, as the prediction does. `before_each`:
+    called before each batch and prompt length is measured (the speed bench samples its calibration there)."""
     from helpers.inference.generate import LayerSplit, make_requests, stages_from_cuts
     from helpers.inference.pipelined import Pipelined
     from helpers.inference.throughput import measure
@@ -301,6 +390,8 @@ def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequen
     rows = []
     for batch in batches:
         for prompt in prompts:
+            if before_each is not None:
+                before_each()
             requests = make_requests(REQUESTS, model.config.vocab_size, batch, (prompt, prompt))
             results = measure({"layer split": lambda: split.generate(requests[:1], new_tokens),
                                "pipelined": lambda: pipe.generate(requests, new_tokens)}, repeats=repeats)
@@ -447,10 +538,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [int(p) for p in ns.prompts.split(",")]
     model = save_model(str(scratch_dir("speed-bench-")), ns.hidden, ns.layers, ns.vocab)
     rows_used = sorted({b * p for b in batches for p in prompts} | set(batches))
-    speed = calibrate_cpu_rig(model, rig, rows_used, ns.repeats)
+    shape = model_shape_of(model)
+    calibration = DeviceCalibration(shape, model.weights_dtype, rows_used)  # a round before each measurement
+    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration.sample)
+    speed = calibrate_cpu_rig(model, rig, rows_used, ns.repeats, calibration.device())
     print(speed.note)
-    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats)
-    shape = model_shape(model.path, "fp32")
     rows = compare(measured, speed, shape)
     print(table(rows))
     print(table(error_summary(rows)))

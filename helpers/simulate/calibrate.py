@@ -297,16 +297,22 @@ def typical_slowdown(ratios: Sequence[float]) -> float:
 def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
     """Each of `work` in a thread of its own, as CPU virtual devices (what the calibration's runs together time),
     all released at once; the seconds each took."""
+    return [wall for wall, _ in run_together_with_cpu(work)]
+
+
+def run_together_with_cpu(work: Sequence[Callable[[], object]]) -> list[tuple[float, float]]:
+    """`run_together`, each work's (wall seconds, its thread's CPU seconds): the difference is what the thread
+    waited (on the CPU rig, for the interpreter lock the device threads of one process share)."""
     import threading
 
-    took = [0.0] * len(work)
+    took = [(0.0, 0.0)] * len(work)
     start = threading.Barrier(len(work))
 
     def timed(i: int) -> None:
         start.wait()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         work[i]()
-        took[i] = time.perf_counter() - t0
+        took[i] = (time.perf_counter() - t0, time.thread_time() - c0)
 
     cpu, n = torch.device("cpu"), len(work)
     threads = [threading.Thread(target=device_thread(lambda i=i: timed(i), cpu, i, n)) for i in range(n)]
