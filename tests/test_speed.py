@@ -140,6 +140,32 @@ def test_pipelined_stages_wait_for_the_interpreter_lock_on_every_op_only_while_b
     assert added == pytest.approx(max(per_stage) * 1e-5)
 
 
+def test_a_decoder_layers_activation_work_adds_to_its_roofline_by_rows_and_share():
+    """`Device.activation_s` (the CPU rig's measured work of a decoder layer beyond its weights' roofline and its
+    dispatch) is interpolated by rows, the nearest point's outside the measured ones, and added to every decoder
+    layer: whole on one device, half per rank under tensor parallelism; the embedding and the head never pay it."""
+    from dataclasses import replace
+
+    from helpers.inference.speed import one_device, tensor_parallel, unit_seconds
+
+    shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
+    cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6)
+    working = replace(cpu, activation_s=((1, 1e-4), (16, 4e-4)))
+    assert [working.activation_seconds(r) for r in (1, 6, 16, 1024)] == pytest.approx([1e-4, 2e-4, 4e-4, 4e-4])
+    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
+    slower = replace(rig, devices=(working, working))
+    decode = Phase("decode", 6, 1, 128)
+    layers = len(shape.decoder_layers)
+    added = one_device(shape, decode, slower, ops).seconds - one_device(shape, decode, rig, ops).seconds
+    assert added == pytest.approx(layers * 2e-4)
+    for layer in shape.layers:
+        added = (unit_seconds(layer, shape, decode, working, slower, ops.per_layer, 0.5)
+                 - unit_seconds(layer, shape, decode, cpu, rig, ops.per_layer, 0.5))
+        assert added == pytest.approx(1e-4 if layer.kind == "decoder" else 0.0)
+    halves = [tensor_parallel(shape, decode, r, ops).parts["device 0"] for r in (slower, rig)]
+    assert halves[0] - halves[1] == pytest.approx(layers * 1e-4)  # each rank: half of every layer's
+
+
 def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_them():
     """Each all-reduce waits, beyond its latency, what the calibration measured after as much work since the last
     one (interpolated between its points, never extrapolated past the last); the row-parallel linears' DTensor work
@@ -261,7 +287,9 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     assert rate > 0 and device.busy_slowdown >= 1 and device.host_s_per_op >= 0 and device.lock_wait_s_per_op >= 0
     assert [r for r, _ in device.flops] == [r for r, _ in device.busy_flops] == [1, 4]  # a point per row count
     assert device.flops[0][1] == pytest.approx(2 * rate / 4)  # one row: the streaming sweep's rate (fp32)
-    assert 0 <= StageDecodes(config, torch.float32, batches=(1,)).lock_wait_per_op() < 1e-3
+    assert [b for b, _ in device.activation_s] == [1, 4, 16] and all(s >= 0 for _, s in device.activation_s)
+    wait, steps = StageDecodes(config, torch.float32, batches=(1, 2)).sample()
+    assert 0 <= wait < 1e-3 and sorted(steps) == [1, 2] and all(s > 0 for s in steps.values())
     busy = Device("cpu", 1e9, ((1, 4e9), (16, 8e9)), 0.0, 2.0, ((1, 1e9), (16, 4e9)))
     assert busy.rate(4, busy=True) == pytest.approx(2.5e9) and busy.rate(4) == pytest.approx(6e9)  # log-interpolated
     assert Device("gpu", 1e9, ((1, 4e9),), 0.0, 2.0).rate(1, busy=True) == 2e9  # no busy points: the slowdown

@@ -15,8 +15,11 @@ reads every weight and the whole KV cache for `batch` tokens (bandwidth-bound), 
 (compute-bound). Quantised weights are read as stored when a forward has one row, and dequantised to 16 bits first
 when it has more (bitsandbytes' batch-1 kernels; data/inference_speed.json). The host launches every op of a layer
 (Hugging Face's eager generate): on a GPU the launches overlap the kernels, so a layer takes at least the host's
-time; on the CPU rig the same thread computes, so the two add. A collective of n bytes costs its measured or
-published small-message latency + n / bandwidth (`rig_allreduce`): at decode's few KiB the latency is the cost.
+time; on the CPU rig the same thread computes, so the two add, and so does what a decoder layer computes besides
+its weights' matmuls (attention, norms, SiLU: `Device.activation_s`, measured), and the pipelined engine's two
+stage threads, one process, wait for the interpreter lock on every op (`Device.lock_wait_s_per_op`, measured). A
+collective of n bytes costs its measured or published small-message latency + n / bandwidth (`rig_allreduce`): at
+decode's few KiB the latency is the cost.
 
 Rigs: `speed_rig("2x3090 PCIe")` and the others named in data/inference_speed.json, your two GPUs as the doctor
 measured their links (`speed_rig("doctor.json")`), or the CPU rig (`helpers.inference.speed_bench.calibrate_cpu_rig`).
@@ -69,7 +72,11 @@ class Device:
     `lock_wait_s_per_op`: what each op waits for the interpreter lock while the other device's thread works in the
     same process (the pipelined engine's stage threads: each op takes the lock to dispatch and a thread whose op
     ended waits while the other holds it; measured on the CPU rig, where it adds to the host's time; 0 where
-    unmeasured: on GPUs the host launches ahead of the kernels)."""
+    unmeasured: on GPUs the host launches ahead of the kernels); `activation_s`: (rows, seconds) points of what a
+    decoder layer's forward of that many rows takes beyond its weights' roofline and its ops' dispatch: attention
+    over the cache and its append, norms, rotary embedding, SiLU, residual adds, which one CPU thread runs after the
+    matmuls rather than under them (measured on the CPU rig at decode batches; none where unmeasured: the GPUs'
+    published layer rates include them)."""
 
     name: str
     bandwidth: float
@@ -78,6 +85,7 @@ class Device:
     busy_slowdown: float = 1.0
     busy_flops: tuple[tuple[int, float], ...] = ()
     lock_wait_s_per_op: float = 0.0
+    activation_s: tuple[tuple[int, float], ...] = ()
 
     def rate(self, rows: int, busy: bool = False) -> float:
         """FLOP/s at `rows` rows (while the other device works too, with `busy`), interpolated in log(rows) between
@@ -91,6 +99,18 @@ class Device:
             if rows <= r1:
                 t = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
                 return f0 + t * (f1 - f0)
+        return points[-1][1]
+
+    def activation_seconds(self, rows: int) -> float:
+        """`activation_s` at `rows`: interpolated between the measured points, the nearest point's outside them."""
+        points = sorted(self.activation_s)
+        if not points:
+            return 0.0
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, s0), (r1, s1) in zip(points, points[1:]):
+            if rows <= r1:
+                return s0 + (rows - r0) / (r1 - r0) * (s1 - s0)
         return points[-1][1]
 
     def seconds(self, nbytes: float, flops: float, rows: int, busy: bool = False) -> float:
@@ -338,6 +358,8 @@ def unit_seconds(layer: Layer, shape: ModelShape, phase: Phase, device: Device, 
     nbytes, flops = layer_cost(layer, shape, phase, share)
     rows = phase.batch if layer.kind == "head" else phase.rows
     work = device.seconds(nbytes, flops, rows, busy) if nbytes or flops else 0.0
+    if layer.kind == "decoder":
+        work += share * device.activation_seconds(rows)
     host = ops * device.host_s_per_op + extra_host_s
     return max(work, host) if rig.host_overlaps else work + host
 
@@ -407,10 +429,18 @@ def _distinct(layers: Sequence[Layer]) -> list[tuple[Layer, int]]:
     return [(layer, n) for layer, n in groups.values()]
 
 
+def model_seconds(shape: ModelShape, phase: Phase, device: Device, rig: SpeedRig, ops: OpCounts,
+                  decoders: int | None = None) -> float:
+    """One forward of the whole model on `device`, or of a model of the same shapes with only its first `decoders`
+    decoder layers (the CPU calibration's stage-sized model)."""
+    units = [layer for layer in shape.layers if layer.kind != "decoder"] + shape.decoder_layers[:decoders]
+    return sum(n * unit_seconds(layer, shape, phase, device, rig, _unit_ops(layer, ops))
+               for layer, n in _distinct(units))
+
+
 def one_device(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts) -> EngineSpeed:
     device = rig.devices[0]
-    t = sum(n * unit_seconds(layer, shape, phase, device, rig, _unit_ops(layer, ops))
-            for layer, n in _distinct(shape.layers))
+    t = model_seconds(shape, phase, device, rig, ops)
     return EngineSpeed("one device", phase.name, t, _tokens(phase) / t, {device.name: t})
 
 

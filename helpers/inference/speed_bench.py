@@ -6,10 +6,11 @@ engines timed on the same model, batches and contexts.
   weights at (alone, and while the other device streams too), its matmul rate at the row counts the workload
   multiplies (through the whole working set, out of the cache; both devices as threads with one intra-op thread
   each; one row: the streaming sweep's own rate, not a second reading of it), the host time per dispatched op (a
-  tiny model of the same family, per layer, divided by the ops it dispatches), what each op waits for the
-  interpreter lock while both devices' threads decode in one process (`StageDecodes`), and in two ranks the
-  all-reduce at hidden-state sizes issued back to back as tensor parallelism issues them
-  (`lockstep_allreduce_link`) and DTensor's host time per sharded linear.
+  tiny model of the same family, per layer, divided by the ops it dispatches), with a stage-sized model decoding
+  (`StageDecodes`) what each op waits for the interpreter lock while both devices' threads decode in one process
+  and what a decoder layer computes beyond its weights' matmuls and its dispatch, and in two ranks the all-reduce
+  at hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and
+  DTensor's host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
   flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats); the
   command line takes a round of the calibration before each batch and prompt length, so both see the same minutes.
@@ -27,14 +28,15 @@ import copy
 import json
 import statistics
 import time
+from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from helpers.sizing.shape import ModelShape, model_shape
-from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, op_counts, ops_per_layer,
-                                     pipelined, tensor_parallel, tiny_model)
+from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, model_seconds, op_counts,
+                                     ops_per_layer, pipelined, tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
 from helpers.simulate.hardware import FREE_LINK, Link
 
@@ -42,8 +44,9 @@ ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine
 LOCKSTEP_PAIRS = 25  # steps with and without all-reduces at the shortest work (7 moved the latency 1.6-2.4 ms)
 STRETCHES = (4, 16)  # the longer work between two all-reduces the calibration measures: 4 and 16 pieces
-LOCK_WAIT_BATCHES = (1, 16)  # decode batches the interpreter lock's wait is measured at (it hardly moves with them)
-DECODE_STEPS = 4  # per timing of a stage-sized model's decode (lock_wait_per_op)
+STAGE_BATCHES = (1, 4, 16)  # decode batches of the stage-sized model (the lock's wait, the layers' activation work)
+DECODE_STEPS = 4  # per timing of a stage-sized model's decode (StageDecodes)
+CONTEXT = 8  # the stage-sized model's prompt: its decode steps attend over 9 positions
 
 
 def _extra_seconds(fn, base, repeats: int, warmup: int = 1) -> float:
@@ -87,9 +90,9 @@ def _together(work) -> float:
 class DeviceCalibration:
     """The CPU virtual device's micro-benchmarks for one model, sampled in rounds: `sample()` times each once,
     `device()` is the medians of the rounds so far. The speed bench takes a round before each of the engines'
-    measurements, so that the calibration and the engines share the same minutes of the machine (two runs with the
-    calibration all before the engines: the engines' rows 3% apart (median), the calibration's matmul rates 3-16%,
-    and the runs priced 34 and 22 of 36 rows within 15%; four runs with rounds between: 27-29). Per round:
+    measurements, so that the calibration and the engines share the same minutes of the machine (in two runs with
+    the calibration all before the engines, the engines' rows moved 3% (median) from one run to the other, the
+    calibration's matmul rates 3-16%). Per round:
 
     - weight streaming: one row through every matrix of the working set, as decoding one token reads every weight
       once, alone and while the other virtual device streams too;
@@ -98,7 +101,9 @@ class DeviceCalibration:
       faster than the same rows swept through the working set; a CPU overlaps streaming and multiplying only in
       part, so the roofline's max(bytes / bandwidth, FLOPs / rate) holds only with a rate measured while
       streaming), alone and both devices at once (slower by how much each row count streams, so per row count);
-    - the host's time per op (`host_seconds_per_op`) and the interpreter lock's wait per op (`lock_wait_per_op`).
+    - the host's time per op (`host_seconds_per_op`); with a stage-sized model decoding (`StageDecodes`), the
+      interpreter lock's wait per op with both devices' threads at once, and a decoder layer's work beyond its
+      weights' roofline and its dispatch (`activation_s`: attention, norms, SiLU and the like, one after another).
 
     Each row count alone then together, all in the same round: a slow moment of the machine hurts alone and together
     alike and spreads over all row counts (a 16-row point read 30 GFLOP/s in one run, 41 in three others)."""
@@ -117,6 +122,7 @@ class DeviceCalibration:
         self.together: dict = {r: [] for r in self.works}
         self.host: list[float] = []
         self.waits: list[float] = []
+        self.steps: dict = {b: [] for b in self.decodes.batches}
 
     def sample(self) -> None:
         for r, work in self.works.items():
@@ -125,7 +131,10 @@ class DeviceCalibration:
             self.alone[r].append(time.perf_counter() - t0)
             self.together[r].append(_together(work))
         self.host.append(host_seconds_per_op(self.shape.config.model_type))
-        self.waits.append(self.decodes.lock_wait_per_op())
+        wait, steps = self.decodes.sample()
+        self.waits.append(wait)
+        for batch, seconds in steps.items():
+            self.steps[batch].append(seconds)
 
     def device(self) -> Device:
         """The device as the medians of the rounds sampled so far (at least one) price it. One row: the streaming
@@ -137,11 +146,25 @@ class DeviceCalibration:
         bandwidth, slowdown = self.nbytes / alone[1], max(1.0, together[1] / alone[1])
         streaming = 2 * bandwidth / self.dtype.itemsize
         counts = [r for r in alone if r > 1]
-        return Device("CPU virtual device", bandwidth,
-                      ((1, streaming),) + tuple((r, self.per_row * r / alone[r]) for r in counts),
-                      statistics.median(self.host), slowdown,
-                      ((1, streaming / slowdown),) + tuple((r, self.per_row * r / together[r]) for r in counts),
-                      max(statistics.median(self.waits), 0.0))
+        device = Device("CPU virtual device", bandwidth,
+                        ((1, streaming),) + tuple((r, self.per_row * r / alone[r]) for r in counts),
+                        statistics.median(self.host), slowdown,
+                        ((1, streaming / slowdown),) + tuple((r, self.per_row * r / together[r]) for r in counts),
+                        max(statistics.median(self.waits), 0.0))
+        return replace(device, activation_s=tuple((b, self._activation_seconds(device, b)) for b in self.steps))
+
+    def _activation_seconds(self, device: Device, batch: int) -> float:
+        """A decoder layer's work at `batch` rows beyond its weights' roofline and its ops' dispatch: the
+        stage-sized model's decode step (median of the rounds) less what `device` prices for it without that work,
+        per decoder layer. Profiled on this rig (the model of the speed bench, layer split decode): the ops other
+        than the weights' matmuls took 2.5, 5.0 and 7.4 ms per step at batches 1, 4 and 16 (attention over the
+        cache, the elementwise multiplies, the cache's append first), where their dispatch accounts for 2.3 ms.
+        Measured as a difference, it also takes up what the rounds' matmul rates miss of the model's own
+        matmuls: 0.06-0.36 ms per layer at batch 1 and 0.34-1.41 at 16 in two runs."""
+        rig = SpeedRig("calibrating", (device, device), FREE_LINK, FREE_LINK, host_overlaps=False)
+        priced = model_seconds(self.shape, Phase("decode", batch, 1, CONTEXT + 1), device, rig,
+                               op_counts(self.shape.config.model_type), self.decodes.layers)
+        return max((statistics.median(self.steps[batch]) - priced) / self.decodes.layers, 0.0)
 
 
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
@@ -161,10 +184,10 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
 
 class StageDecodes:
     """Decode steps of a stage-sized model of the workload's family and layer shapes (`config`, a Hugging Face
-    config; random weights, half its decoder layers), one per virtual device, at each of `batches`: what
-    `lock_wait_per_op` times."""
+    config; random weights, half its decoder layers; a prompt of `CONTEXT` tokens), one per virtual device, at each
+    of `batches`: what `sample` times."""
 
-    def __init__(self, config, dtype: torch.dtype, batches: Sequence[int] = LOCK_WAIT_BATCHES):
+    def __init__(self, config, dtype: torch.dtype, batches: Sequence[int] = STAGE_BATCHES):
         from transformers import AutoModelForCausalLM
 
         config = copy.deepcopy(config)
@@ -173,13 +196,13 @@ class StageDecodes:
         self.dispatched = DECODE_STEPS * (config.num_hidden_layers * counts.per_layer + counts.outside)
         torch.manual_seed(0)
         stages = [AutoModelForCausalLM.from_config(config).to(dtype).eval() for _ in range(2)]
+        self.layers, self.batches = config.num_hidden_layers, tuple(batches)
         self.works = [[self._decoding(stage, b) for stage in stages] for b in batches]
-        for work in self.works:
-            _off_cpu(work)
+        self.sample()  # warm-up
 
     @staticmethod
     def _decoding(stage: torch.nn.Module, batch: int):
-        ids = torch.ones(batch, 8, dtype=torch.long)
+        ids = torch.ones(batch, CONTEXT, dtype=torch.long)
         with torch.no_grad():
             cache = stage(ids, use_cache=True).cache
 
@@ -190,24 +213,24 @@ class StageDecodes:
                     cache.crop(-1)
         return steps
 
-    def lock_wait_per_op(self) -> float:
-        """Seconds each dispatched op waits for the interpreter lock while the other device's thread decodes in the
-        same process, as the pipelined engine's two stage threads do: every op takes the lock to dispatch and gives
-        it back while it computes, and a thread whose op ended waits while the other holds it. The wall time the
-        thread's CPU time does not account for, both devices at once less alone, per op (layers x ops per layer,
-        and the ops outside the layers), the median over the batches. Six runs on this rig: 3-17 us per op, 7
-        typical (the host's own time: 6 us); the engine's stage spans waited 1.1-2.5 ms per decode step at batches
-        1 and 16 (6-13 us per op); with a streaming sweep (a few large matmuls) on the other thread, 0.2-0.3 us:
-        the wait comes with the other thread's many small ops, which the sweep does not have."""
-        return statistics.median((_off_cpu(work) - _off_cpu(work[:1])) / self.dispatched for work in self.works)
+    def sample(self) -> tuple[float, dict[int, float]]:
+        """(what each op waits for the interpreter lock, {batch: seconds of one decode step alone}). The wait: while
+        the other device's thread decodes in the same process, as the pipelined engine's two stage threads do, every
+        op takes the lock to dispatch and gives it back while it computes, and a thread whose op ended waits while
+        the other holds it; measured as the wall time the thread's CPU time does not account for, both devices at
+        once less alone, per op (layers x ops per layer, and the ops outside the layers), the median over the
+        batches. Six runs on this rig: 3-17 us per op, 7 typical (the host's own time: 6 us); the engine's stage
+        spans waited 1.1-2.5 ms per decode step at batches 1 and 16 (6-13 us per op); with a streaming sweep (a few
+        large matmuls) on the other thread, 0.2-0.3 us: the wait comes with the other thread's many small ops,
+        which the sweep does not have."""
+        from helpers.simulate.calibrate import run_together_with_cpu
 
-
-def _off_cpu(work: Sequence) -> float:
-    """Seconds the first of `work` (each on a virtual device's thread, all at once) spent off its CPU."""
-    from helpers.simulate.calibrate import run_together_with_cpu
-
-    wall, cpu = run_together_with_cpu(work)[0]
-    return wall - cpu
+        waits, steps = [], {}
+        for batch, work in zip(self.batches, self.works):
+            (both, both_cpu), (alone, alone_cpu) = run_together_with_cpu(work)[0], run_together_with_cpu(work[:1])[0]
+            waits.append(((both - both_cpu) - (alone - alone_cpu)) / self.dispatched)
+            steps[batch] = alone / DECODE_STEPS
+        return statistics.median(waits), steps
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -460,7 +483,7 @@ def rig_from_dict(fields: dict) -> SpeedRig:
         return {k: v for k, v in d.items() if k in names}
 
     def device(d: dict) -> Device:
-        return Device(**{**known(Device, d), **points(d, ("flops", "busy_flops"))})
+        return Device(**{**known(Device, d), **points(d, ("flops", "busy_flops", "activation_s"))})
 
     return SpeedRig(**{**known(SpeedRig, fields), **points(fields, ("allreduce_waits",)),
                        "devices": tuple(device(d) for d in fields["devices"]), "hop": Link(**fields["hop"]),
