@@ -65,10 +65,8 @@ def _extra_seconds(fn, base, repeats: int, warmup: int = 1) -> float:
 
 
 def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
-    """MLP-shaped matrices adding up to the model's decoder weights: the working set a decode step streams. (The
-    layer's own seven shapes measured 10-20% faster at 4 and 16 rows, and predicted the engines' decode 10-20% too
-    fast there: the elementwise work between the matmuls, which the model counts only as dispatch, is what the
-    slower MLP-shaped rate stands for.)"""
+    """MLP-shaped matrices adding up to the model's decoder weights: the working set a decode step streams. What a
+    layer computes besides its matmuls is measured apart (`Device.activation_s`, from `StageDecodes`)."""
     one = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
     total = sum(layer.weight_bytes for layer in shape.decoder_layers)
     return [one] + [torch.randn_like(one) for _ in range(max(0, total // (one.numel() * one.element_size()) - 1))]
@@ -125,6 +123,8 @@ class DeviceCalibration:
         self.steps: dict = {b: [] for b in self.decodes.batches}
 
     def sample(self) -> None:
+        """One round: every row count alone then on both devices at once, the host's time per op, the stage-sized
+        model's decode (`StageDecodes.sample`)."""
         for r, work in self.works.items():
             t0 = time.perf_counter()
             work[0]()
@@ -219,7 +219,7 @@ class StageDecodes:
         op takes the lock to dispatch and gives it back while it computes, and a thread whose op ended waits while
         the other holds it; measured as the wall time the thread's CPU time does not account for, both devices at
         once less alone, per op (layers x ops per layer, and the ops outside the layers), the median over the
-        batches. Six runs on this rig: 3-17 us per op, 7 typical (the host's own time: 6 us); the engine's stage
+        batches. Eight runs on this rig: 3-17 us per op, 7 typical (the host's own time: 6 us); the engine's stage
         spans waited 1.1-2.5 ms per decode step at batches 1 and 16 (6-13 us per op); with a streaming sweep (a few
         large matmuls) on the other thread, 0.2-0.3 us: the wait comes with the other thread's many small ops,
         which the sweep does not have."""
