@@ -302,6 +302,21 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     assert predict_speed(str(tmp_path), "fp32", rig, 2, 64).tok_s("tensor parallel", "decode") > 0
 
 
+def test_the_ranks_launches_are_priced_by_their_medians_field_by_field():
+    """Several launches of the all-reduce timing (one before each measurement): each field's median, the waits point
+    by point, still never shrinking with more work."""
+    from helpers.inference.speed_bench import median_sample
+
+    def launch(latency: float, waits: tuple) -> dict:
+        return {"latency_s": latency, "bandwidth": 1e9, "sharded_linear_s": 1e-4, "waits": waits}
+
+    got = median_sample([launch(1e-3, ((1e-3, 0.0), (4e-3, 1e-3), (16e-3, 3e-3))),
+                         launch(3e-3, ((1e-3, 0.0), (4e-3, 2e-3), (16e-3, 2e-3))),
+                         launch(2e-3, ((2e-3, 0.0), (5e-3, 5e-4), (17e-3, 9e-4)))])
+    assert got["latency_s"] == 2e-3 and got["bandwidth"] == 1e9 and got["sharded_linear_s"] == 1e-4
+    assert got["waits"] == ((1e-3, 0.0), (4e-3, 1e-3), (16e-3, 2e-3))
+
+
 def test_a_runs_calibration_replays_its_rows(tmp_path):
     """--json keeps the SpeedRig and the model's config beside the rows; --replay predicts them again from those
     alone (no measurement), as compare did in the run."""

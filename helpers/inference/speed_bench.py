@@ -13,7 +13,8 @@ engines timed on the same model, batches and contexts.
   DTensor's host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
   flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats); the
-  command line takes a round of the calibration before each batch and prompt length, so both see the same minutes.
+  command line takes a round of the calibration (and one launch of the ranks' all-reduce timing) before each
+  batch and prompt length, so both see the same minutes.
 - `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
 - `rig_as_dict` / `rig_from_dict`, `replay(path)`: a run's calibration saved beside its rows (`--json`) and its rows
   predicted again from it (`--replay`): the model's next version checked against stored measurements in seconds.
@@ -358,30 +359,49 @@ def model_shape_of(model: HFModel) -> ModelShape:
     return model_shape(model.path, weight_format_name(model.weights_dtype))
 
 
-def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5,
-                      device: Device | None = None) -> SpeedRig:
-    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
-    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode). `device`:
-    a virtual device already calibrated (`DeviceCalibration`, sampled while the engines were measured); else
-    `repeats` rounds now."""
+def tensor_parallel_sample(model: HFModel, rig, rows: Sequence[int], repeats: int) -> dict:
+    """One launch of two ranks timing what tensor parallelism pays (`tensor_parallel_calibration`), rank 0's
+    reading, at the hidden-state sizes of `rows`."""
     from helpers.runtime.launch import run
 
+    from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
+
+    dtype, shape = model.weights_dtype, model_shape_of(model)
+    sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
+    if len(sizes) < 2:
+        sizes.append(2 * sizes[0])
+    return run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
+
+
+def median_sample(samples: Sequence[dict]) -> dict:
+    """Field by field medians of `tensor_parallel_sample`s, the waits point by point (each sample's waits never
+    shrink with more work, and neither do their medians). One launch's waits moved from one run to the next by up to
+    4x (after 13 ms of work: 0.8 ms in one run, 3.4 ms in the next), pricing tensor parallelism's rows 16-30% off."""
+    def median(key: str) -> float:
+        return statistics.median(s[key] for s in samples)
+
+    waits = tuple((statistics.median(s["waits"][i][0] for s in samples),
+                   statistics.median(s["waits"][i][1] for s in samples)) for i in range(len(samples[0]["waits"])))
+    return {"latency_s": median("latency_s"), "bandwidth": median("bandwidth"),
+            "sharded_linear_s": median("sharded_linear_s"), "waits": waits}
+
+
+def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5,
+                      device: Device | None = None, tensor_parallel: Sequence[dict] = ()) -> SpeedRig:
+    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
+    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode). `device`
+    and `tensor_parallel`: a virtual device already calibrated (`DeviceCalibration`) and `tensor_parallel_sample`s,
+    taken while the engines were measured; else `repeats` rounds and one launch now."""
     if not rig.is_cpu:
         raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
                          "links: python -m helpers.doctor --json doctor.json, then speed_rig('doctor.json')")
-    dtype, shape = model.weights_dtype, model_shape_of(model)
     if device is None:
-        calibration = DeviceCalibration(shape, dtype, rows)
+        calibration = DeviceCalibration(model_shape_of(model), model.weights_dtype, rows)
         for _ in range(repeats):
             calibration.sample()
         device = calibration.device()
     bandwidth, slowdown = device.bandwidth, device.busy_slowdown
-    sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
-    if len(sizes) < 2:
-        sizes.append(2 * sizes[0])
-    from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
-
-    tp = run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
+    tp = median_sample(tensor_parallel or [tensor_parallel_sample(model, rig, rows, repeats)])
     return SpeedRig("this CPU rig (measured)", (device, device), FREE_LINK,
                     Link(tp["latency_s"], tp["bandwidth"], "gloo all-reduce of a row-parallel linear in lock step"),
                     host_overlaps=False, sharded_linear_s=tp["sharded_linear_s"], allreduce_waits=tp["waits"],
@@ -563,8 +583,14 @@ def main(argv: list[str] | None = None) -> None:
     rows_used = sorted({b * p for b in batches for p in prompts} | set(batches))
     shape = model_shape_of(model)
     calibration = DeviceCalibration(shape, model.weights_dtype, rows_used)  # a round before each measurement
-    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration.sample)
-    speed = calibrate_cpu_rig(model, rig, rows_used, ns.repeats, calibration.device())
+    launches: list[dict] = []
+
+    def calibration_round() -> None:
+        calibration.sample()
+        launches.append(tensor_parallel_sample(model, rig, rows_used, ns.repeats))
+
+    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration_round)
+    speed = calibrate_cpu_rig(model, rig, rows_used, ns.repeats, calibration.device(), launches)
     print(speed.note)
     rows = compare(measured, speed, shape)
     print(table(rows))
