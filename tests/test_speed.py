@@ -302,6 +302,21 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     assert predict_speed(str(tmp_path), "fp32", rig, 2, 64).tok_s("tensor parallel", "decode") > 0
 
 
+def test_the_calibration_refuses_a_gpu_rig_before_any_rank_starts():
+    """The speed bench's calibration times CPU virtual devices: on a GPU rig it says where GPU figures come from
+    (the doctor) before it loads, measures or launches anything (the model given here does not even exist)."""
+    import torch
+
+    from helpers.inference.speed_bench import calibrate_cpu_rig, tensor_parallel_sample
+    from helpers.runtime.rig import Rig
+
+    gpus = Rig("two_gpus", (torch.device("cuda", 0), torch.device("cuda", 1)), ("RTX 3090",) * 2, (24 << 30,) * 2,
+               "nccl", 2)
+    for calibrate in (calibrate_cpu_rig, tensor_parallel_sample):
+        with pytest.raises(ValueError, match="helpers.doctor --json"):
+            calibrate(None, gpus, [1, 16], 1)
+
+
 def test_the_ranks_launches_are_priced_by_their_medians_field_by_field():
     """Several launches of the all-reduce timing (one before each measurement): each field's median, the waits point
     by point, still never shrinking with more work."""

@@ -359,13 +359,20 @@ def model_shape_of(model: HFModel) -> ModelShape:
     return model_shape(model.path, weight_format_name(model.weights_dtype))
 
 
+def _refuse_gpu_rigs(rig) -> None:
+    """Before any rank starts: the calibration times CPU virtual devices only."""
+    if not rig.is_cpu:
+        raise ValueError("the speed bench's calibration times CPU virtual devices; on GPUs predict from the doctor's "
+                         "measured links: python -m helpers.doctor --json doctor.json, then speed_rig('doctor.json')")
+
+
 def tensor_parallel_sample(model: HFModel, rig, rows: Sequence[int], repeats: int) -> dict:
     """One launch of two ranks timing what tensor parallelism pays (`tensor_parallel_calibration`), rank 0's
     reading, at the hidden-state sizes of `rows`."""
+    from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
     from helpers.runtime.launch import run
 
-    from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
-
+    _refuse_gpu_rigs(rig)
     dtype, shape = model.weights_dtype, model_shape_of(model)
     sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
     if len(sizes) < 2:
@@ -392,9 +399,7 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
     the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode). `device`
     and `tensor_parallel`: a virtual device already calibrated (`DeviceCalibration`) and `tensor_parallel_sample`s,
     taken while the engines were measured; else `repeats` rounds and one launch now."""
-    if not rig.is_cpu:
-        raise ValueError("calibrate_cpu_rig times CPU virtual devices; on GPUs predict from the doctor's measured "
-                         "links: python -m helpers.doctor --json doctor.json, then speed_rig('doctor.json')")
+    _refuse_gpu_rigs(rig)
     if device is None:
         calibration = DeviceCalibration(model_shape_of(model), model.weights_dtype, rows)
         for _ in range(repeats):
