@@ -1,4 +1,6 @@
 """Every multi-process strategy against one device, the meta-device stage construction, and the refusals."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,6 +87,19 @@ def test_jobs_launched_together_equal_one_device(reference):
     assert all(max_grad_diff(grads, r.grads) <= 1e-5 for r in results)
     with pytest.raises(ValueError, match="one world size"):
         run_trainings([jobs[0], TrainJob(CFG, dp=2, pp=2, schedule="1f1b", microbatches=2, batch=BATCH)], cpu_rig())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_jobs_launched_together_leave_no_process_group_behind():
+    """A job's groups (its mesh's, its tied weights') are destroyed when it ends: before, every job of one launch left
+    its groups and their gloo threads standing (3 a job: 99 threads in a rank after the bench's 31-job launch)."""
+    from helpers.runtime.launch import run
+    from tests.workers import threads_after_each_job
+
+    jobs = [TrainJob(CFG, pp=2, schedule="1f1b", microbatches=2, batch=BATCH, timed_steps=1, engine=e)
+            for e in ("ours", "torch", "ours")] + [TrainJob(CFG, dp=2, batch=BATCH, timed_steps=1)]
+    for counts in run(threads_after_each_job, jobs, rig=cpu_rig()):
+        assert len(set(counts)) == 1, f"the rank's threads grew job by job: {counts}"
 
 
 @FULL

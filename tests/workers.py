@@ -195,3 +195,15 @@ def trainings_resumed_after_kills(runs: list, results: str) -> list[dict]:
             kept.write_bytes(pickle.dumps(train_worker(job)))
         out.append(pickle.loads(kept.read_bytes()))
     return out
+
+
+def threads_after_each_job(jobs: list) -> list[int]:
+    """The rank's native threads (gloo's included) after each of `jobs`, run one after the other as
+    `run_trainings` runs them (Linux: /proc/self/task)."""
+    from helpers.training.loop import train_worker
+
+    counts = []
+    for job in jobs:
+        train_worker(job)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
