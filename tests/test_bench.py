@@ -221,8 +221,9 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "peak_activation_bytes"} <= set(r)
         assert r["samples_per_s"] > 0
         assert len(r["whole_model_s"]) == 2 and min(r["whole_model_s"]) > 0  # the calibration timed with the row
-        # threads: the busy-core slowdown timed in the rows' own rounds; processes: the run's, in the calibration
-        assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] == "threads")
+        # the busy-core slowdown timed with the row: threads, in their own rounds; two ranks, inside their launches
+        assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] in ("threads",
+                                                                                               "processes"))
         # a multi-process row's speed-up is taken launch by launch against one device timed around each launch
         assert (r["reference_timed"] == "around this row's launches") == r["runner"].startswith("processes")
         assert r["reference_s"] > 0
@@ -327,10 +328,18 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
     with pytest.raises(ValueError, match="between 1 and the 4 samples"):
         timer.sample_together(8)
 
+    # the two-rank rows: both ranks' times inside a launch, kept for each of its jobs at that size
+    timer.sample(2, keys=["1f1b", "ddp"])
+    timer.keyed[("1f1b", 2)][:] = [(1.0, 2.0)]
+    timer.add_together(2, [3.3, 3.9], keys=["1f1b", "ddp"])
+    assert timer.slowdown("1f1b") == pytest.approx(1.2) and timer.together[("ddp", 2)] == [3.3, 3.9]
+
     rig = rig_model(1.05)
-    assert rig.with_thread_slowdown(None) is rig
-    changed = rig.with_thread_slowdown(1.25)
+    assert rig.with_core_slowdown(None) is rig
+    changed = rig.with_core_slowdown(1.25)
     assert changed.thread_cores.slowdown == 1.25 and changed.process_cores.slowdown == 1.05
+    changed = rig.with_core_slowdown(1.3, "processes")
+    assert changed.process_cores.slowdown == 1.3 and changed.thread_cores.slowdown == rig.thread_cores.slowdown
 
 
 def test_the_bench_leaves_out_what_the_rig_refuses():
@@ -361,12 +370,12 @@ def test_one_gpu_calibration_measures_only_what_gloo_carries_for_cuda():
 
 
 def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
-    """The default run's repeatability by design: every two-rank job (pipelines, DDP, ZeRO-1, FSDP2) in one launch
-    per round, 2 rounds, the second in reverse order, so each row pools steps of two launches and no job is always
-    first; its timed steps, phases and CPU seconds pooled over the launches."""
+    """The default run's repeatability by design: every two-rank job (pipelines, DDP, ZeRO-1; FSDP2 apart) in one
+    launch per round, 2 rounds, the second in reverse order, so each row pools steps of two launches and no job is
+    always first; its timed steps, phases and CPU seconds pooled over the launches."""
     from types import SimpleNamespace
 
-    from helpers.bench.rows import run_in_rounds, two_rank_jobs
+    from helpers.bench.rows import launch_groups, run_in_rounds, two_rank_jobs
     from helpers.training.support import reference_rigs
 
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
@@ -388,6 +397,9 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
                            around=lambda k: seen.append(k))
     assert orders == [keys, keys[::-1]] and seen == [tuple(keys)] * 2 + [tuple(keys[::-1])] * 2
     assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]
+    # FSDP2, whose step depends on what ran before it in the same processes, in a launch of its own
+    shared, *apart = launch_groups(keys)
+    assert apart == [(("fsdp2", "dp", "auto"),)] and set(shared) == set(keys) - {("fsdp2", "dp", "auto")}
 
 
 def _bench_json(speedups: dict[str, float], errors: dict[str, float | None] | None = None) -> dict:

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Every strategy side by side on this rig, in one run, each with the "
                                                  "simulator's prediction calibrated in the same run. The default run: "
                                                  "5 interleaved rounds of the threaded rows, every two-rank job in one "
-                                                 "launch per round, 2 rounds of 3 steps in opposite orders.")
+                                                 "launch per round (FSDP2 in one of its own), 2 rounds of 3 steps in "
+                                                 "opposite orders.")
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true",
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         if previous else None
     calibration["summary"] += [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
                                for name, s in timed_with.items() if s is not None]
+    calibration["summary"] += [launch_slowdowns(rows)] if any(r.runner == "processes" and r.core_slowdown
+                                                              for r in rows) else []
     calibration["summary"] += [one_device_drift(rows)] if any(r.reference_s for r in rows) else []
     dicts = write_results(rows, config, rig, ns.out, extras, calibration, compared)
     print(table(display_rows(dicts), BENCH_COLUMNS))
@@ -107,6 +110,14 @@ def one_device_drift(rows) -> str:
     between = statistics.median(r.reference_s for r in rows if r.reference_s and r.optimizer == "none")
     return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms around the "
             f"multi-process launches ({between / single - 1:+.1%}); each row's speed-up uses its own minutes'")
+
+
+def launch_slowdowns(rows) -> str:
+    """The two-rank rows' busy-core slowdowns, timed on both ranks inside their launches (one per micro-batch size
+    the jobs compute at)."""
+    got = sorted({round(r.core_slowdown, 3) for r in rows if r.runner == "processes" and r.core_slowdown})
+    return (f"processes, timed on both ranks in their launches: {' / '.join(f'{s:.3g}x' for s in got)} slower when "
+            f"both cores are busy (one per micro-batch size)")
 
 
 def read_previous(path: str) -> dict:

@@ -73,7 +73,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
 
         fwd, bwd = timer.seconds(batch // m)
         workload = Workload.from_profile(prof).rescaled(fwd / (batch // m), bwd / (batch // m))
-        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()))
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_core_slowdown(timer.slowdown()))
     return rows
 
 
@@ -106,7 +106,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
         row["step vs none"] = times.paired_ratio(row["split"], "none")  # each round's pair: its minute cancels
     if rig_model is not None:
         workload = measure_workload(model, x, y, lm_loss, batch // m, repeats, whole=timer.seconds(batch // m)).workload
-        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_thread_slowdown(timer.slowdown()),
+        _predict_threaded(rows, runs, times, workload, batch, m, rig_model.with_core_slowdown(timer.slowdown()),
                           list(variants.values()))
     return rows
 

@@ -95,9 +95,10 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
         if timer is not None and row.calibration_key is not None:
             row.whole_model_s = timer.seconds(size, row.calibration_key)
             workload = workload.rescaled(*(t / size for t in row.whole_model_s))
-            if row.runner == "threads":
-                row_rig = rig_model.with_thread_slowdown(timer.slowdown(row.calibration_key))
-                row.core_slowdown = getattr(row_rig.thread_cores, "slowdown", None)
+            if row.runner in ("threads", "processes"):  # two devices' busy cores, timed in the row's minutes
+                row_rig = rig_model.with_core_slowdown(timer.slowdown(row.calibration_key), row.runner)
+                row.core_slowdown = getattr(row_rig.thread_cores if row.runner == "threads"
+                                            else row_rig.process_cores, "slowdown", None)
         predict_row(row, workload, row_rig, config.batch, bench_cut(row.strategy, len(model)), adam_s)
         if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
             from helpers.simulate import simulate

@@ -1,6 +1,7 @@
 """The bench's rows: what a run measures (`BenchConfig`, `default_config`), one device and every pipeline on threads
-(`_single_row`, `run_bench`), every two-rank job (pipelines, DDP, ZeRO-1, FSDP2) in one launch per round
-(`process_rows`, `run_in_rounds`) and DP x PP (`dp_x_pp_rows`); each kept as a `BenchRow`."""
+(`_single_row`, `run_bench`), every two-rank job (pipelines, DDP, ZeRO-1) in one launch per round, FSDP2 in one
+of its own (`process_rows`, `launch_groups`, `run_in_rounds`) and DP x PP (`dp_x_pp_rows`); each kept as a
+`BenchRow`."""
 from __future__ import annotations
 
 import copy
@@ -58,7 +59,7 @@ class BenchRow:
     # the whole-model samples this row's prediction is calibrated from (a WholeModelTimer key; None: the run's)
     calibration_key: Hashable | None = None
     whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
-    core_slowdown: float | None = None  # threaded rows: the busy-core slowdown their prediction used
+    core_slowdown: float | None = None  # threaded and two-rank rows: the busy-core slowdown their prediction used
     cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
     predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
 
@@ -109,10 +110,10 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
     count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
-    rows, 3 of the extras, and every two-rank job in one launch per round, 2 rounds in opposite orders (6 timed
-    steps of each job from two launches a minute or more apart: one disturbed launch or step no longer decides a
-    row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 steps, 6 repeats of the
-    extras."""
+    rows, 3 of the extras, and the two-rank jobs in one launch per round (FSDP2 in one of its own: `launch_groups`),
+    2 rounds in opposite orders (6 timed steps of each job from two launches a minute or more apart: one disturbed
+    launch or step no longer decides a row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
+    launches of 6 steps, 6 repeats of the extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
@@ -338,25 +339,95 @@ def key_microbatch(key: tuple, config: BenchConfig) -> int:
     return config.batch // 2 if key[1] == "dp" else config.batch // key[3]
 
 
+def jobs_by_size(keys: Sequence[tuple], config: BenchConfig) -> dict[int, list[tuple]]:
+    """A launch's job keys by the micro-batch size their ranks compute at, smallest first."""
+    sizes = sorted({key_microbatch(k, config) for k in keys})
+    return {size: [k for k in keys if key_microbatch(k, config) == size] for size in sizes}
+
+
 def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
     """The whole model timed once at each micro-batch size a launch's jobs use, each time kept for every job of that
     size (they ran in the same minutes)."""
-    for size in sorted({key_microbatch(k, config) for k in keys}):
-        timer.sample(size, keys=[k for k in keys if key_microbatch(k, config) == size])
+    for size, same in jobs_by_size(keys, config).items():
+        timer.sample(size, keys=same)
+
+
+TOGETHER_REPEATS = 6  # both ranks' whole-model steps at each size, after a launch's last job
+
+
+def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequence[int],
+                                 repeats: int = TOGETHER_REPEATS) -> dict:
+    """Rank worker of the bench's two-rank launches: the jobs one after the other (`train_workers`), then the whole
+    model's forward and backward timed on both ranks at once (released by a barrier), `repeats` times at each
+    micro-batch size of `sizes`: how fast a rank computes while the other rank computes too, in its launch's
+    minutes. The parent times the same model alone beside the launch (`sample_launch`); the ratio is the busy-core
+    slowdown of the launch's rows. A fresh pair of processes measured it steady, 1.03 (quartiles 1.02-1.04 over 60
+    rounds), yet the run's one figure, timed in a launch of its own at the end, priced a run whose pipelines' passes
+    ran 6-16% slower than calibrated (2026-12-05, 10:28 UTC). Timed after the last job, so that no job runs after
+    it (a job's step can depend on what ran before it in the same processes: `OWN_LAUNCH`)."""
+    import torch.distributed as dist
+
+    from helpers.models import SyntheticTokens, build_stack
+    from helpers.runtime.launch import rank_device
+    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.training.loop import train_workers
+
+    results = train_workers(jobs)
+    device = rank_device()
+    x, y = SyntheticTokens(max(sizes), cfg.seq_len, cfg.vocab).batch(0, max(sizes))
+    timer = WholeModelTimer(build_stack(cfg).to(device), x.to(device), y.to(device), lm_loss)
+    for size in sizes:
+        for _ in range(repeats):
+            dist.barrier()
+            timer.sample(size)
+    return {"jobs": results, "together": {size: [f + b for f, b in timer.samples[size]] for size in sizes}}
+
+
+def launch_jobs(keys: Sequence[tuple], config: BenchConfig, rig, timer=None) -> list:
+    """One launch of the bench's two-rank jobs of `keys`, in that order: a `TrainResult` each. With `timer`, the
+    ranks' whole model timed both at once after the jobs is kept as the jobs' together samples
+    (`train_workers_timed_together`), by micro-batch size."""
+    from helpers.runtime.launch import run
+    from helpers.training.job import check_job
+    from helpers.training.loop import combine_ranks, run_trainings
+
+    jobs = [train_job(k, config) for k in keys]
+    if timer is None:
+        return run_trainings(jobs, rig)
+    for job in jobs:
+        check_job(job, rig)
+    by_size = jobs_by_size(keys, config)
+    parts = run(train_workers_timed_together, jobs, config.cfg, list(by_size), rig=rig, timeout=300.0 * len(jobs))
+    for part in parts:
+        for size, seconds in part["together"].items():
+            timer.add_together(size, seconds, by_size[size])
+    return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
+
+
+# jobs whose step depends on what ran before them in the same processes, launched on their own: FSDP2 took 0.75-0.82 s
+# a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier jobs'
+# process groups were destroyed as they ended (2026-12-05, quiet machine; cause not found)
+OWN_LAUNCH = {"fsdp2"}
+
+
+def launch_groups(jobs: Sequence[tuple]) -> list[tuple]:
+    """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less the jobs of
+    `OWN_LAUNCH`, each in a launch of its own."""
+    shared = tuple(k for k in jobs if k[0] not in OWN_LAUNCH)
+    return [group for group in [shared, *((k,) for k in jobs if k[0] in OWN_LAUNCH)] if group]
 
 
 def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
                  reference: LaunchReference | None = None) -> list[BenchRow]:
-    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1, FSDP2) in one launch per round, `config.rounds`
-    rounds in alternating order (start-up paid once a round; each job's steps come from launches minutes apart),
-    then DP x PP (4 ranks). With `timer`, the whole model timed at each job's micro-batch size just before and
-    after the launch that ran it (`calibration_key`: the job's key); with `reference`, the one-device step too, each
-    row's speed-up then taken launch by launch against it."""
-    from helpers.training.loop import run_trainings
-
+    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1; FSDP2 in a launch of its own: `launch_groups`) in
+    one launch per round, `config.rounds` rounds in alternating order (start-up paid once a round; each job's steps
+    come from launches minutes apart), then DP x PP (4 ranks). With `timer`, the whole model timed at each job's
+    micro-batch size just before and after the launch that ran it (`calibration_key`: the job's key), and on both
+    ranks at once inside that launch (`launch_jobs`); with `reference`, the one-device step too, each row's speed-up
+    then taken launch by launch against it."""
     jobs = two_rank_jobs(config, rig)
-    results = run_in_rounds({tuple(jobs): lambda keys: run_trainings([train_job(k, config) for k in keys], rig)},
-                            config.rounds, "multi-process jobs", progress,
+    launches = {group: lambda keys: launch_jobs(keys, config, rig, timer) for group in launch_groups(jobs)}
+    results = run_in_rounds(launches, config.rounds, "multi-process jobs", progress,
                             around=_around(reference, timer and (lambda keys: sample_launch(timer, keys, config))))
     rows = []
     for key, got in results.items():

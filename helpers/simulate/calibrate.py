@@ -167,6 +167,12 @@ class WholeModelTimer:
             run_together(work)
         self.together[(key, microbatch)].extend(run_together(work))
 
+    def add_together(self, microbatch: int, seconds: Sequence[float], keys: Sequence[Hashable]) -> None:
+        """Seconds of one micro-batch's forward and backward, each timed with another copy computing at once
+        somewhere else (the bench's two ranks, inside the launch that ran `keys`), kept under each of `keys`."""
+        for key in keys:
+            self.together.setdefault((key, microbatch), []).extend(seconds)
+
     def together_sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
         return lambda: self.sample_together(microbatch, key)
 
@@ -561,12 +567,15 @@ class RigModel:
         forward prefetch needs a GPU)."""
         return self.process_cores is not None
 
-    def with_thread_slowdown(self, slowdown: float | None) -> RigModel:
-        """This rig with the threads' busy-core slowdown measured elsewhere (e.g. `WholeModelTimer.slowdown`, in
-        the minutes of the runs predicted); unchanged for None, or where the devices do not share cores."""
-        if slowdown is None or self.thread_cores is None:
+    def with_core_slowdown(self, slowdown: float | None, engine: str = "threads") -> RigModel:
+        """This rig with `engine`'s busy-core slowdown ("threads" or "processes") measured elsewhere (e.g.
+        `WholeModelTimer.slowdown`, in the minutes of the runs predicted); unchanged for None, or where the devices
+        do not share cores."""
+        field_name = {"threads": "thread_cores", "processes": "process_cores"}[engine]
+        cores = getattr(self, field_name)
+        if slowdown is None or cores is None:
             return self
-        return replace(self, thread_cores=replace(self.thread_cores, slowdown=slowdown))
+        return replace(self, **{field_name: replace(cores, slowdown=slowdown)})
 
     def calibrated(self, workload: Workload) -> Workload:
         """`workload` with this rig's measured copy bandwidth and split backward's overhead."""
