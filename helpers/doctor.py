@@ -290,6 +290,18 @@ def _processes(rig: Rig, reference, compare_as: Precision | None = None, **field
     return _compare(reference, res.loss, res.grads, compare_as or job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
 
 
+def _processes_together(rig: Rig, reference, jobs: list[dict]) -> str:
+    """Several TrainJobs (`jobs`: their fields) in one launch, one after the other on the same ranks, as the bench
+    runs them: each job's process groups are destroyed when it ends and the next job makes its own (on GPUs, NCCL
+    communicators torn down and made again in the same processes); each against one device's `reference`."""
+    from helpers.training.job import TrainJob
+    from helpers.training.loop import run_trainings
+
+    made = [TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields) for fields in jobs]
+    results = run_trainings(made, rig, oversubscribe=rig.is_cpu)
+    return "; ".join(_compare(reference, res.loss, res.grads, job.precision) for job, res in zip(made, results))
+
+
 def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
     """A tied GPT-2 (embedding and head on different stages, right-padded batch) through `strategy` on `engine`,
     four Adam steps, against one device doing the same: the path a user's own Hugging Face model takes."""
@@ -399,6 +411,10 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[],
         *[(f"processes: {s}", s, "processes",
            (lambda s=s: _processes(rig, reference(), dp=2, data_parallel=s, optimizer="adam")))
           for s in DATA_PARALLEL],
+        ("processes: 1F1B, DDP, 1F1B in one launch (each job's groups destroyed as it ends)", "1f1b", "processes",
+         lambda: _processes_together(rig, reference(), [dict(schedule="1f1b", microbatches=4, **pipe),
+                                                        dict(dp=2, data_parallel="ddp"),
+                                                        dict(schedule="1f1b", microbatches=4, **pipe)])),
         ("processes: DP x PP 2 x 2, 1F1B", "dp_x_pp", "processes",
          lambda: _processes(rig, reference(), dp=2, schedule="1f1b", microbatches=2, **pipe)),
         ("torch: DP x PP 2 x 2, 1F1B", "dp_x_pp", "torch",

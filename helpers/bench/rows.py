@@ -404,7 +404,7 @@ def launch_jobs(keys: Sequence[tuple], config: BenchConfig, rig, timer=None) -> 
     return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
 
 
-# jobs whose step depends on what ran before them in the same processes, launched on their own: FSDP2 took 0.75-0.82 s
+# jobs whose step depends on what ran before them in the same processes, launched on their own: FSDP2 took 0.75-0.85 s
 # a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier jobs'
 # process groups were destroyed as they ended (2026-12-05, quiet machine; cause not found)
 OWN_LAUNCH = {"fsdp2"}
