@@ -116,6 +116,26 @@ def test_pipelined_prefill_pays_the_busy_rate_only_while_both_stages_work():
     assert both.seconds == pytest.approx(alone.seconds + busy)  # ...but only the overlap
 
 
+def test_a_pipelined_decode_phase_pays_the_pipelines_fill_once():
+    """A decode phase of `steps` steps per request starts with the pipeline empty: the last stage waits while the
+    first computes its first step alone, once per phase, so each cycle costs the steady one plus that step over
+    `steps` (the engine's timelines: 94-96 ms per cycle where the steady cycle is 86 ms); the steady state is what
+    a long generation sees."""
+    from helpers.inference.speed import layer_split, pipelined
+
+    shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
+    cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6, busy_slowdown=1.5)
+    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
+    decode = Phase("decode", 4, 1, 64)
+    steady = pipelined(shape, decode, rig, ops)
+    first_alone = layer_split(shape, decode, rig, ops).parts["device 0"]
+    for steps in (1, 7, 100):
+        assert pipelined(shape, decode, rig, ops, steps=steps).seconds == pytest.approx(
+            steady.seconds + first_alone / steps)
+    prefill = Phase("prefill", 4, 64, 64)  # prefill's fill and drain are in its own formula
+    assert pipelined(shape, prefill, rig, ops, steps=7).seconds == pipelined(shape, prefill, rig, ops).seconds
+
+
 def test_pipelined_stages_wait_for_the_interpreter_lock_on_every_op_only_while_both_work():
     """The pipelined engine's stage threads share one interpreter lock: while both work, each op a stage dispatches
     waits `lock_wait_s_per_op` more (its layers' ops, and the ops outside the layers each stage runs); the layer split

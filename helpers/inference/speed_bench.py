@@ -470,7 +470,8 @@ def predicted(shape: ModelShape, rig: SpeedRig, engine: str, phase: str, batch: 
     prompts = [prompt] if isinstance(prompt, int) else list(prompt)
     if engine == "pipelined":
         p = _phase(phase, batch, round(statistics.mean(prompts)), new_tokens)
-        return pipelined(shape, p, rig, ops, len(prompts) if len(prompts) > 1 else REQUESTS).tok_s
+        steps = new_tokens - 1 if phase == "decode" else 0  # the engine times the whole phase, its fill too
+        return pipelined(shape, p, rig, ops, len(prompts) if len(prompts) > 1 else REQUESTS, steps).tok_s
     run = {"layer split": layer_split, "tensor parallel": tensor_parallel}[engine]
     speeds = [run(shape, _phase(phase, batch, n, new_tokens), rig, ops) for n in prompts]
     tokens = [batch * n if phase == "prefill" else batch for n in prompts]
