@@ -172,6 +172,11 @@ def test_a_decoder_layers_activation_work_adds_to_its_roofline_by_rows_and_share
     cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6)
     working = replace(cpu, activation_s=((1, 1e-4), (16, 4e-4)))
     assert [working.activation_seconds(r) for r in (1, 6, 16, 1024)] == pytest.approx([1e-4, 2e-4, 4e-4, 4e-4])
+    assert working.activation_seconds(16, prefill=True) == pytest.approx(4e-4)  # no prefill points: decode's
+    prefilling = replace(working, prefill_activation_s=((16, 1e-3), (64, 3e-3)))
+    assert [prefilling.activation_seconds(r, prefill=True) for r in (16, 32, 1024)] == pytest.approx([1e-3, 5e-3 / 3,
+                                                                                                     3e-3])
+    assert prefilling.activation_seconds(16) == pytest.approx(4e-4)  # a decode step keeps its own points
     rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-4, 1e9), host_overlaps=False)
     slower = replace(rig, devices=(working, working))
     decode = Phase("decode", 6, 1, 128)
@@ -184,6 +189,10 @@ def test_a_decoder_layers_activation_work_adds_to_its_roofline_by_rows_and_share
         assert added == pytest.approx(1e-4 if layer.kind == "decoder" else 0.0)
     halves = [tensor_parallel(shape, decode, r, ops).parts["device 0"] for r in (slower, rig)]
     assert halves[0] - halves[1] == pytest.approx(layers * 1e-4)  # each rank: half of every layer's
+    prefill = Phase("prefill", 1, 32, 32)  # a prefill pays the prefill points where measured
+    measured = replace(rig, devices=(prefilling, prefilling))
+    added = one_device(shape, prefill, measured, ops).seconds - one_device(shape, prefill, rig, ops).seconds
+    assert added == pytest.approx(layers * 5e-3 / 3)
 
 
 def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_them():
@@ -291,13 +300,13 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     import torch
     from transformers import LlamaConfig
 
-    from helpers.inference.speed_bench import DeviceCalibration, StageDecodes, compare
+    from helpers.inference.speed_bench import DeviceCalibration, StageForwards, compare
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
     config.save_pretrained(tmp_path)
     small = model_shape(str(tmp_path), "fp32")
-    calibration = DeviceCalibration(small, torch.float32, [4, 1, 4])
+    calibration = DeviceCalibration(small, torch.float32, [4, 1, 4], prefills=[(1, 16), (4, 8), (2, 16)])
     with pytest.raises(ValueError, match="no round"):
         calibration.device()
     calibration.sample()
@@ -308,8 +317,12 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     assert [r for r, _ in device.flops] == [r for r, _ in device.busy_flops] == [1, 4]  # a point per row count
     assert device.flops[0][1] == pytest.approx(2 * rate / 4)  # one row: the streaming sweep's rate (fp32)
     assert [b for b, _ in device.activation_s] == [1, 4, 16] and all(s >= 0 for _, s in device.activation_s)
-    wait, steps = StageDecodes(config, torch.float32, batches=(1, 2)).sample()
+    # a point per prefill's rows, one where two prefills multiply as many (4 x 8 and 2 x 16)
+    prefill_points = device.prefill_activation_s
+    assert [r for r, _ in prefill_points] == [16, 32] and min(s for _, s in prefill_points) >= 0
+    wait, steps, prefills = StageForwards(config, torch.float32, batches=(1, 2), prefills=[(2, 8)]).sample()
     assert 0 <= wait < 1e-3 and sorted(steps) == [1, 2] and all(s > 0 for s in steps.values())
+    assert list(prefills) == [(2, 8)] and prefills[(2, 8)] > 0
     busy = Device("cpu", 1e9, ((1, 4e9), (16, 8e9)), 0.0, 2.0, ((1, 1e9), (16, 4e9)))
     assert busy.rate(4, busy=True) == pytest.approx(2.5e9) and busy.rate(4) == pytest.approx(6e9)  # log-interpolated
     assert Device("gpu", 1e9, ((1, 4e9),), 0.0, 2.0).rate(1, busy=True) == 2e9  # no busy points: the slowdown

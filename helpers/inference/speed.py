@@ -76,7 +76,9 @@ class Device:
     decoder layer's forward of that many rows takes beyond its weights' roofline and its ops' dispatch: attention
     over the cache and its append, norms, rotary embedding, SiLU, residual adds, which one CPU thread runs after the
     matmuls rather than under them (measured on the CPU rig at decode batches; none where unmeasured: the GPUs'
-    published layer rates include them)."""
+    published layer rates include them); `prefill_activation_s`: the same for a prefill of that many rows (a whole
+    prompt's causal attention, its cache written: not the decode step's work at as many rows), where measured; else
+    a prefill takes the decode points."""
 
     name: str
     bandwidth: float
@@ -86,6 +88,7 @@ class Device:
     busy_flops: tuple[tuple[int, float], ...] = ()
     lock_wait_s_per_op: float = 0.0
     activation_s: tuple[tuple[int, float], ...] = ()
+    prefill_activation_s: tuple[tuple[int, float], ...] = ()
 
     def rate(self, rows: int, busy: bool = False) -> float:
         """FLOP/s at `rows` rows (while the other device works too, with `busy`), interpolated in log(rows) between
@@ -101,9 +104,10 @@ class Device:
                 return f0 + t * (f1 - f0)
         return points[-1][1]
 
-    def activation_seconds(self, rows: int) -> float:
-        """`activation_s` at `rows`: interpolated between the measured points, the nearest point's outside them."""
-        points = sorted(self.activation_s)
+    def activation_seconds(self, rows: int, prefill: bool = False) -> float:
+        """`activation_s` (a `prefill`: `prefill_activation_s` where measured) at `rows`: interpolated between the
+        measured points, the nearest point's outside them."""
+        points = sorted(self.prefill_activation_s if prefill and self.prefill_activation_s else self.activation_s)
         if not points:
             return 0.0
         if rows <= points[0][0]:
@@ -359,7 +363,7 @@ def unit_seconds(layer: Layer, shape: ModelShape, phase: Phase, device: Device, 
     rows = phase.batch if layer.kind == "head" else phase.rows
     work = device.seconds(nbytes, flops, rows, busy) if nbytes or flops else 0.0
     if layer.kind == "decoder":
-        work += share * device.activation_seconds(rows)
+        work += share * device.activation_seconds(rows, phase.name == "prefill")
     host = ops * device.host_s_per_op + extra_host_s
     return max(work, host) if rig.host_overlaps else work + host
 

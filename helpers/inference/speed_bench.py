@@ -7,8 +7,9 @@ engines timed on the same model, batches and contexts.
   multiplies (through the whole working set, out of the cache; both devices as threads with one intra-op thread
   each; one row: the streaming sweep's own rate, not a second reading of it), the host time per dispatched op (a
   tiny model of the same family, per layer, divided by the ops it dispatches), with a stage-sized model decoding
-  (`StageDecodes`) what each op waits for the interpreter lock while both devices' threads decode in one process
-  and what a decoder layer computes beyond its weights' matmuls and its dispatch, and in two ranks the all-reduce
+  and prefilling (`StageForwards`) what each op waits for the interpreter lock while both devices' threads decode
+  in one process and what a decoder layer computes beyond its weights' matmuls and its dispatch, at decode's and
+  prefill's row counts, and in two ranks the all-reduce
   at hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and
   DTensor's host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
@@ -46,7 +47,7 @@ REQUESTS = 2  # in flight for the pipelined engine
 LOCKSTEP_PAIRS = 25  # steps with and without all-reduces at the shortest work (7 moved the latency 1.6-2.4 ms)
 STRETCHES = (4, 16)  # the longer work between two all-reduces the calibration measures: 4 and 16 pieces
 STAGE_BATCHES = (1, 4, 16)  # decode batches of the stage-sized model (the lock's wait, the layers' activation work)
-DECODE_STEPS = 4  # per timing of a stage-sized model's decode (StageDecodes)
+DECODE_STEPS = 4  # per timing of a stage-sized model's decode (StageForwards)
 CONTEXT = 8  # the stage-sized model's prompt: its decode steps attend over 9 positions
 
 
@@ -67,7 +68,7 @@ def _extra_seconds(fn, base, repeats: int, warmup: int = 1) -> float:
 
 def _weights(shape: ModelShape, dtype: torch.dtype) -> list[torch.Tensor]:
     """MLP-shaped matrices adding up to the model's decoder weights: the working set a decode step streams. What a
-    layer computes besides its matmuls is measured apart (`Device.activation_s`, from `StageDecodes`)."""
+    layer computes besides its matmuls is measured apart (`Device.activation_s`, from `StageForwards`)."""
     one = torch.randn(shape.intermediate, shape.hidden, dtype=dtype)
     total = sum(layer.weight_bytes for layer in shape.decoder_layers)
     return [one] + [torch.randn_like(one) for _ in range(max(0, total // (one.numel() * one.element_size()) - 1))]
@@ -100,20 +101,22 @@ class DeviceCalibration:
       faster than the same rows swept through the working set; a CPU overlaps streaming and multiplying only in
       part, so the roofline's max(bytes / bandwidth, FLOPs / rate) holds only with a rate measured while
       streaming), alone and both devices at once (slower by how much each row count streams, so per row count);
-    - the host's time per op (`host_seconds_per_op`); with a stage-sized model decoding (`StageDecodes`), the
+    - the host's time per op (`host_seconds_per_op`); with a stage-sized model decoding (`StageForwards`), the
       interpreter lock's wait per op with both devices' threads at once, and a decoder layer's work beyond its
-      weights' roofline and its dispatch (`activation_s`: attention, norms, SiLU and the like, one after another).
+      weights' roofline and its dispatch (`activation_s`: attention, norms, SiLU and the like, one after another),
+      at each decode batch and, where `prefills` names them, at each prefill's (batch, prompt) rows.
 
     Each row count alone then together, all in the same round: a slow moment of the machine hurts alone and together
     alike and spreads over all row counts (a 16-row point read 30 GFLOP/s in one run, 41 in three others)."""
 
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, rows: Sequence[int]):
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, rows: Sequence[int],
+                 prefills: Sequence[tuple[int, int]] = ()):
         self.shape, self.dtype = shape, dtype
         mats = [_weights(shape, dtype), _weights(shape, dtype)]
         self.nbytes = sum(w.numel() * w.element_size() for w in mats[0])
         self.per_row = 2.0 * sum(w.numel() for w in mats[0])
         self.works = {r: [_sweep(m, r, dtype) for m in mats] for r in sorted({1, *rows})}
-        self.decodes = StageDecodes(shape.config, dtype)
+        self.forwards = StageForwards(shape.config, dtype, prefills=prefills)
         for work in self.works.values():  # warm-up: the matrices' pages touched, the threads' pools started
             work[0]()
             _together(work)
@@ -121,21 +124,24 @@ class DeviceCalibration:
         self.together: dict = {r: [] for r in self.works}
         self.host: list[float] = []
         self.waits: list[float] = []
-        self.steps: dict = {b: [] for b in self.decodes.batches}
+        self.steps: dict = {b: [] for b in self.forwards.batches}
+        self.prefills: dict = {case: [] for case in self.forwards.prefills}
 
     def sample(self) -> None:
         """One round: every row count alone then on both devices at once, the host's time per op, the stage-sized
-        model's decode (`StageDecodes.sample`)."""
+        model's decode and prefills (`StageForwards.sample`)."""
         for r, work in self.works.items():
             t0 = time.perf_counter()
             work[0]()
             self.alone[r].append(time.perf_counter() - t0)
             self.together[r].append(_together(work))
         self.host.append(host_seconds_per_op(self.shape.config.model_type))
-        wait, steps = self.decodes.sample()
+        wait, steps, prefills = self.forwards.sample()
         self.waits.append(wait)
         for batch, seconds in steps.items():
             self.steps[batch].append(seconds)
+        for case, seconds in prefills.items():
+            self.prefills[case].append(seconds)
 
     def device(self) -> Device:
         """The device as the medians of the rounds sampled so far (at least one) price it. One row: the streaming
@@ -152,20 +158,35 @@ class DeviceCalibration:
                         statistics.median(self.host), slowdown,
                         ((1, streaming / slowdown),) + tuple((r, self.per_row * r / together[r]) for r in counts),
                         max(statistics.median(self.waits), 0.0))
-        return replace(device, activation_s=tuple((b, self._activation_seconds(device, b)) for b in self.steps))
+        decodes = [(b, self._activation_seconds(device, Phase("decode", b, 1, CONTEXT + 1), self.steps[b]))
+                   for b in self.steps]
+        prefills = [(b * p, self._activation_seconds(device, Phase("prefill", b, p, p), self.prefills[(b, p)]))
+                    for b, p in self.prefills]
+        return replace(device, activation_s=tuple(decodes), prefill_activation_s=_mean_by_rows(prefills))
 
-    def _activation_seconds(self, device: Device, batch: int) -> float:
-        """A decoder layer's work at `batch` rows beyond its weights' roofline and its ops' dispatch: the
-        stage-sized model's decode step (median of the rounds) less what `device` prices for it without that work,
-        per decoder layer. Profiled on this rig (the model of the speed bench, layer split decode): the ops other
-        than the weights' matmuls took 2.5, 5.0 and 7.4 ms per step at batches 1, 4 and 16 (attention over the
-        cache, the elementwise multiplies, the cache's append first), where their dispatch accounts for 2.3 ms.
-        Measured as a difference, it also takes up what the rounds' matmul rates miss of the model's own
-        matmuls: 0.06-0.36 ms per layer at batch 1 and 0.34-1.41 at 16 in two runs."""
+    def _activation_seconds(self, device: Device, phase: Phase, seconds: Sequence[float]) -> float:
+        """A decoder layer's work at `phase`'s rows beyond its weights' roofline and its ops' dispatch: the
+        stage-sized model's forward (median of the rounds' `seconds`) less what `device` prices for it without that
+        work, per decoder layer. Profiled on this rig (the model of the speed bench, layer split decode): the ops
+        other than the weights' matmuls took 2.5, 5.0 and 7.4 ms per step at batches 1, 4 and 16 (attention over
+        the cache, the elementwise multiplies, the cache's append first), where their dispatch accounts for 2.3 ms;
+        it grows with the rows a prefill multiplies (one round: 0.3, 1.0, 2.6-7.2 and 19 ms per layer at 16, 64,
+        256 and 1,024 rows, where the decode points alone gave 0.35 ms beyond 16). Measured as a difference, it also
+        takes up what the rounds' matmul rates miss of the model's own matmuls: 0.06-0.36 ms per layer at batch 1
+        and 0.34-1.41 at 16 in two runs."""
         rig = SpeedRig("calibrating", (device, device), FREE_LINK, FREE_LINK, host_overlaps=False)
-        priced = model_seconds(self.shape, Phase("decode", batch, 1, CONTEXT + 1), device, rig,
-                               op_counts(self.shape.config.model_type), self.decodes.layers)
-        return max((statistics.median(self.steps[batch]) - priced) / self.decodes.layers, 0.0)
+        priced = model_seconds(self.shape, phase, device, rig, op_counts(self.shape.config.model_type),
+                               self.forwards.layers)
+        return max((statistics.median(seconds) - priced) / self.forwards.layers, 0.0)
+
+
+def _mean_by_rows(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """(rows, seconds) points with one per row count: where several prefills multiply as many rows (batch 4 x 64
+    tokens and 16 x 16), their mean."""
+    by_rows: dict[int, list[float]] = {}
+    for rows, seconds in points:
+        by_rows.setdefault(rows, []).append(seconds)
+    return tuple((rows, statistics.mean(values)) for rows, values in sorted(by_rows.items()))
 
 
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
@@ -183,12 +204,14 @@ def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     return max(extra, 0.0) / 3 / ops_per_layer(model_type)
 
 
-class StageDecodes:
-    """Decode steps of a stage-sized model of the workload's family and layer shapes (`config`, a Hugging Face
-    config; random weights, half its decoder layers; a prompt of `CONTEXT` tokens), one per virtual device, at each
-    of `batches`: what `sample` times."""
+class StageForwards:
+    """Forwards of a stage-sized model of the workload's family and layer shapes (`config`, a Hugging Face config;
+    random weights, half its decoder layers): decode steps after a prompt of `CONTEXT` tokens, one per virtual
+    device, at each of `batches`, and one device's prefill of each (batch, prompt) of `prefills`, as the engines
+    prefill (the head for each sequence's last position only): what `sample` times."""
 
-    def __init__(self, config, dtype: torch.dtype, batches: Sequence[int] = STAGE_BATCHES):
+    def __init__(self, config, dtype: torch.dtype, batches: Sequence[int] = STAGE_BATCHES,
+                 prefills: Sequence[tuple[int, int]] = ()):
         from transformers import AutoModelForCausalLM
 
         config = copy.deepcopy(config)
@@ -197,8 +220,9 @@ class StageDecodes:
         self.dispatched = DECODE_STEPS * (config.num_hidden_layers * counts.per_layer + counts.outside)
         torch.manual_seed(0)
         stages = [AutoModelForCausalLM.from_config(config).to(dtype).eval() for _ in range(2)]
-        self.layers, self.batches = config.num_hidden_layers, tuple(batches)
+        self.layers, self.batches, self.prefills = config.num_hidden_layers, tuple(batches), tuple(prefills)
         self.works = [[self._decoding(stage, b) for stage in stages] for b in batches]
+        self.prefill_works = [self._prefilling(stages[0], b, p) for b, p in self.prefills]
         self.sample()  # warm-up
 
     @staticmethod
@@ -214,16 +238,25 @@ class StageDecodes:
                     cache.crop(-1)
         return steps
 
-    def sample(self) -> tuple[float, dict[int, float]]:
-        """(what each op waits for the interpreter lock, {batch: seconds of one decode step alone}). The wait: while
-        the other device's thread decodes in the same process, as the pipelined engine's two stage threads do, every
-        op takes the lock to dispatch and gives it back while it computes, and a thread whose op ended waits while
-        the other holds it; measured as the wall time the thread's CPU time does not account for, both devices at
-        once less alone, per op (layers x ops per layer, and the ops outside the layers), the median over the
-        batches. Eight runs on this rig: 3-17 us per op, 7 typical (the host's own time: 6 us); the engine's stage
-        spans waited 1.1-2.5 ms per decode step at batches 1 and 16 (6-13 us per op); with a streaming sweep (a few
-        large matmuls) on the other thread, 0.2-0.3 us: the wait comes with the other thread's many small ops,
-        which the sweep does not have."""
+    @staticmethod
+    def _prefilling(stage: torch.nn.Module, batch: int, prompt: int):
+        ids = torch.ones(batch, prompt, dtype=torch.long)
+
+        def prefill() -> None:
+            with torch.no_grad():
+                stage(ids, use_cache=True, logits_to_keep=1)
+        return prefill
+
+    def sample(self) -> tuple[float, dict[int, float], dict[tuple[int, int], float]]:
+        """(what each op waits for the interpreter lock, {batch: seconds of one decode step alone}, {(batch,
+        prompt): seconds of one prefill alone}). The wait: while the other device's thread decodes in the same
+        process, as the pipelined engine's two stage threads do, every op takes the lock to dispatch and gives it
+        back while it computes, and a thread whose op ended waits while the other holds it; measured as the wall
+        time the thread's CPU time does not account for, both devices at once less alone, per op (layers x ops per
+        layer, and the ops outside the layers), the median over the batches. Eight runs on this rig: 3-17 us per
+        op, 7 typical (the host's own time: 6 us); the engine's stage spans waited 1.1-2.5 ms per decode step at
+        batches 1 and 16 (6-13 us per op); with a streaming sweep (a few large matmuls) on the other thread, 0.2-0.3
+        us: the wait comes with the other thread's many small ops, which the sweep does not have."""
         from helpers.simulate.calibrate import run_together_with_cpu
 
         waits, steps = [], {}
@@ -231,7 +264,9 @@ class StageDecodes:
             (both, both_cpu), (alone, alone_cpu) = run_together_with_cpu(work)[0], run_together_with_cpu(work[:1])[0]
             waits.append(((both - both_cpu) - (alone - alone_cpu)) / self.dispatched)
             steps[batch] = alone / DECODE_STEPS
-        return statistics.median(waits), steps
+        prefills = {case: run_together_with_cpu([work])[0][0] for case, work in zip(self.prefills,
+                                                                                   self.prefill_works)}
+        return statistics.median(waits), steps, prefills
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -509,7 +544,8 @@ def rig_from_dict(fields: dict) -> SpeedRig:
         return {k: v for k, v in d.items() if k in names}
 
     def device(d: dict) -> Device:
-        return Device(**{**known(Device, d), **points(d, ("flops", "busy_flops", "activation_s"))})
+        return Device(**{**known(Device, d), **points(d, ("flops", "busy_flops", "activation_s",
+                                                          "prefill_activation_s"))})
 
     return SpeedRig(**{**known(SpeedRig, fields), **points(fields, ("allreduce_waits",)),
                        "devices": tuple(device(d) for d in fields["devices"]), "hop": Link(**fields["hop"]),
@@ -588,7 +624,8 @@ def main(argv: list[str] | None = None) -> None:
     model = save_model(str(scratch_dir("speed-bench-")), ns.hidden, ns.layers, ns.vocab)
     rows_used = sorted({b * p for b in batches for p in prompts} | set(batches))
     shape = model_shape_of(model)
-    calibration = DeviceCalibration(shape, model.weights_dtype, rows_used)  # a round before each measurement
+    calibration = DeviceCalibration(shape, model.weights_dtype, rows_used,  # a round before each measurement
+                                    [(b, p) for b in batches for p in prompts])
     launches: list[dict] = []
 
     def calibration_round() -> None:
