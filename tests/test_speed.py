@@ -206,7 +206,8 @@ def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_th
 
     shape, ops = model_shape("llama-2-7b", "fp16"), op_counts("llama")
     cpu = Device("cpu", 1e10, ((1, 1e11),), 1e-6)
-    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4)
+    rig = SpeedRig("cpu", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False,
+                   sharded_linear_s=((1, 1e-4), (64, 5e-4)))
     waiting = replace(rig, allreduce_waits=((1e-3, 0.0), (4e-3, 6e-4), (16e-3, 8e-4)))
     assert [waiting.allreduce_wait(w) for w in (0.0, 2.5e-3, 10e-3, 1.0)] == pytest.approx([0, 3e-4, 7e-4, 8e-4])
     phase = Phase("decode", 1, 1, 128)
@@ -217,9 +218,14 @@ def test_tensor_parallel_all_reduces_wait_for_the_drift_over_the_work_between_th
     collectives = 2 * len(shape.decoder_layers)
     assert drifting.parts["link"] - still.parts["link"] == pytest.approx(collectives * waiting.allreduce_wait(work))
     assert drifting.parts["device 0"] == still.parts["device 0"]
-    plain = tensor_parallel(shape, phase, replace(rig, sharded_linear_s=0.0), ops)
+    unsharded = replace(rig, sharded_linear_s=())
+    plain = tensor_parallel(shape, phase, unsharded, ops)
     layers = len(shape.decoder_layers)  # DTensor's host time on q, k, v, gate and up; o and down's is in the link
     assert still.parts["device 0"] - plain.parts["device 0"] == pytest.approx(layers * COLUMN_LINEARS_PER_LAYER * 1e-4)
+    prefill = Phase("prefill", 1, 16, 16)  # by the rows each linear multiplies: 16 of them
+    added = tensor_parallel(shape, prefill, rig, ops).parts["device 0"] - tensor_parallel(shape, prefill, unsharded,
+                                                                                           ops).parts["device 0"]
+    assert added == pytest.approx(layers * COLUMN_LINEARS_PER_LAYER * (1e-4 + 15 / 63 * 4e-4))
 
 
 def test_crossovers_state_where_and_why():
@@ -356,12 +362,13 @@ def test_the_ranks_launches_are_priced_by_their_medians_field_by_field():
     from helpers.inference.speed_bench import median_sample
 
     def launch(latency: float, waits: tuple) -> dict:
-        return {"latency_s": latency, "bandwidth": 1e9, "sharded_linear_s": 1e-4, "waits": waits}
+        return {"latency_s": latency, "bandwidth": 1e9, "sharded_linear_s": ((1, latency / 10), (64, latency)),
+                "waits": waits}
 
     got = median_sample([launch(1e-3, ((1e-3, 0.0), (4e-3, 1e-3), (16e-3, 3e-3))),
                          launch(3e-3, ((1e-3, 0.0), (4e-3, 2e-3), (16e-3, 2e-3))),
                          launch(2e-3, ((2e-3, 0.0), (5e-3, 5e-4), (17e-3, 9e-4)))])
-    assert got["latency_s"] == 2e-3 and got["bandwidth"] == 1e9 and got["sharded_linear_s"] == 1e-4
+    assert got["latency_s"] == 2e-3 and got["bandwidth"] == 1e9 and got["sharded_linear_s"] == ((1, 2e-4), (64, 2e-3))
     assert got["waits"] == ((1e-3, 0.0), (4e-3, 1e-3), (16e-3, 2e-3))
 
 
@@ -377,10 +384,11 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     config.save_pretrained(tmp_path)
     small = model_shape(str(tmp_path), "fp32")
     cpu = Device("cpu", 1e10, ((1, 1e9), (16, 4e9)), 1e-6, 1.2, ((1, 8e8), (16, 3e9)))
-    rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False, sharded_linear_s=1e-4,
-                   allreduce_waits=((1e-3, 0.0), (4e-3, 2e-4)))
+    rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False,
+                   sharded_linear_s=((1, 1e-4),), allreduce_waits=((1e-3, 0.0), (4e-3, 2e-4)))
     saved = json.loads(json.dumps(rig_as_dict(rig)))
     assert rig_from_dict(saved) == rig
+    assert rig_from_dict({**saved, "sharded_linear_s": 1e-4}) == rig  # a run saved when it was one figure
     measured = [{"engine": e, "phase": p, "batch": 4, "prompt": 16, "new_tokens": 4, "tok/s": 50.0, "measured": True}
                 for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")]
     rows = compare(measured, rig, small)

@@ -59,6 +59,20 @@ def speed_data() -> dict:
 
 # --- devices and rigs ---------------------------------------------------------------------------------------------
 
+def interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The measured (x, y) `points` at `x`: linear between the two around it, the nearest point's y outside them
+    (never extrapolated: a trend fitted on a few short points overcharged the long ones), 0 with no points."""
+    points = sorted(points)
+    if not points:
+        return 0.0
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class Device:
     """One device as the speed model sees it.
@@ -107,15 +121,8 @@ class Device:
     def activation_seconds(self, rows: int, prefill: bool = False) -> float:
         """`activation_s` (a `prefill`: `prefill_activation_s` where measured) at `rows`: interpolated between the
         measured points, the nearest point's outside them."""
-        points = sorted(self.prefill_activation_s if prefill and self.prefill_activation_s else self.activation_s)
-        if not points:
-            return 0.0
-        if rows <= points[0][0]:
-            return points[0][1]
-        for (r0, s0), (r1, s1) in zip(points, points[1:]):
-            if rows <= r1:
-                return s0 + (rows - r0) / (r1 - r0) * (s1 - s0)
-        return points[-1][1]
+        return interpolated(self.prefill_activation_s if prefill and self.prefill_activation_s else self.activation_s,
+                            rows)
 
     def seconds(self, nbytes: float, flops: float, rows: int, busy: bool = False) -> float:
         """The roofline: max(bytes / bandwidth, FLOPs / rate at `rows`), slower while both devices work."""
@@ -130,8 +137,10 @@ class SpeedRig:
     `hop`: one point-to-point message (seconds = latency + bytes / bandwidth); `allreduce`: one all-reduce of the
     whole tensor over both devices, as a Link whose latency is the small-message cost; `host_overlaps`: True on GPUs
     (the host launches ahead of the kernels), False on the CPU rig (the thread that dispatches also computes);
-    `sharded_linear_s`: host time DTensor adds to each column-parallel linear (measured on the CPU rig; 0 where
-    unknown). The row-parallel ones' host work comes with their all-reduce: the CPU rig's `allreduce` is measured
+    `sharded_linear_s`: (rows, seconds) points of the host time DTensor adds to each column-parallel linear of that
+    many rows (measured on the CPU rig, `sharded_linear_seconds`: it grows with the rows, 160 us at 1 row, 310-540
+    at 64 and 800-990 at 1,024 in two launches; none where unknown). The row-parallel ones' host work comes with
+    their all-reduce: the CPU rig's `allreduce` is measured
     through a row-parallel linear, as the engine issues it. `allreduce_waits`: (seconds of work since the last
     all-reduce, seconds the next one waits beyond `allreduce`) points: the ranks drift apart while they work and
     the earlier waits for the later (`allreduce_wait`; measured on the CPU rig, where a rank's time slices vary;
@@ -142,7 +151,7 @@ class SpeedRig:
     hop: Link
     allreduce: Link
     host_overlaps: bool = True
-    sharded_linear_s: float = 0.0
+    sharded_linear_s: tuple[tuple[int, float], ...] = ()
     allreduce_waits: tuple[tuple[float, float], ...] = ()
     note: str = ""
     sources: dict = field(default_factory=dict, compare=False)
@@ -153,13 +162,11 @@ class SpeedRig:
         point's beyond the last: not extrapolated (one calibration on the CPU rig: 0.9 ms more after 3.1 ms of work,
         3.3 ms more after 12.6 ms; a linear drift fitted on two short stretches charged prefill's long ones 20% too
         much)."""
-        points = sorted(self.allreduce_waits)
-        if not points or work_s <= points[0][0]:
-            return points[0][1] if points else 0.0
-        for (w0, s0), (w1, s1) in zip(points, points[1:]):
-            if work_s <= w1:
-                return s0 + (work_s - w0) / (w1 - w0) * (s1 - s0)
-        return points[-1][1]
+        return interpolated(self.allreduce_waits, work_s)
+
+    def sharded_linear_seconds(self, rows: int) -> float:
+        """DTensor's host time on one column-parallel linear of `rows` rows (`sharded_linear_s`, interpolated)."""
+        return interpolated(self.sharded_linear_s, rows)
 
 
 def speed_rigs() -> list[str]:
@@ -491,7 +498,8 @@ def tensor_parallel(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCount
     for d, device in enumerate(rig.devices):
         for layer, n in _distinct(shape.layers):
             sharded = layer.kind == "decoder" or (layer.kind == "head" and not shape.tied)
-            extra = rig.sharded_linear_s * COLUMN_LINEARS_PER_LAYER if layer.kind == "decoder" else 0.0
+            extra = (rig.sharded_linear_seconds(phase.rows) * COLUMN_LINEARS_PER_LAYER if layer.kind == "decoder"
+                     else 0.0)
             launched = _unit_ops(layer, ops) + (COLLECTIVES_PER_LAYER if layer.kind == "decoder" else 0)
             seconds = n * unit_seconds(layer, shape, phase, device, rig, launched, 0.5 if sharded else 1.0, busy=True,
                                        extra_host_s=extra)

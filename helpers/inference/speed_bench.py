@@ -361,10 +361,12 @@ def decode_step_work(shape: ModelShape, dtype: torch.dtype, device: torch.device
     return [lambda w=w: F.linear(x, w) for w in mats]
 
 
-def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torch.dtype, repeats: int) -> dict:
+def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torch.dtype, repeats: int,
+                                rows: Sequence[int] = (1,)) -> dict:
     """Rank worker: the all-reduce at hidden-state sizes inside a decode step's work, and DTensor's host time per
-    column-parallel linear (the same matmul through parallelize_module against on plain tensors), both ranks at
-    once."""
+    column-parallel linear at each of `rows` (the same matmul through parallelize_module against on plain tensors;
+    it grows with the rows: two launches read 160 us at 1 row, 310-540 at 64, 570-800 at 256 and 800-990 at
+    1,024), both ranks at once. Fewer pairs at more rows, where each matmul takes longer."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -376,15 +378,20 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     linear = parallelize_module(nn.Linear(shape.hidden, shape.intermediate, bias=False, dtype=dtype, device=device),
                                 mesh, ColwiseParallel())
-    x = torch.zeros(1, 1, shape.hidden, dtype=dtype, device=device)
     local = linear.weight.to_local()
+
+    def sharded(r: int) -> float:
+        x = torch.zeros(r, 1, shape.hidden, dtype=dtype, device=device)
+        pairs = max(7, 20 * repeats * 16 // max(r, 16))
+        return max(_extra_seconds(lambda: linear(x), lambda: F.linear(x, local), pairs, warmup=5), 0.0)
+
     with torch.no_grad():
         work = decode_step_work(shape, dtype, device, dist.get_world_size())
         allreduce = lockstep_allreduce_link(sorted(sizes), mesh, device, dtype, work, shape.hidden)
-        sharded = _extra_seconds(lambda: linear(x), lambda: F.linear(x, local), 20 * repeats, warmup=5)
+        linears = tuple((r, sharded(r)) for r in sorted(set(rows)))
     dist.barrier()
     return {"latency_s": allreduce.link.latency_s, "bandwidth": allreduce.link.bandwidth, "waits": allreduce.waits,
-            "sharded_linear_s": max(sharded, 0.0)}
+            "sharded_linear_s": linears}
 
 
 def model_shape_of(model: HFModel) -> ModelShape:
@@ -403,7 +410,7 @@ def _refuse_gpu_rigs(rig) -> None:
 
 def tensor_parallel_sample(model: HFModel, rig, rows: Sequence[int], repeats: int) -> dict:
     """One launch of two ranks timing what tensor parallelism pays (`tensor_parallel_calibration`), rank 0's
-    reading, at the hidden-state sizes of `rows`."""
+    reading, at the hidden-state sizes of `rows` and DTensor's time on a linear of each of them."""
     from helpers.inference.speed_bench import tensor_parallel_calibration as worker  # importable under -m too
     from helpers.runtime.launch import run
 
@@ -412,31 +419,38 @@ def tensor_parallel_sample(model: HFModel, rig, rows: Sequence[int], repeats: in
     sizes = sorted({r * shape.hidden * dtype.itemsize for r in rows})
     if len(sizes) < 2:
         sizes.append(2 * sizes[0])
-    return run(worker, sizes, shape, dtype, repeats, rig=rig)[0]
+    return run(worker, sizes, shape, dtype, repeats, sorted(set(rows)), rig=rig)[0]
 
 
 def median_sample(samples: Sequence[dict]) -> dict:
-    """Field by field medians of `tensor_parallel_sample`s, the waits point by point (each sample's waits never
-    shrink with more work, and neither do their medians). One launch's waits moved from one run to the next by up to
-    4x (after 13 ms of work: 0.8 ms in one run, 3.4 ms in the next), pricing tensor parallelism's rows 16-30% off."""
+    """Field by field medians of `tensor_parallel_sample`s, the waits and DTensor's times point by point (each
+    sample's waits never shrink with more work, and neither do their medians). One launch's waits moved from one
+    run to the next by up to 4x (after 13 ms of work: 0.8 ms in one run, 3.4 ms in the next), pricing tensor
+    parallelism's rows 16-30% off."""
     def median(key: str) -> float:
         return statistics.median(s[key] for s in samples)
 
-    waits = tuple((statistics.median(s["waits"][i][0] for s in samples),
-                   statistics.median(s["waits"][i][1] for s in samples)) for i in range(len(samples[0]["waits"])))
+    def pointwise(key: str) -> tuple:
+        points = [s[key] for s in samples]
+        return tuple((statistics.median(p[i][0] for p in points), statistics.median(p[i][1] for p in points))
+                     for i in range(len(points[0])))
+
     return {"latency_s": median("latency_s"), "bandwidth": median("bandwidth"),
-            "sharded_linear_s": median("sharded_linear_s"), "waits": waits}
+            "sharded_linear_s": pointwise("sharded_linear_s"), "waits": pointwise("waits")}
 
 
 def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5,
-                      device: Device | None = None, tensor_parallel: Sequence[dict] = ()) -> SpeedRig:
+                      device: Device | None = None, tensor_parallel: Sequence[dict] = (),
+                      prefills: Sequence[tuple[int, int]] = ()) -> SpeedRig:
     """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
-    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode). `device`
-    and `tensor_parallel`: a virtual device already calibrated (`DeviceCalibration`) and `tensor_parallel_sample`s,
-    taken while the engines were measured; else `repeats` rounds and one launch now."""
+    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode);
+    `prefills`: its prefills' (batch, prompt), where a layer's work beyond its matmuls is measured too (without
+    them, prefill is priced with decode's). `device` and `tensor_parallel`: a virtual device already calibrated
+    (`DeviceCalibration`) and `tensor_parallel_sample`s, taken while the engines were measured; else `repeats`
+    rounds and one launch now."""
     _refuse_gpu_rigs(rig)
     if device is None:
-        calibration = DeviceCalibration(model_shape_of(model), model.weights_dtype, rows)
+        calibration = DeviceCalibration(model_shape_of(model), model.weights_dtype, rows, prefills)
         for _ in range(repeats):
             calibration.sample()
         device = calibration.device()
@@ -452,7 +466,9 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
                          f"{tp['latency_s'] * 1e6:.0f} us + bytes / {tp['bandwidth'] / 1e9:.3g} GB/s, waiting "
                          + ", ".join(f"{s * 1e6:.0f} us more after {w * 1e3:.1f} ms of work"
                                      for w, s in tp["waits"][1:])
-                         + f", DTensor {tp['sharded_linear_s'] * 1e6:.0f} us per column-parallel linear")
+                         + ", DTensor " + ", ".join(f"{s * 1e6:.0f} us" for _, s in tp["sharded_linear_s"])
+                         + " per column-parallel linear of " + ", ".join(f"{r}" for r, _ in tp["sharded_linear_s"])
+                         + " rows")
 
 
 # --- the engines, measured ----------------------------------------------------------------------------------------
@@ -547,7 +563,9 @@ def rig_from_dict(fields: dict) -> SpeedRig:
         return Device(**{**known(Device, d), **points(d, ("flops", "busy_flops", "activation_s",
                                                           "prefill_activation_s"))})
 
-    return SpeedRig(**{**known(SpeedRig, fields), **points(fields, ("allreduce_waits",)),
+    if isinstance(fields.get("sharded_linear_s"), (int, float)):  # written before it was measured by rows
+        fields = {**fields, "sharded_linear_s": ((1, fields["sharded_linear_s"]),)}
+    return SpeedRig(**{**known(SpeedRig, fields), **points(fields, ("allreduce_waits", "sharded_linear_s")),
                        "devices": tuple(device(d) for d in fields["devices"]), "hop": Link(**fields["hop"]),
                        "allreduce": Link(**fields["allreduce"])})
 
