@@ -467,7 +467,7 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
                          + ", ".join(f"{s * 1e6:.0f} us more after {w * 1e3:.1f} ms of work"
                                      for w, s in tp["waits"][1:])
                          + ", DTensor " + ", ".join(f"{s * 1e6:.0f} us" for _, s in tp["sharded_linear_s"])
-                         + " per column-parallel linear of " + ", ".join(f"{r}" for r, _ in tp["sharded_linear_s"])
+                         + " per column-parallel linear of " + ", ".join(f"{r:g}" for r, _ in tp["sharded_linear_s"])
                          + " rows")
 
 
