@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from helpers.bench.blocks import PipelineRun, bench_cut, make_pipeline_run, one_device_step, time_pipeline_runs
-from helpers.catalog import BEYOND_1F1B
+from helpers.catalog import BEYOND_1F1B, strategy as catalog_entry
 from helpers.measure import relative_spread
 from helpers.sizing.ledger import ledger_for
 from helpers.models import StackConfig, lm_loss
@@ -364,7 +364,7 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     slowdown of the launch's rows. A fresh pair of processes measured it steady, 1.03 (quartiles 1.02-1.04 over 60
     rounds), yet the run's one figure, timed in a launch of its own at the end, priced a run whose pipelines' passes
     ran 6-16% slower than calibrated (2026-12-05, 10:28 UTC). Timed after the last job, so that no job runs after
-    it (a job's step can depend on what ran before it in the same processes: `OWN_LAUNCH`)."""
+    it (a job's step can depend on what ran before it in the same processes: `own_launch`)."""
     import torch.distributed as dist
 
     from helpers.models import SyntheticTokens, build_stack
@@ -404,17 +404,19 @@ def launch_jobs(keys: Sequence[tuple], config: BenchConfig, rig, timer=None) -> 
     return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
 
 
-# jobs whose step depends on what ran before them in the same processes, launched on their own: FSDP2 took 0.75-0.85 s
-# a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier jobs'
-# process groups were destroyed as they ended (2026-12-05, quiet machine; cause not found)
-OWN_LAUNCH = {"fsdp2"}
+def own_launch(key: tuple) -> bool:
+    """Whether the job of `key` runs in a launch of its own: the strategies built on FSDP2's `fully_shard` (the
+    catalog's `fully_sharded`), whose step depends on what ran before it in the same processes: FSDP2 took 0.75-0.85
+    s a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier
+    jobs' process groups were destroyed as they ended (2026-12-05, quiet machine; cause not found)."""
+    return catalog_entry(key[0]).fully_sharded
 
 
 def launch_groups(jobs: Sequence[tuple]) -> list[tuple]:
-    """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less the jobs of
-    `OWN_LAUNCH`, each in a launch of its own."""
-    shared = tuple(k for k in jobs if k[0] not in OWN_LAUNCH)
-    return [group for group in [shared, *((k,) for k in jobs if k[0] in OWN_LAUNCH)] if group]
+    """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less those that
+    `own_launch` sets apart, each in a launch of its own."""
+    shared = tuple(k for k in jobs if not own_launch(k))
+    return [group for group in [shared, *((k,) for k in jobs if own_launch(k))] if group]
 
 
 def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
