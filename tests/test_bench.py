@@ -224,9 +224,12 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         # the busy-core slowdown timed with the row: threads, in their own rounds; two ranks, inside their launches
         assert (r["core_slowdown"] is not None and r["core_slowdown"] >= 1) == (r["runner"] in ("threads",
                                                                                                "processes"))
-        # a multi-process row's speed-up is taken launch by launch against one device timed around each launch
+        # a multi-process row's speed-up is taken against one device timed around its launches, kept with the row
         assert (r["reference_timed"] == "around this row's launches") == r["runner"].startswith("processes")
         assert r["reference_s"] > 0
+        if r["runner"].startswith("processes"):
+            assert len(r["reference_samples_s"]) == 2 * len(r["launch_step_times_s"]) >= 2
+            assert r["speedup"] == pytest.approx(r["reference_s"] / r["step_s"])
     assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
@@ -468,9 +471,10 @@ def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine(
     assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)
 
 
-def test_a_rows_speedup_is_the_median_of_ratios_to_one_device_timed_with_it():
-    """Threads: each round's one-device step over the row's step in that round; processes: the one-device step
-    timed just before and after each launch over that launch's median step. A slow minute slows both sides."""
+def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():
+    """Threads: the median of each round's one-device step over the row's step in that round; processes: the median
+    of the one-device steps timed just before and after each of the row's launches over the row's median step in
+    them, so one slow reference step or launch does not move it."""
     from types import SimpleNamespace
 
     from helpers.bench.rows import LaunchReference, pool, run_in_rounds
@@ -483,18 +487,24 @@ def test_a_rows_speedup_is_the_median_of_ratios_to_one_device_timed_with_it():
         return SimpleNamespace(step_times=steps, thread_cpu_s=None, phase_times=[{"forward": 0.1, "backward": 0.2}])
 
     got = pool([launch([0.5, 0.5, 0.6]), launch([0.65, 0.7, 0.6])])
-    assert got.launch_steps == (0.5, 0.65) and got.step_s == pytest.approx(0.6)
+    assert got.step_s == pytest.approx(0.6) and got.launch_times == ((0.5, 0.5, 0.6), (0.65, 0.7, 0.6))
 
     calls = []
     reference = LaunchReference(step=lambda: calls.append("single"), adam_s=0.25)
     run_in_rounds({("a", "b"): lambda keys: [launch([1.0]) for _ in keys]}, rounds=2, desc="t", progress=False,
                   around=reference.around(None))
     assert calls == ["single"] * 4  # before and after each of the two launches
-    reference.samples["a"] = [1.0, 1.2, 1.3, 1.3]  # the second launch ran in a slower minute
-    assert reference.speedup("a", (0.55, 0.65)) == pytest.approx((1.1 / 0.55 + 1.3 / 0.65) / 2)
-    assert reference.speedup("a", (0.55, 0.65), adam=True) == pytest.approx((1.35 / 0.55 + 1.55 / 0.65) / 2)
-    assert reference.speedup("never launched", (0.5,)) is None
-    row = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0],
-                   reference_s=1.1, speedup=2.0)
-    d = row.as_dict(batch=32, reference_s=3.0)  # the row's own paired speed-up wins over the run's one-device row
-    assert d["speedup"] == 2.0 and d["reference_s"] == 1.1 and d["reference_timed"] == "around this row's launches"
+    reference.samples["a"] = [1.0, 1.2, 1.25, 1.9]  # one slow step after the second launch
+    row = BenchRow("ddp", "torch", "processes", None, step_s=got.step_s, events=[], peak_activation_bytes=[0],
+                   launch_times=got.launch_times)
+    reference.apply(row, "a")
+    d = row.as_dict(batch=32, reference_s=3.0)  # the row's own reference wins over the run's one-device row
+    assert d["reference_s"] == pytest.approx(1.225) and d["speedup"] == pytest.approx(1.225 / 0.6)
+    assert d["reference_timed"] == "around this row's launches"
+    assert d["reference_samples_s"] == [1.0, 1.2, 1.25, 1.9]  # bench.json keeps what the speed-up came from
+    assert d["launch_step_times_s"] == [[0.5, 0.5, 0.6], [0.65, 0.7, 0.6]]
+    reference.apply(row, "a", adam=True)
+    assert row.as_dict(batch=32, reference_s=3.0)["speedup"] == pytest.approx(1.475 / 0.6)
+    never = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0])
+    reference.apply(never, "never launched")
+    assert never.reference_s is None and never.as_dict(batch=32, reference_s=1.0)["speedup"] == pytest.approx(2.0)

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def one_device_drift(rows) -> str:
     """The one-device step in the threaded rounds against its median around the multi-process launches: how much
-    the machine's speed moved between the two parts of the run (what taking each ratio within its minutes removes)."""
+    the machine's speed moved between the two parts of the run (what timing the reference around each row's launches
+    removes)."""
     import statistics
 
     single = next(r.step_s for r in rows if r.strategy == "single")

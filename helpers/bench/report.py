@@ -42,10 +42,10 @@ forward, backward  how much longer the row's forward (backward, with any recompu
              error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
              the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
              backward
-speedup      one device's step time over the row's (single; single_adam for rows that include Adam), the median of
-             ratios of pairs timed together: threads, in the same interleaved round; processes, one device's step timed
-             just before and after each launch over that launch's median step (the machine's speed drifts over a
-             run: each ratio is taken within the same minute)
+speedup      one device's step time over the row's (single; single_adam for rows that include Adam). Threads: the
+             median of the ratios of pairs timed in the same interleaved round; processes: the median of one
+             device's step timed just before and after each of the row's launches over the row's median step in
+             them (the machine's speed drifts over a run: each row is set against the minutes it ran)
 peak_activation_bytes  saved activations at their peak, per device (rank)"""
 
 

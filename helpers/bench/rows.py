@@ -50,7 +50,8 @@ class BenchRow:
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
     reference_s: float | None = None  # the one-device step timed around this row's launches (multi-process rows)
     wire: str = "auto"  # what DDP's gradients cross the link in (TrainJob's `wire`); auto: their own dtype
-    speedup: float | None = None  # median of the ratios of one device's step to this row's, each pair timed together
+    speedup: float | None = None  # threads: median of the ratios of one device's step to this row's, each round's
+    # pair timed together; None: `reference_s` over `step_s` (multi-process rows, timed around their launches)
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
     excluded: str | None = None  # why this row's prediction is not held to the target, if it is not
     spread: float | None = None  # half the interquartile range of the step times over their median (the noise)
@@ -62,6 +63,8 @@ class BenchRow:
     core_slowdown: float | None = None  # threaded and two-rank rows: the busy-core slowdown their prediction used
     cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
     predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
+    launch_times: tuple[tuple[float, ...], ...] = ()  # multi-process rows: every launch's timed steps, in order
+    reference_samples: tuple[float, ...] = ()  # the one-device steps timed around them (before, after each launch)
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         """`reference_s`: the one-device row's step, used where this row has no `reference_s` of its own."""
@@ -79,7 +82,9 @@ class BenchRow:
                 "predicted_busy": self.predicted_busy,
                 "speedup": self.speedup or reference_s / self.step_s, "speedup_vs": self.reference,
                 "reference_s": reference_s, "reference_timed": "around this row's launches"
-                if self.reference_s else "in the threaded rounds", "peak_activation_bytes": self.peak_activation_bytes}
+                if self.reference_s else "in the threaded rounds", "peak_activation_bytes": self.peak_activation_bytes,
+                "launch_step_times_s": [list(t) for t in self.launch_times],
+                "reference_samples_s": list(self.reference_samples)}
 
 
 @dataclass(frozen=True)
@@ -199,14 +204,19 @@ def _caller_seconds(run: PipelineRun) -> float:
 @dataclass
 class LaunchReference:
     """One device's step (the `single` row's closure), timed again in this process just before and just after every
-    multi-process launch: the reference of those rows' speed-ups, each launch's steps against the one device timed
-    around that launch (`speedup`). The machine's speed drifts over a run: in two quiet default runs the one-device
-    step took 1.020 s and 0.973 s in the threaded rounds, while the whole model timed beside the launches was 4%
-    faster than in those rounds in the first run and 7% slower in the second. Timed instead by rank 0 inside the
-    launch, just before each job (the other rank waiting at a barrier), the same step took 1.0 s before the
-    launch's first jobs and 1.2-1.5 s in the middle of a long launch on a quiet machine, while the jobs themselves
-    ran at their calibrated speed: a rank that has run other jobs is no reference. Rows with Adam add one device's
-    Adam step, measured (`adam_s`)."""
+    multi-process launch: the reference of those rows' speed-ups, the median of the one-device steps timed around a
+    row's launches over the row's median step in them (`seconds`). The machine's speed drifts over a run: in two
+    quiet default runs the one-device step took 1.020 s and 0.973 s in the threaded rounds, while the whole model
+    timed beside the launches was 4% faster than in those rounds in the first run and 7% slower in the second. Pooled
+    rather than launch by launch: with the default run's two launches a median of per-launch ratios is their mean,
+    each from two single one-device steps, so one slow step or launch moves it; in three pairs of quiet default runs
+    (2026-12-05 21:53-22:29 UTC, the bench taking them launch by launch; pooled: from the same rows' medians), 5, 7
+    and 3 of 16 multi-process rows' speed-ups moved more than 5% between the runs of a pair taken launch by launch
+    (mean difference 5.7%, 4.3%, 3.3%), 4, 5 and 2 pooled (4.3%, 4.1%, 2.4%). Timed
+    instead by rank 0 inside the launch, just before each job (the other rank waiting at a barrier), the same step
+    took 1.0 s before the launch's first jobs and 1.2-1.5 s in the middle of a long launch on a quiet machine, while
+    the jobs themselves ran at their calibrated speed: a rank that has run other jobs is no reference. Rows with Adam
+    add one device's Adam step, measured (`adam_s`)."""
 
     step: Callable[[], None]
     adam_s: float
@@ -227,17 +237,12 @@ class LaunchReference:
         got = self.samples.get(key)
         return statistics.median(got) + (self.adam_s if adam else 0.0) if got else None
 
-    def speedup(self, key: Hashable, launch_steps: Sequence[float], adam: bool = False) -> float | None:
-        """The median over launches of (the one-device step timed just before and after a launch, their mean, plus
-        Adam's with `adam`) / (that launch's median step of `key`): each ratio within the minute it was timed."""
-        import statistics
-
-        got = self.samples.get(key, [])
-        if len(got) != 2 * len(launch_steps) or not launch_steps:
-            return None
-        extra = self.adam_s if adam else 0.0
-        return statistics.median(((got[2 * i] + got[2 * i + 1]) / 2 + extra) / step
-                                 for i, step in enumerate(launch_steps))
+    def apply(self, row: BenchRow, key: Hashable, adam: bool = False) -> None:
+        """Give `row` (the job of `key`) this reference: the one-device step its speed-up is taken against, and the
+        samples that median comes from (bench.json keeps them beside the row's launches, so runs can be compared
+        step by step)."""
+        row.reference_s = self.seconds(key, adam=adam)
+        row.reference_samples = tuple(self.samples.get(key, ()))
 
     def around(self, sizes: Callable[[Sequence[Hashable]], None] | None) -> Callable:
         """The hook `run_in_rounds` calls with a launch's keys before and after it: this reference's step, then the
@@ -426,7 +431,7 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
     come from launches minutes apart), then DP x PP (4 ranks). With `timer`, the whole model timed at each job's
     micro-batch size just before and after the launch that ran it (`calibration_key`: the job's key), and on both
     ranks at once inside that launch (`launch_jobs`); with `reference`, the one-device step too, each row's speed-up
-    then taken launch by launch against it."""
+    then taken against its median there."""
     jobs = two_rank_jobs(config, rig)
     launches = {group: lambda keys: launch_jobs(keys, config, rig, timer) for group in launch_groups(jobs)}
     results = run_in_rounds(launches, config.rounds, "multi-process jobs", progress,
@@ -438,10 +443,9 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
                              got.last.events, got.last.peak_activations, optimizer="adam" if dp else "none",
                              reference="single_adam" if dp else "single", spread=got.spread,
                              measured_phase_s=got.phase_s, calibration_key=key, cpu_s=got.cpu_s,
-                             wire=key[2] if dp else "auto"))
+                             wire=key[2] if dp else "auto", launch_times=got.launch_times))
         if reference is not None:
-            rows[-1].reference_s = reference.seconds(key, adam=dp)
-            rows[-1].speedup = reference.speedup(key, got.launch_steps, adam=dp)
+            reference.apply(rows[-1], key, adam=dp)
     return rows + dp_x_pp_rows(config, rig, progress, timer, reference)
 
 
@@ -461,7 +465,7 @@ class Pooled:
     phase_s: dict[str, float]
     last: object
     cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
-    launch_steps: tuple[float, ...] = ()  # the median step of each launch, in launch order
+    launch_times: tuple[tuple[float, ...], ...] = ()  # every launch's timed steps, in launch order
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
@@ -501,7 +505,7 @@ def pool(launched: Sequence) -> Pooled:
     return Pooled(statistics.median(steps), relative_spread(steps),
                   median_phases([p for got in launched for p in got.phase_times]), launched[-1],
                   [statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
-                  tuple(statistics.median(got.step_times) for got in launched))
+                  tuple(tuple(got.step_times) for got in launched))
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
@@ -526,7 +530,7 @@ def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
         got = results["dp_x_pp"]
         rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
                              got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key="dp_x_pp", cpu_s=got.cpu_s,
-                             reference_s=reference.seconds("dp_x_pp") if reference else None,
-                             speedup=reference.speedup("dp_x_pp", got.launch_steps) if reference else None))
+                             calibration_key="dp_x_pp", cpu_s=got.cpu_s, launch_times=got.launch_times))
+        if reference is not None:
+            reference.apply(rows[-1], "dp_x_pp")
     return rows
