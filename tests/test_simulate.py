@@ -117,6 +117,25 @@ def test_a_split_backward_pays_its_measured_overhead_in_the_weight_pass():
     assert overhead >= 0 and math.isfinite(overhead) and all(p.grad is None for p in model.parameters())
 
 
+def test_a_receive_posted_after_its_rank_computed_delays_what_needs_it():
+    """`Link.receive_s`: posting a receive costs the receiving device's thread that long, in its own order. Posted
+    while the device waits anyway (its first receive, the naive split's), it hides; posted right after computing,
+    with the message already there, it delays the work that needs the message."""
+    r = 0.25
+    link = Link(0.0, math.inf, receive_s=r)
+    naive = simulate(equal_stages(2), Job("naive", batch=1), link)
+    assert naive.step_s == 2 * (F + B)
+    gpipe = simulate(equal_stages(2), Job("gpipe", batch=2, microbatches=2), link)
+    # stage 2's second forward waits for its post (the message arrived meanwhile); stage 1's second backward too
+    assert gpipe.step_s == 3 * (F + B) + 2 * r
+    posts = [e for e in gpipe.events if e.kind == "recv"]
+    assert sorted(e.device for e in posts) == [0, 0, 1, 1] and all(e.end - e.start == r for e in posts)
+    assert not any(e.kind == "recv" for e in simulate(equal_stages(2), Job("gpipe", batch=2, microbatches=2),
+                                                      Link(0.0, math.inf)).events)
+    with pytest.raises(ValueError, match="posting"):
+        Link(0.0, 1e9, receive_s=-1.0)
+
+
 def test_naive_two_stages_is_twice_one_stage():
     sim = simulate(equal_stages(2), Job("naive", batch=1))
     assert sim.step_s == 2 * (F + B)

@@ -119,6 +119,7 @@ def calibration_record(rig_model, calibrated: dict) -> dict:
         f"{c.stream_factor:.2f}x the per-layer profile's sum" for b, c in sorted(calibrated.items())]
     return {"summary": summary,
             "links": {"p2p": [rig_model.p2p.latency_s, rig_model.p2p.bandwidth],
+                      "p2p_receive_s": rig_model.p2p.receive_s,
                       **{kind: [getattr(rig_model.collectives, kind).latency_s,
                                 getattr(rig_model.collectives, kind).bandwidth]
                          for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}},

@@ -475,6 +475,44 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
 
 
 COLLECTIVE_KINDS = ("allgather", "reducescatter", "broadcast")  # measured besides the link benchmark's all-reduce
+RECEIVE_POSTS = 40  # exchanges `receive_post_seconds` times on each rank (after 2 untimed)
+
+
+def receive_post_seconds(model: nn.Module, x: torch.Tensor, posts: int = RECEIVE_POSTS) -> float:
+    """Rank worker, two ranks: what posting a receive costs a rank's thread while both ranks compute between
+    exchanges, as a pipeline's stages do. Each rank runs `model`'s forward on `x`, then posts one send of the
+    forward's hidden state (the embedding's output: what crosses a stage boundary) to the other rank and one receive
+    from it in one `batch_isend_irecv`, as the process engine does, and waits for the receive; returns the mean
+    seconds of the posts over both ranks. On the CPU rig gloo's post waited 2.3-2.8 ms on average inside the bench's
+    GPipe (0.25 ms of it on the CPU: the rest waiting for the connection, whose transport thread competes for the
+    busy cores); NCCL only enqueues on the stream."""
+    import torch.distributed as dist
+
+    from helpers.runtime.strict import plain_backend
+
+    device, peer = x.device, 1 - dist.get_rank()
+    with torch.no_grad():
+        hidden = model[0](x)
+    wire = "cpu" if plain_backend() == "gloo" else device  # gloo carries host tensors
+    out, inbox = hidden.to(wire).contiguous(), torch.empty_like(hidden, device=wire)
+    total, pending = 0.0, []
+    dist.barrier()
+    for k in range(posts + 2):
+        with torch.no_grad():
+            model(x)
+        for work in pending:
+            work.wait()
+        t0 = time.perf_counter()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, inbox, peer)])
+        total += time.perf_counter() - t0 if k >= 2 else 0.0
+        works[-1].wait()
+        pending = works[:-1]
+    for work in pending:
+        work.wait()
+    _sync(device)
+    mean = torch.tensor([total / posts], dtype=torch.float64, device=device)  # NCCL: cuda tensors only
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
 
 
 def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int,
@@ -483,7 +521,8 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
     once, `rounds` times: the ratios together / alone; (2) the collectives FSDP2 and ZeRO-1 use besides the
     all-reduce, as they run on this backend: all-gather into a tensor of n bytes, reduce-scatter of n bytes,
     broadcast of n bytes, the median of `repeats` for each size n, and a broadcast's cost per tensor when sent
-    tensor by tensor (`broadcast_message_seconds`)."""
+    tensor by tensor (`broadcast_message_seconds`); (3) what posting a receive costs while both ranks compute
+    (`receive_post_seconds`)."""
     import torch.distributed as dist
 
     from helpers.pipeline.comm import timed_across_ranks
@@ -529,7 +568,7 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
                 samples[kind][0].append(full.numel() * 4)
                 samples[kind][1].append(timed_across_ranks(fn, repeats, device))
     sharded = all(k in samples for k in ("allgather", "reducescatter"))  # else FSDP2 cannot run on this rig
-    return {"ratios": ratios, "collectives": samples,
+    return {"ratios": ratios, "collectives": samples, "receive_post_s": receive_post_seconds(model, x),
             "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5)),
             "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, FSDP2_HOST_ROUNDS))
             if sharded else 0.0}
@@ -633,15 +672,17 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
     """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that
     shares the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast
     (its latency: the measured cost of each further tensor, what ZeRO-1 pays per tensor) and the busy-core
-    slowdown of two processes in one more launch, and of two threads here; what a split backward costs beyond a
-    plain one (`split_backward_overhead`). On gloo the collectives add and copy on the CPU, so they take cores
-    too."""
+    slowdown of two processes in one more launch, what posting a receive costs while both compute
+    (`receive_post_seconds`, the point-to-point link's `receive_s`), and the busy-core slowdown of two threads here;
+    what a split backward costs beyond a plain one (`split_backward_overhead`). On gloo the collectives add and copy
+    on the CPU, so they take cores too."""
     from helpers.pipeline.comm import default_sizes, link_benchmark
 
     sizes = list(sizes) if sizes else default_sizes()
     samples = link_benchmark(rig, sizes, repeats)
     p2p, allreduce, threads_link = links_from_samples(samples)
     measured = process_calibration(rig, model, x, y, loss_fn, sizes, rounds, repeats)
+    p2p = replace(p2p, receive_s=measured["receive_post_s"])
     # a collective the backend cannot run here (gloo on one GPU: all-gather, reduce-scatter) is never simulated on
     # this rig (FSDP2 and ZeRO-2 are refused there): it keeps the all-reduce's fit, by name only
     fits = {kind: fit_link(*measured["collectives"][kind], name=kind) if kind in measured["collectives"] else

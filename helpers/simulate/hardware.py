@@ -19,15 +19,21 @@ from helpers.sizing.gpus import DTYPES, Gpu, gpu
 
 @dataclass(frozen=True)
 class Link:
-    """One direction of a link: `latency_s` per message plus bytes / `bandwidth` (bytes per second)."""
+    """One direction of a link: `latency_s` per message plus bytes / `bandwidth` (bytes per second); `receive_s`:
+    what posting each receive costs the receiving device's own thread, off its compute (on the CPU rig, gloo's post
+    waited 2.3-2.8 ms on average while both ranks computed; measured by `measure_rig`; 0 where posting is
+    asynchronous, as NCCL's on a GPU stream)."""
 
     latency_s: float
     bandwidth: float
     name: str = "custom link"
+    receive_s: float = 0.0
 
     def __post_init__(self):
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"link latency must be finite and >= 0 seconds, got {self.latency_s}")
+        if not (self.receive_s >= 0 and math.isfinite(self.receive_s)):
+            raise ValueError(f"a receive's posting time must be finite and >= 0 seconds, got {self.receive_s}")
         if not self.bandwidth > 0:
             raise ValueError(f"link bandwidth must be positive (bytes per second), got {self.bandwidth}")
 
@@ -36,7 +42,8 @@ class Link:
         return self.latency_s + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.bandwidth / 1e9:.3g} GB/s per direction, {self.latency_s * 1e6:.3g} us"
+        posting = f", {self.receive_s * 1e3:.3g} ms to post each receive" if self.receive_s else ""
+        return f"{self.name}: {self.bandwidth / 1e9:.3g} GB/s per direction, {self.latency_s * 1e6:.3g} us{posting}"
 
 
 FREE_LINK = Link(0.0, math.inf, "free link")

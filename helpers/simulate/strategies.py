@@ -312,6 +312,11 @@ class _Builder:
         return self.graph.add(self.link.seconds(nbytes), [("send", src, dst)], "send", [src], [after],
                               links=[("link", src, dst)], microbatch=mb)
 
+    def post_receive(self, dev: int, mb: int, stage: int | None = None) -> int:
+        """The device's thread posting a receive (`Link.receive_s`), in its own order on its compute stream: it
+        waits, off the cores, before it can wait for the message."""
+        return self.graph.add(self.link.receive_s, [("compute", dev)], "recv", [dev], microbatch=mb, stage=stage)
+
     def collective(self, kind: str, group: list[int], seconds: float, stream: str, after,
                    holds_compute: bool = False) -> int:
         """One collective over `group` (a ring: it holds every link i -> i+1 of the group); `holds_compute`: the
@@ -356,8 +361,10 @@ class _Builder:
                     deps = dependencies(s, action, layout)
                     if not all(d in done for d in deps):
                         break
-                    after = [done[d] if d[0] == s else message[d] for d in deps]
                     stage, dev, mb = layout.stage(s, action.chunk), devices[s], action.microbatch
+                    after = [done[d] if d[0] == s else message[d] for d in deps]
+                    if self.link.receive_s and any(d[0] != s for d in deps):
+                        after.append(self.post_receive(dev, mb, stage))
                     a, b = ranges[stage]
                     if action.kind == "F":
                         done[(s, action)] = task = self.forward(dev, a, b, mb, after, stage)
