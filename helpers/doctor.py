@@ -524,14 +524,15 @@ def script_checks(rig: Rig, workdir: str, wanted: Callable[[str], bool] = lambda
 
 
 def calibration_check(rig: Rig) -> str:
-    """The bench's calibration in its two ranks (busy-core slowdown, the collectives FSDP2 and ZeRO use): under
-    NCCL it raised on a host tensor and the bench lost its whole run."""
+    """The bench's calibration in its two ranks (busy-core slowdown, the collectives FSDP2 and ZeRO use, what posting
+    a receive costs while both compute): under NCCL it raised on a host tensor and the bench lost its whole run."""
     from helpers.simulate.calibrate import process_calibration
 
     x, y = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH)
     out = process_calibration(rig, build_stack(CFG), x, y, lm_loss, sizes=[2**12, 2**16], rounds=1, repeats=1)
     return (f"busy-core slowdown {out['ratios'][0]:.2f}x; collectives measured: "
-            f"{', '.join(out['collectives']) or 'none'}")
+            f"{', '.join(out['collectives']) or 'none'}; a receive posted while both compute: "
+            f"{out['receive_post_s'] * 1e3:.2f} ms")
 
 
 # --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
