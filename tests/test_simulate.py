@@ -136,6 +136,14 @@ def test_a_receive_posted_after_its_rank_computed_delays_what_needs_it():
         Link(0.0, 1e9, receive_s=-1.0)
 
 
+def test_the_rig_calibration_refuses_a_model_that_is_not_a_layer_stack_before_any_rank_starts():
+    from helpers.runtime.rig import detect_rig
+    from helpers.simulate.calibrate import process_calibration
+
+    with pytest.raises(ValueError, match="stack of layers"):
+        process_calibration(detect_rig(), torch.nn.Linear(4, 4), torch.zeros(2, 4), torch.zeros(2), None, [1024])
+
+
 def test_naive_two_stages_is_twice_one_stage():
     sim = simulate(equal_stages(2), Job("naive", batch=1))
     assert sim.step_s == 2 * (F + B)

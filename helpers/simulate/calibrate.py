@@ -483,9 +483,10 @@ def receive_post_seconds(model: nn.Module, x: torch.Tensor, posts: int = RECEIVE
     exchanges, as a pipeline's stages do. Each rank runs `model`'s forward on `x`, then posts one send of the
     forward's hidden state (the embedding's output: what crosses a stage boundary) to the other rank and one receive
     from it in one `batch_isend_irecv`, as the process engine does, and waits for the receive; returns the mean
-    seconds of the posts over both ranks. On the CPU rig gloo's post waited 2.3-2.8 ms on average inside the bench's
-    GPipe (0.25 ms of it on the CPU: the rest waiting for the connection, whose transport thread competes for the
-    busy cores); NCCL only enqueues on the stream."""
+    seconds of the posts over both ranks. On the CPU rig gloo's post took 2.3-2.8 ms on average inside the bench's
+    GPipe, 0.25 ms of it on the CPU, the rest blocked (likely on the connection's lock, which its transport thread
+    holds while it reads and writes and which competes for the busy cores; not shown); NCCL only enqueues on the
+    stream. The mean moves from launch to launch: 0.24-1.82 ms in six launches of 40 posts (2026-12-06)."""
     import torch.distributed as dist
 
     from helpers.runtime.strict import plain_backend
@@ -576,10 +577,17 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
 
 def process_calibration(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                         sizes: Sequence[int], rounds: int = 7, repeats: int = 3) -> dict:
-    """`process_calibration_worker` on two ranks of `rig`; rank 0's answer."""
+    """`process_calibration_worker` on two ranks of `rig`; rank 0's answer. `model` must be a stack of layers
+    (`nn.Sequential`, as `build_stack` makes): its first layer's output is the message a stage boundary carries
+    (`receive_post_seconds`), refused here before any rank starts."""
     import copy
 
     from helpers.runtime.launch import run
+
+    if not isinstance(model, nn.Sequential) or len(model) < 2:
+        raise ValueError(f"the calibration needs the model as a stack of layers (nn.Sequential, as "
+                         f"helpers.models.build_stack makes), got {type(model).__name__}: its first layer's output "
+                         "is what a pipeline sends between stages")
 
     return run(process_calibration_worker, copy.deepcopy(model).cpu(), x.cpu(), y.cpu(), loss_fn, rounds,
                list(sizes), repeats, rig=rig)[0]
