@@ -230,6 +230,9 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         if r["runner"].startswith("processes"):
             assert len(r["reference_samples_s"]) == 2 * len(r["launch_step_times_s"]) >= 2
             assert r["speedup"] == pytest.approx(r["reference_s"] / r["step_s"])
+        # a two-rank pipeline is priced with the receive posts timed in its own launches
+        pipelined = r["runner"] == "processes" and r["microbatches"] is not None
+        assert (r["receive_post_s"] is not None and r["receive_post_s"] > 0) == pipelined
     assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
@@ -237,6 +240,26 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert {p.with_suffix(".json") for p in pngs} == set(tmp_path.glob("timeline_*.json"))  # Perfetto traces
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
     assert "around the multi-process launches" in out
+
+
+def test_a_pipelines_receive_posts_timed_in_its_own_launches_price_it():
+    """What posting a receive cost inside a row's launches (`WholeModelTimer.add_receive_posts`, after the jobs) is
+    what its prediction charges: their median, in place of the link calibration's one reading."""
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    timer = WholeModelTimer(torch.nn.Linear(2, 2), torch.zeros(4, 2), torch.zeros(4, 2), torch.nn.functional.mse_loss)
+    pipe, other = ("gpipe", "ours", "gpipe", 2, True), ("ddp", "dp", "auto")
+    for seconds in (0.5, 0.25, 0.125):
+        timer.add_receive_posts(seconds, [pipe])
+    assert timer.receive_post_s(pipe) == 0.25 and timer.receive_post_s(other) is None
+    base = rig_model()
+    assert base.with_receive_post(None) is base and base.with_receive_post(0.25).p2p.receive_s == 0.25
+    work = Workload.from_lists([F] * 4, [B] * 4)
+    plain, charged = row("gpipe", "processes", 2), row("gpipe", "processes", 2)
+    predict_row(plain, work, base, BATCH, boundaries=[2])
+    predict_row(charged, work, base.with_receive_post(0.25), BATCH, boundaries=[2])
+    # GPipe m=2: the second micro-batch's forward on stage 2 and its backward on stage 1 wait for their posts
+    assert charged.predicted_s == plain.predicted_s + 2 * 0.25
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():
@@ -378,23 +401,24 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     always first; its timed steps, phases and CPU seconds pooled over the launches."""
     from types import SimpleNamespace
 
-    from helpers.bench.rows import launch_groups, run_in_rounds, two_rank_jobs
+    from helpers.bench.rows import dp_x_pp_rows, launch_groups, run_in_rounds, two_rank_jobs
     from helpers.training.support import reference_rigs
 
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
-    assert config.rounds == 2 and config.steps == 3 and config.thread_repeats == 5
+    assert config.rounds == 2 and config.steps == 2 and config.thread_repeats == 5
     keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
     assert len(keys) == 15 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
     precise = two_rank_jobs(default_config("precise", reference_rigs()["CPU (2 cores)"]),
                             reference_rigs()["CPU (2 cores)"])
     assert set(precise) - set(keys) == {("naive", "ours", "gpipe", 1, False), ("gpipe", "torch", "gpipe", 8, True),
                                         ("gpipe", "ours", "gpipe", 2, True), ("gpipe", "ours", "gpipe", 4, True)}
+    assert dp_x_pp_rows(config, reference_rigs()["CPU (2 cores)"], progress=False) == []  # 4 ranks: --precise
     orders, seen = [], []
 
     def launch(order):
         orders.append(list(order))
         return [SimpleNamespace(step_times=[1.0 + len(orders)], phase_times=[{"forward": 1.0, "backward": 2.0}],
-                                thread_cpu_s=[0.5, 0.25 * len(orders)]) for _ in order]
+                                thread_cpu_s=[0.5, 0.25 * len(orders)], recorded_step_s=None) for _ in order]
 
     pooled = run_in_rounds({tuple(keys): launch}, config.rounds, "test", progress=False,
                            around=lambda k: seen.append(k))
@@ -483,10 +507,11 @@ def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():
     times = Timings({"single": [1.0, 2.0, 1.0], "pipe": [0.5, 1.0, 0.8]})  # round 2 ran at half speed
     assert times.paired_ratio("single", "pipe") == pytest.approx(2.0)  # the ratio of medians would say 1.25
 
-    def launch(steps):
-        return SimpleNamespace(step_times=steps, thread_cpu_s=None, phase_times=[{"forward": 0.1, "backward": 0.2}])
+    def launch(steps, recorded=None):
+        return SimpleNamespace(step_times=steps, thread_cpu_s=None, phase_times=[{"forward": 0.1, "backward": 0.2}],
+                               recorded_step_s=recorded)
 
-    got = pool([launch([0.5, 0.5, 0.6]), launch([0.65, 0.7, 0.6])])
+    got = pool([launch([0.5, 0.5], recorded=0.6), launch([0.65, 0.7], recorded=0.6)])  # the recorded step pooled too
     assert got.step_s == pytest.approx(0.6) and got.launch_times == ((0.5, 0.5, 0.6), (0.65, 0.7, 0.6))
 
     calls = []

@@ -51,6 +51,7 @@ def test_pipelines_equal_one_device(kw, reference):
     # every timed step's forward and backward seconds, both ranks together (the bench's drift columns)
     assert len(res.phase_times) == len(res.step_times) == 1
     assert 0 < res.phase_times[0]["forward"] < res.step_times[0] * 2
+    assert res.recorded_step_s > 0  # the recorded step is timed too (one more sample of the step: the bench's)
     assert all(p > 0 for p in res.peak_activations)
     if kw.get("overlap", True):
         assert not any(e.kind == "send" for e in res.events), "overlapped sends never block"

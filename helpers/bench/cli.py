@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                                for name, s in timed_with.items() if s is not None]
     calibration["summary"] += [launch_slowdowns(rows)] if any(r.runner == "processes" and r.core_slowdown
                                                               for r in rows) else []
+    calibration["summary"] += [launch_receive_posts(rows)] if any(r.receive_post_s for r in rows) else []
     calibration["summary"] += [one_device_drift(rows)] if any(r.reference_s for r in rows) else []
     dicts = write_results(rows, config, rig, ns.out, extras, calibration, compared)
     print(table(display_rows(dicts), BENCH_COLUMNS))
@@ -119,6 +120,14 @@ def launch_slowdowns(rows) -> str:
     got = sorted({round(r.core_slowdown, 3) for r in rows if r.runner == "processes" and r.core_slowdown})
     return (f"processes, timed on both ranks in their launches: {' / '.join(f'{s:.3g}x' for s in got)} slower when "
             f"both cores are busy (one per micro-batch size)")
+
+
+def launch_receive_posts(rows) -> str:
+    """What posting a receive cost in the pipelines' own launches (the median of their launches' readings), which
+    priced them in place of the link calibration's one reading."""
+    got = sorted({round(r.receive_post_s * 1e3, 2) for r in rows if r.receive_post_s})
+    return (f"pipelines on processes, posting a receive while both ranks compute, timed in their launches: "
+            f"{' / '.join(f'{ms:.2f}' for ms in got)} ms (each row priced with its launches' median)")
 
 
 def read_previous(path: str) -> dict:

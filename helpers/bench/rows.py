@@ -61,9 +61,11 @@ class BenchRow:
     calibration_key: Hashable | None = None
     whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
     core_slowdown: float | None = None  # threaded and two-rank rows: the busy-core slowdown their prediction used
+    receive_post_s: float | None = None  # two-rank pipelines: posting a receive, measured in their launches
     cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
     predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
     launch_times: tuple[tuple[float, ...], ...] = ()  # multi-process rows: every launch's timed steps, in order
+    # (the recorded step last: `pool`)
     reference_samples: tuple[float, ...] = ()  # the one-device steps timed around them (before, after each launch)
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
@@ -77,7 +79,8 @@ class BenchRow:
                 "excluded_from_target": self.excluded, "spread": self.spread,
                 **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
                                                           self.predicted_phase_s) for phase in PHASES},
-                "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown, "cpu_s": self.cpu_s,
+                "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown,
+                "receive_post_s": self.receive_post_s, "cpu_s": self.cpu_s,
                 "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
                 "predicted_busy": self.predicted_busy,
                 "speedup": self.speedup or reference_s / self.step_s, "speedup_vs": self.reference,
@@ -93,7 +96,7 @@ class BenchConfig:
 
     cfg: StackConfig
     batch: int
-    steps: int  # timed steps of each multi-process job per launch
+    steps: int  # timed steps of each multi-process job per launch (the recorded step after them is timed too)
     gpipe_microbatches: tuple[int, ...]
     onefoneb_microbatches: int
     torch_microbatches: tuple[int, ...]
@@ -106,9 +109,16 @@ class BenchConfig:
 
 MODES = ("quick", "default", "precise")
 # what the default run leaves to --precise, to stay under 5 minutes on the 2-core rig: the threaded engine's rows
-# past 1F1B (ours runs them on processes beside torch's, where they are compared), the naive split on processes and
-# torch's GPipe (never torch's best pipeline); as (strategy, runner)
-SHORTER_RUN_LEAVES_OUT = {*((s, "threads") for s in BEYOND_1F1B), ("naive", "processes"), ("gpipe", "torch")}
+# past 1F1B (ours runs them on processes beside torch's, where they are compared), the naive split on processes,
+# torch's GPipe (never torch's best pipeline) and DP x PP (4 ranks: refused on two GPUs; on the CPU rig they share
+# the 2 cores and the prediction is excluded from the target; 27-34 s of the run); as (strategy, runner)
+SHORTER_RUN_LEAVES_OUT = {*((s, "threads") for s in BEYOND_1F1B), ("naive", "processes"), ("gpipe", "torch"),
+                          ("dp_x_pp", "processes")}
+
+
+def left_out(config: BenchConfig, row: tuple[str, str]) -> bool:
+    """Whether the run of `config` leaves the row (strategy, runner) to --precise (`SHORTER_RUN_LEAVES_OUT`)."""
+    return not config.every_row and row in SHORTER_RUN_LEAVES_OUT
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
@@ -116,9 +126,10 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
     count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
     rows, 3 of the extras, and the two-rank jobs in one launch per round (FSDP2 in one of its own: `launch_groups`),
-    2 rounds in opposite orders (6 timed steps of each job from two launches a minute or more apart: one disturbed
-    launch or step no longer decides a row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
-    launches of 6 steps, 6 repeats of the extras."""
+    2 rounds in opposite orders (each job's 2 timed steps and its recorded step in each of two launches a minute or
+    more apart: 6 samples, so one disturbed launch or step no longer decides a row). precise: every row, GPipe at
+    m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 timed steps (and the recorded one), 6 repeats of the
+    extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
@@ -131,7 +142,7 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
     if mode == "precise":
         return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
                            torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
-    return BenchConfig(cfg, batch=32, steps=3, gpipe_microbatches=(8,), onefoneb_microbatches=8,
+    return BenchConfig(cfg, batch=32, steps=2, gpipe_microbatches=(8,), onefoneb_microbatches=8,
                        torch_microbatches=(8,), rounds=2, extra_repeats=3, thread_repeats=5, every_row=False)
 
 
@@ -289,7 +300,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
     threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
-    threaded = [(s, m) for s, m in threaded if config.every_row or (s, "threads") not in SHORTER_RUN_LEAVES_OUT]
+    threaded = [(s, m) for s, m in threaded if not left_out(config, (s, "threads"))]
     runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
             for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
@@ -323,8 +334,7 @@ def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
     jobs += [(s, "dp", "auto") for s in ("ddp", "zero1", "fsdp2")] + [("ddp", "dp", "bf16")]
     refused = bench_refusals(rig)
     runner = lambda j: "torch" if j[1] == "torch" else "processes"  # noqa: E731
-    return [j for j in jobs if (j[0], runner(j)) not in refused
-            and (config.every_row or (j[0], runner(j)) not in SHORTER_RUN_LEAVES_OUT)]
+    return [j for j in jobs if (j[0], runner(j)) not in refused and not left_out(config, (j[0], runner(j)))]
 
 
 def train_job(key: tuple, config: BenchConfig):
@@ -368,13 +378,16 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     minutes. The parent times the same model alone beside the launch (`sample_launch`); the ratio is the busy-core
     slowdown of the launch's rows. A fresh pair of processes measured it steady, 1.03 (quartiles 1.02-1.04 over 60
     rounds), yet the run's one figure, timed in a launch of its own at the end, priced a run whose pipelines' passes
-    ran 6-16% slower than calibrated (2026-12-05, 10:28 UTC). Timed after the last job, so that no job runs after
+    ran 6-16% slower than calibrated (2026-12-05, 10:28 UTC). Where a job is a pipeline, then what posting a receive
+    costs while both ranks compute (`receive_post_seconds`, a hidden state of the pipelines' micro-batch), for the
+    same reason: one reading for the whole run, from a launch of its own, read 0.59-2.24 ms in four runs, and the
+    runs that read it low were over-predicted more (2026-12-05). Timed after the last job, so that no job runs after
     it (a job's step can depend on what ran before it in the same processes: `own_launch`)."""
     import torch.distributed as dist
 
     from helpers.models import SyntheticTokens, build_stack
     from helpers.runtime.launch import rank_device
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate import WholeModelTimer, receive_post_seconds
     from helpers.training.loop import train_workers
 
     results = train_workers(jobs)
@@ -385,13 +398,16 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
         for _ in range(repeats):
             dist.barrier()
             timer.sample(size)
-    return {"jobs": results, "together": {size: [f + b for f, b in timer.samples[size]] for size in sizes}}
+    pipelined = [job.batch // job.microbatches for job in jobs if job.pp > 1]  # their micro-batches' samples
+    posts = receive_post_seconds(timer.model, timer.x[:min(pipelined)]) if pipelined else None
+    return {"jobs": results, "together": {size: [f + b for f, b in timer.samples[size]] for size in sizes},
+            "receive_post_s": posts}
 
 
 def launch_jobs(keys: Sequence[tuple], config: BenchConfig, rig, timer=None) -> list:
     """One launch of the bench's two-rank jobs of `keys`, in that order: a `TrainResult` each. With `timer`, the
-    ranks' whole model timed both at once after the jobs is kept as the jobs' together samples
-    (`train_workers_timed_together`), by micro-batch size."""
+    ranks' whole model timed both at once after the jobs is kept as the jobs' together samples, by micro-batch size,
+    and what posting a receive cost there as their receive posts (`train_workers_timed_together`)."""
     from helpers.runtime.launch import run
     from helpers.training.job import check_job
     from helpers.training.loop import combine_ranks, run_trainings
@@ -406,6 +422,8 @@ def launch_jobs(keys: Sequence[tuple], config: BenchConfig, rig, timer=None) -> 
     for part in parts:
         for size, seconds in part["together"].items():
             timer.add_together(size, seconds, by_size[size])
+    if parts[0]["receive_post_s"] is not None:  # the mean over both ranks: every rank returns it
+        timer.add_receive_posts(parts[0]["receive_post_s"], [k for k, job in zip(keys, jobs) if job.pp > 1])
     return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
 
 
@@ -456,16 +474,16 @@ def _around(reference: LaunchReference | None, sample: Callable | None) -> Calla
 
 @dataclass(frozen=True)
 class Pooled:
-    """A multi-process job's launches taken together: over every launch's timed steps, the median step time, its
-    `relative_spread` and the median seconds of each phase (`median_phases`); the last launch's result (its
-    timeline and memory); each launch's own median step."""
+    """A multi-process job's launches taken together: over every launch's steps (`launch_samples`), the median step
+    time and its `relative_spread`; over their timed steps, the median seconds of each phase (`median_phases`); the
+    last launch's result (its timeline and memory); each launch's steps."""
 
     step_s: float
     spread: float
     phase_s: dict[str, float]
     last: object
     cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
-    launch_times: tuple[tuple[float, ...], ...] = ()  # every launch's timed steps, in launch order
+    launch_times: tuple[tuple[float, ...], ...] = ()  # every launch's `launch_samples`, in launch order
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
@@ -500,12 +518,19 @@ def pool(launched: Sequence) -> Pooled:
     """One job's `Pooled` from the `TrainResult` of each of its launches."""
     import statistics
 
-    steps = [t for got in launched for t in got.step_times]
+    steps = [t for got in launched for t in launch_samples(got)]
     cpu = [got.thread_cpu_s for got in launched]
     return Pooled(statistics.median(steps), relative_spread(steps),
                   median_phases([p for got in launched for p in got.phase_times]), launched[-1],
                   [statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
-                  tuple(tuple(got.step_times) for got in launched))
+                  tuple(launch_samples(got) for got in launched))
+
+
+def launch_samples(got) -> tuple[float, ...]:
+    """One launch's step times of a job (a `TrainResult`): its timed steps and the recorded step after them, an
+    ordinary step whose timeline and peak memory are kept (timing it is free: the default run times two steps and
+    takes three samples, one step less of every job in every launch)."""
+    return (*got.step_times, *(() if got.recorded_step_s is None else (got.recorded_step_s,)))
 
 
 DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2)  # noqa: E731
@@ -520,7 +545,7 @@ def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
 
     rows = []
     refused = bench_refusals(rig)
-    if ("dp_x_pp", "processes") not in refused:
+    if ("dp_x_pp", "processes") not in refused and not left_out(config, ("dp_x_pp", "processes")):
         m = DP_X_PP_MICROBATCHES(config)
         job = TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
                        timed_steps=config.steps)

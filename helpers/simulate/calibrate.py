@@ -107,6 +107,7 @@ class WholeModelTimer:
         self.together: dict[tuple[Hashable, int], list[float]] = {}  # seconds per copy, both copies at once
         self.twin: nn.Module | None = None  # the second copy, made on the first `sample_together`
         self.ledgers: dict[int, MemoryLedger] = {}  # by id() of the copy it counts for
+        self.receive_posts: dict[Hashable, list[float]] = {}  # seconds a receive's post took, by key
 
     def _microbatch(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 1 <= microbatch <= self.x.shape[0]:
@@ -172,6 +173,18 @@ class WholeModelTimer:
         somewhere else (the bench's two ranks, inside the launch that ran `keys`), kept under each of `keys`."""
         for key in keys:
             self.together.setdefault((key, microbatch), []).extend(seconds)
+
+    def add_receive_posts(self, seconds: float, keys: Sequence[Hashable]) -> None:
+        """What posting a receive cost a rank while both ranks computed (`receive_post_seconds`), measured inside the
+        launch that ran `keys` (the bench's two ranks, after its jobs), kept under each of `keys`: like the compute's
+        speed, it moves from minute to minute (0.24-1.82 ms in six launches of 40 posts on the course's CPU rig)."""
+        for key in keys:
+            self.receive_posts.setdefault(key, []).append(seconds)
+
+    def receive_post_s(self, key: Hashable) -> float | None:
+        """The median of `key`'s receive posts (`add_receive_posts`), or None where none was measured."""
+        got = self.receive_posts.get(key)
+        return statistics.median(got) if got else None
 
     def together_sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
         return lambda: self.sample_together(microbatch, key)
@@ -623,6 +636,11 @@ class RigModel:
         if slowdown is None or cores is None:
             return self
         return replace(self, **{field_name: replace(cores, slowdown=slowdown)})
+
+    def with_receive_post(self, seconds: float | None) -> RigModel:
+        """This rig with posting a receive measured elsewhere (the point-to-point link's `receive_s`: e.g. inside the
+        launch of the runs predicted, `WholeModelTimer.receive_post_s`); unchanged for None."""
+        return self if seconds is None else replace(self, p2p=replace(self.p2p, receive_s=seconds))
 
     def calibrated(self, workload: Workload) -> Workload:
         """`workload` with this rig's measured copy bandwidth and split backward's overhead."""

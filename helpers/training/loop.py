@@ -59,6 +59,9 @@ class TrainResult:
     # not stretch them: wall - CPU is what the rank waited (messages, collectives, a core)
     thread_cpu_s: list[float] = field(default_factory=list)
     process_cpu_s: list[float] = field(default_factory=list)
+    # the recorded step's time (slowest rank; None if the run ended before it): the same step as the timed ones, only
+    # its peak memory and timeline are kept, so it is one more sample of the step (the bench pools it with them)
+    recorded_step_s: float | None = None
 
     @property
     def peak_activations(self) -> list[int]:
@@ -106,7 +109,9 @@ def combine_ranks(parts: list[dict]) -> TrainResult:
                        losses=parts[0]["losses"], state={i: s for p in replica0 for i, s in p["state"].items()},
                        thread_cpu_s=[statistics.median(p["cpu"][0]) for p in parts if p["cpu"][0]],
                        process_cpu_s=[statistics.median(p["cpu"][1]) for p in parts if p["cpu"][1]],
-                       first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"])
+                       first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"],
+                       recorded_step_s=max(p["recorded"] for p in parts)
+                       if all(p["recorded"] is not None for p in parts) else None)
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -352,6 +357,7 @@ def train_worker(job: TrainJob) -> dict:
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
     times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
     cpu: tuple[list[float], list[float]] = ([], [])  # the timed steps' thread and process CPU seconds
+    recorded = None  # the recorded step's seconds
     checkpoints = rank_checkpointer(job, r.module, r.owned, r.optimizer, r.scaler)
     first = checkpoints.resume() if checkpoints is not None else 0
     for i in range(first, job.timed_steps + 2):  # warm-up (parity, memory), timed steps, one recorded step
@@ -369,11 +375,14 @@ def train_worker(job: TrainJob) -> dict:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
         r.optimizer_step()
         _synchronize(r.device)
+        seconds = time.perf_counter() - t0
         if 0 < i <= job.timed_steps:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
             for spent, was, now in zip(cpu, c0, _cpu_seconds()):
                 spent.append(now - was)
             phases.append(phase_seconds(r.rec.events()))
+        elif i == job.timed_steps + 1:
+            recorded = seconds
         total = token_loss.detach().float().clone().reshape(1)
         dist.all_reduce(total)
         losses.append(total.item() / r.batch_at(i).normalizer)
@@ -390,7 +399,8 @@ def train_worker(job: TrainJob) -> dict:
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
             "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu,
-            "first_step": first, "save_blocked": checkpoints.blocked if checkpoints is not None else []}
+            "first_step": first, "save_blocked": checkpoints.blocked if checkpoints is not None else [],
+            "recorded": recorded}
 
 
 def _cpu_seconds() -> tuple[float, float]:
