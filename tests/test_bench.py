@@ -493,6 +493,11 @@ def test_the_split_backwards_cost_is_read_from_zbh1_against_1f1b_on_each_engine(
     assert [(r["engine"], r["device"]) for r in out] == [("ours", 0), ("ours", 1)]
     assert out[0]["split / plain"] == pytest.approx(1.05) and out[0]["wall: split / plain"] == pytest.approx(1.4)
     assert out[1]["split / plain"] == pytest.approx(1.05) and out[1]["input pass (ms)"] == pytest.approx(20.0)
+    # a row launched twice pools both launches' recorded steps: its last launch alone would read 1.25x
+    last = spans("backward", 1, 0.03, 0.03) + spans("weight", 1, 0.03, 0.02)
+    twice = BenchRow("zbh1", "ours", "processes", 8, 1.0, last, [0, 0], launch_events=(
+        spans("backward", 1, 0.03, 0.02, n=5) + spans("weight", 1, 0.03, 0.022, n=5), last))
+    assert [r["split / plain"] for r in split_backward_rows([plain, twice])] == [pytest.approx(1.05)]
 
 
 def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():

@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Every strategy side by side on this rig, in one run, each with the "
                                                  "simulator's prediction calibrated in the same run. The default run: "
                                                  "5 interleaved rounds of the threaded rows, every two-rank job in one "
-                                                 "launch per round (FSDP2 in one of its own), 2 rounds of 3 steps in "
-                                                 "opposite orders.")
+                                                 "launch per round (FSDP2 in one of its own), 2 rounds in opposite "
+                                                 "orders of 2 timed steps and the recorded step, timed too.")
     parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true",

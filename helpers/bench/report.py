@@ -59,10 +59,10 @@ EXTRA_COLUMNS = {
 }
 EXTRA_LEGEND = """\
 split backward  what ZB-H1's split backward costs on each engine: per device, the median input-gradient pass and
-             weight pass of the ZB-H1 row's recorded step against the median backward of the same engine's 1F1B row
-             (same stages, same micro-batches), in CPU seconds of the thread that ran them (other processes on the
-             cores do not stretch them; target at most 1.1x) and in wall time. The first stage's input needs no
-             gradient: its input pass is empty and its weight pass is the whole backward
+             weight pass of the ZB-H1 row's recorded steps (every launch's) against the median backward of the same
+             engine's 1F1B row (same stages, same micro-batches), in CPU seconds of the thread that ran them (other
+             processes on the cores do not stretch them; target at most 1.1x) and in wall time. The first stage's
+             input needs no gradient: its input pass is empty and its weight pass is the whole backward
 splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
              threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
              per device; predicted slowest/mean = the slowest stage's profiled cost over the mean

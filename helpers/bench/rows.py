@@ -67,6 +67,11 @@ class BenchRow:
     launch_times: tuple[tuple[float, ...], ...] = ()  # multi-process rows: every launch's timed steps, in order
     # (the recorded step last: `pool`)
     reference_samples: tuple[float, ...] = ()  # the one-device steps timed around them (before, after each launch)
+    launch_events: tuple[list[Event], ...] = ()  # multi-process rows: every launch's recorded step (`events`: the last)
+
+    def recorded_events(self) -> list[Event]:
+        """The spans of every recorded step this row has: one per launch (multi-process rows), else `events`."""
+        return [e for events in self.launch_events or (self.events,) for e in events]
 
     def as_dict(self, batch: int, reference_s: float) -> dict:
         """`reference_s`: the one-device row's step, used where this row has no `reference_s` of its own."""
@@ -461,7 +466,8 @@ def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, tim
                              got.last.events, got.last.peak_activations, optimizer="adam" if dp else "none",
                              reference="single_adam" if dp else "single", spread=got.spread,
                              measured_phase_s=got.phase_s, calibration_key=key, cpu_s=got.cpu_s,
-                             wire=key[2] if dp else "auto", launch_times=got.launch_times))
+                             wire=key[2] if dp else "auto", launch_times=got.launch_times,
+                             launch_events=tuple(result.events for result in got.launched)))
         if reference is not None:
             reference.apply(rows[-1], key, adam=dp)
     return rows + dp_x_pp_rows(config, rig, progress, timer, reference)
@@ -475,15 +481,20 @@ def _around(reference: LaunchReference | None, sample: Callable | None) -> Calla
 @dataclass(frozen=True)
 class Pooled:
     """A multi-process job's launches taken together: over every launch's steps (`launch_samples`), the median step
-    time and its `relative_spread`; over their timed steps, the median seconds of each phase (`median_phases`); the
-    last launch's result (its timeline and memory); each launch's steps."""
+    time and its `relative_spread`; over their timed steps, the median seconds of each phase (`median_phases`);
+    every launch's result, in launch order (the last one's timeline and memory are the row's); each launch's
+    steps."""
 
     step_s: float
     spread: float
     phase_s: dict[str, float]
-    last: object
+    launched: tuple
     cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
     launch_times: tuple[tuple[float, ...], ...] = ()  # every launch's `launch_samples`, in launch order
+
+    @property
+    def last(self):
+        return self.launched[-1]
 
 
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
@@ -521,7 +532,7 @@ def pool(launched: Sequence) -> Pooled:
     steps = [t for got in launched for t in launch_samples(got)]
     cpu = [got.thread_cpu_s for got in launched]
     return Pooled(statistics.median(steps), relative_spread(steps),
-                  median_phases([p for got in launched for p in got.phase_times]), launched[-1],
+                  median_phases([p for got in launched for p in got.phase_times]), tuple(launched),
                   [statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
                   tuple(launch_samples(got) for got in launched))
 
