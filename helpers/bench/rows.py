@@ -64,8 +64,7 @@ class BenchRow:
     receive_post_s: float | None = None  # two-rank pipelines: posting a receive, measured in their launches
     cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
     predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
-    launch_times: tuple[tuple[float, ...], ...] = ()  # multi-process rows: every launch's timed steps, in order
-    # (the recorded step last: `pool`)
+    launch_times: tuple[tuple[float, ...], ...] = ()  # multi-process rows: every launch's `launch_samples`, in order
     reference_samples: tuple[float, ...] = ()  # the one-device steps timed around them (before, after each launch)
     launch_events: tuple[list[Event], ...] = ()  # multi-process rows: every launch's recorded step (`events`: the last)
 
