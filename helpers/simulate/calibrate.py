@@ -177,7 +177,9 @@ class WholeModelTimer:
     def add_receive_posts(self, seconds: float, keys: Sequence[Hashable]) -> None:
         """What posting a receive cost a rank while both ranks computed (`receive_post_seconds`), measured inside the
         launch that ran `keys` (the bench's two ranks, after its jobs), kept under each of `keys`: like the compute's
-        speed, it moves from minute to minute (0.24-1.82 ms in six launches of 40 posts on the course's CPU rig)."""
+        speed, it moves from minute to minute, and ranks that have run jobs read it higher than fresh ones (on the
+        course's CPU rig, six bench runs: 1.54-2.03 ms in the pipelines' launches, 0.78-1.37 ms in the link
+        calibration's fresh processes beside them)."""
         for key in keys:
             self.receive_posts.setdefault(key, []).append(seconds)
 
