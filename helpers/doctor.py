@@ -537,6 +537,33 @@ def calibration_check(rig: Rig) -> str:
 
 # --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
 
+BENCH_LAUNCH = "bench: a launch of its jobs"
+
+
+def bench_launch_check(rig: Rig) -> Check | str:
+    """One launch of the bench's two-rank jobs as the bench runs it (`launch_jobs` with its timer: our 1F1B and DDP,
+    then the whole model timed on both ranks at once and a receive's post timed, in the same processes): on GPUs
+    the timer's model and micro-batches and the probe's buffers live on each rank's device, which no other check
+    runs. The jobs are the bench's own (`two_rank_jobs` of its quick run), those this rig can run."""
+    from helpers.bench.rows import default_config, launch_jobs, two_rank_jobs
+    from helpers.simulate.calibrate import WholeModelTimer
+
+    config = default_config("quick", rig)
+    keys = [k for k in two_rank_jobs(config, rig) if k[:2] in (("1f1b", "ours"), ("ddp", "dp")) and k[-1] != "bf16"]
+    if not keys:
+        return Check(BENCH_LAUNCH, "REFUSED", "none of the bench's two-rank jobs runs on this rig", 0.0)
+    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
+    device = rig.devices[0]
+    timer = WholeModelTimer(build_stack(config.cfg).to(device), x.to(device), y.to(device), lm_loss)
+    results = launch_jobs(keys, config, rig, timer)
+    posts = {k: timer.receive_post_s(k) for k in keys}
+    if any((posts[k] is not None) != (k[1] != "dp") for k in keys):
+        raise AssertionError(f"receive posts timed for the wrong jobs: {posts}")
+    return "; ".join(f"{k[0]} step {res.step_s * 1e3:.1f} ms" + (f", a receive posted in {posts[k] * 1e3:.2f} ms"
+                                                                  if posts[k] is not None else "")
+                     for k, res in zip(keys, results))
+
+
 def notebook_plan_checks(rig: Rig, wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
     """Each notebook's plan at its GPU sizes (`helpers.gpu_sizes`, as every notebook declares it and
     data/gpu_plans.json records it for all of them): against this rig's GPUs, or on the CPU rig against two RTX
@@ -600,6 +627,8 @@ def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only
         checks += script_checks(rig, workdir, wanted)
     if wanted("bench: calibration in its ranks"):
         checks += guarded("bench: calibration in its ranks", lambda: calibration_check(rig))
+    if wanted(BENCH_LAUNCH):
+        checks += guarded(BENCH_LAUNCH, lambda: bench_launch_check(rig))
     say("notebooks' GPU sizes ...")
     checks += guarded("notebooks: GPU sizes", lambda: notebook_plan_checks(rig, wanted))
     result["checks"] = [asdict(c) for c in checks if wanted(c.name) or c.status == "FAIL"]

@@ -26,9 +26,10 @@ def test_doctor_passes_or_refuses_with_a_reason(tmp_path):
     for name in ("threads: 1F1B m=4", "processes: 1F1B m=4", "torch: 1F1B m=4", "processes: fsdp2",
                  "processes: DP x PP 2 x 2, 1F1B", "system: /dev/shm for NCCL", "script: train_naive_split.py",
                  "script: train_fsdp2.py on 2 ranks", "script: train_dp_x_pp.py on 4 ranks",
-                 "script: finetune_lora.py on 2 ranks", "bench: calibration in its ranks", "notebook 05: GPU sizes",
-                 "notebook 11: GPU sizes", "notebook 06b: GPU sizes", "threads: zbv m=4", "processes: dualpipev m=4",
-                 "torch: interleaved m=4", "processes: ddp, gradients sent in bf16"):
+                 "script: finetune_lora.py on 2 ranks", "bench: calibration in its ranks",
+                 "bench: a launch of its jobs", "notebook 05: GPU sizes", "notebook 11: GPU sizes",
+                 "notebook 06b: GPU sizes", "threads: zbv m=4", "processes: dualpipev m=4", "torch: interleaved m=4",
+                 "processes: ddp, gradients sent in bf16"):
         assert statuses[name] == "PASS", name
     paths = {link["path"] for link in report["links"]}
     assert any("point-to-point" in p for p in paths) and any("all-reduce" in p for p in paths)
