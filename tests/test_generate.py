@@ -219,6 +219,16 @@ def test_throughput_plumbing_medians_rows_and_timelines():
         Throughput.of("x", [])
 
 
+def test_launches_of_one_engine_pool_as_the_medians_of_their_medians():
+    launches = [Throughput.of("tp", [_fake("tp", p, d)]) for p, d in ((1.0, 4.0), (3.0, 2.0), (2.0, 9.0))]
+    pooled = Throughput.pooled(launches)
+    assert (pooled.prefill_s, pooled.decode_s, pooled.repeats) == (2.0, 4.0, 3)
+    assert pooled.last is launches[-1].last and pooled.engine == "tp"
+    assert Throughput.pooled(launches[:2]).decode_s == 3.0  # two launches: their mean
+    with pytest.raises(ValueError, match="no launches"):
+        Throughput.pooled([])
+
+
 def test_merge_rebatches_every_prompt(requests):
     merged = merge(requests)
     assert merged.rows == sum(r.rows for r in requests)

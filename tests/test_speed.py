@@ -318,6 +318,12 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     calibration.sample()
     calibration.sample()
     device = calibration.device()
+    assert calibration.rounds == 2
+    for i in (0, 1):  # one round alone: its own readings, not the medians of both
+        assert calibration.device([i]).bandwidth == pytest.approx(calibration.nbytes / calibration.alone[1][i])
+    assert calibration.device([0, 1]) == device
+    with pytest.raises(ValueError, match="not among the 2 sampled"):
+        calibration.device([1, 2])
     rate = device.bandwidth
     assert rate > 0 and device.busy_slowdown >= 1 and device.host_s_per_op >= 0 and device.lock_wait_s_per_op >= 0
     assert [r for r, _ in device.flops] == [r for r, _ in device.busy_flops] == [1, 4]  # a point per row count
@@ -346,7 +352,7 @@ def test_the_calibration_refuses_a_gpu_rig_before_any_rank_starts():
     (the doctor) before it loads, measures or launches anything (the model given here does not even exist)."""
     import torch
 
-    from helpers.inference.speed_bench import calibrate_cpu_rig, tensor_parallel_sample
+    from helpers.inference.speed_bench import calibrate_cpu_rig, measure_engines, tensor_parallel_sample
     from helpers.runtime.rig import Rig
 
     gpus = Rig("two_gpus", (torch.device("cuda", 0), torch.device("cuda", 1)), ("RTX 3090",) * 2, (24 << 30,) * 2,
@@ -354,6 +360,8 @@ def test_the_calibration_refuses_a_gpu_rig_before_any_rank_starts():
     for calibrate in (calibrate_cpu_rig, tensor_parallel_sample):
         with pytest.raises(ValueError, match="helpers.doctor --json"):
             calibrate(None, gpus, [1, 16], 1)
+    with pytest.raises(ValueError, match="launches must be at least 1"):  # nor a bench with no launch to time
+        measure_engines(None, gpus, [1], [8], new_tokens=3, launches=0)
 
 
 def test_the_ranks_launches_are_priced_by_their_medians_field_by_field():
@@ -377,7 +385,9 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     alone (no measurement), as compare did in the run."""
     from transformers import LlamaConfig
 
-    from helpers.inference.speed_bench import compare, main, replay, rig_as_dict, rig_from_dict
+    from dataclasses import replace
+
+    from helpers.inference.speed_bench import compare, compare_by_case, main, replay, rig_as_dict, rig_from_dict
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
@@ -394,8 +404,22 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     rows = compare(measured, rig, small)
     (tmp_path / "run.json").write_text(json.dumps({"speed_rig": saved, "config": small.config.to_dict(),
                                                     "rows": rows}))
-    again = replay(str(tmp_path / "run.json"))
+    again, by_case = replay(str(tmp_path / "run.json"))
     assert [r["predicted tok/s"] for r in again] == pytest.approx([r["predicted tok/s"] for r in rows])
+    assert by_case == []  # a run written before each case kept its own rounds
+    # each case priced by its own rounds: a run saved with a rig per case replays each row with its case's
+    slower = replace(rig, devices=(replace(cpu, bandwidth=5e9),) * 2)
+    cases = {(4, 16): rig, (1, 16): slower}
+    two = measured + [{**m, "batch": 1} for m in measured]
+    by_case = compare_by_case(two, cases, small)
+    assert by_case == compare(measured, rig, small) + compare(two[len(measured):], slower, small)
+    (tmp_path / "cases.json").write_text(json.dumps({
+        "speed_rig": saved, "config": small.config.to_dict(), "rows": by_case,
+        "case_rigs": [{"batch": b, "prompt": p, "speed_rig": rig_as_dict(r)} for (b, p), r in cases.items()]}))
+    whole, cased = replay(str(tmp_path / "cases.json"))
+    assert [r["predicted tok/s"] for r in cased] == pytest.approx([r["predicted tok/s"] for r in by_case])
+    assert [r["predicted tok/s"] for r in whole] == pytest.approx(
+        [r["predicted tok/s"] for r in compare(two, rig, small)])  # the whole run's rig, as the table prints
     (tmp_path / "old.json").write_text(json.dumps({"rows": rows}))
     with pytest.raises(ValueError, match="no calibration"):
         main(["--replay", str(tmp_path / "old.json")])
@@ -413,7 +437,7 @@ def test_cpu_rig_calibration_and_measurement_run_end_to_end(tmp_path):
     model = save_model(str(tmp_path / "m"), hidden=64, layers=2, vocab=96)
     speed = calibrate_cpu_rig(model, rig, [1, 2, 8, 16], repeats=1)
     assert speed.devices[0].bandwidth > 0 and speed.allreduce.latency_s > 0 and not speed.host_overlaps
-    measured = measure_engines(model, rig, [1, 2], [8], new_tokens=3, repeats=1)
+    measured = measure_engines(model, rig, [1, 2], [8], new_tokens=3, repeats=1, launches=2)
     assert {(r["engine"], r["phase"], r["batch"]) for r in measured} == {
         (e, p, b) for e in ("layer split", "pipelined", "tensor parallel") for p in ("prefill", "decode")
         for b in (1, 2)}

@@ -13,10 +13,13 @@ engines timed on the same model, batches and contexts.
   at hidden-state sizes issued back to back as tensor parallelism issues them (`lockstep_allreduce_link`) and
   DTensor's host time per sharded linear.
 - `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
-  flight) and tensor parallelism, prefill and decode tokens per second (medians of interleaved repeats); the
-  command line takes a round of the calibration (and one launch of the ranks' all-reduce timing) before each
-  batch and prompt length, so both see the same minutes.
-- `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error.
+  flight) and tensor parallelism (the command line: two launches of its ranks per case, pooled), prefill and decode
+  tokens per second (medians of interleaved repeats); the command line takes a round of the calibration (and one
+  launch of the ranks' all-reduce timing) before each batch and prompt length and one after the last, so both see
+  the same minutes.
+- `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error (the command line
+  prices with the medians of the whole run's rounds); `compare_by_case`: each case (batch, prompt) priced by the
+  rounds just before and after it, which the command line prints beside, to show whether the machine's speed moved.
 - `rig_as_dict` / `rig_from_dict`, `replay(path)`: a run's calibration saved beside its rows (`--json`) and its rows
   predicted again from it (`--replay`): the model's next version checked against stored measurements in seconds.
 
@@ -31,7 +34,7 @@ import json
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -143,30 +146,43 @@ class DeviceCalibration:
         for case, seconds in prefills.items():
             self.prefills[case].append(seconds)
 
-    def device(self) -> Device:
-        """The device as the medians of the rounds sampled so far (at least one) price it. One row: the streaming
-        sweep's rate, not a second reading of it."""
+    @property
+    def rounds(self) -> int:
+        """How many rounds were sampled."""
+        return len(self.host)
+
+    def device(self, rounds: Sequence[int] | None = None) -> Device:
+        """The device as the medians of the rounds sampled so far (at least one) price it, or of the rounds numbered
+        `rounds` only (the speed bench prices each of its cases with the rounds just before and after it). One row:
+        the streaming sweep's rate, not a second reading of it."""
         if not self.host:
             raise ValueError("no round sampled: call sample() first")
-        alone = {r: statistics.median(t) for r, t in self.alone.items()}
-        together = {r: statistics.median(t) for r, t in self.together.items()}
+        chosen = range(self.rounds) if rounds is None else list(rounds)
+        if not chosen or not all(0 <= i < self.rounds for i in chosen):
+            raise ValueError(f"rounds {list(chosen)} not among the {self.rounds} sampled")
+
+        def median(samples: Sequence[float]) -> float:
+            return statistics.median(samples[i] for i in chosen)
+
+        alone = {r: median(t) for r, t in self.alone.items()}
+        together = {r: median(t) for r, t in self.together.items()}
         bandwidth, slowdown = self.nbytes / alone[1], max(1.0, together[1] / alone[1])
         streaming = 2 * bandwidth / self.dtype.itemsize
         counts = [r for r in alone if r > 1]
         device = Device("CPU virtual device", bandwidth,
                         ((1, streaming),) + tuple((r, self.per_row * r / alone[r]) for r in counts),
-                        statistics.median(self.host), slowdown,
+                        median(self.host), slowdown,
                         ((1, streaming / slowdown),) + tuple((r, self.per_row * r / together[r]) for r in counts),
-                        max(statistics.median(self.waits), 0.0))
-        decodes = [(b, self._activation_seconds(device, Phase("decode", b, 1, CONTEXT + 1), self.steps[b]))
+                        max(median(self.waits), 0.0))
+        decodes = [(b, self._activation_seconds(device, Phase("decode", b, 1, CONTEXT + 1), median(self.steps[b])))
                    for b in self.steps]
-        prefills = [(b * p, self._activation_seconds(device, Phase("prefill", b, p, p), self.prefills[(b, p)]))
+        prefills = [(b * p, self._activation_seconds(device, Phase("prefill", b, p, p), median(self.prefills[(b, p)])))
                     for b, p in self.prefills]
         return replace(device, activation_s=tuple(decodes), prefill_activation_s=_mean_by_rows(prefills))
 
-    def _activation_seconds(self, device: Device, phase: Phase, seconds: Sequence[float]) -> float:
+    def _activation_seconds(self, device: Device, phase: Phase, seconds: float) -> float:
         """A decoder layer's work at `phase`'s rows beyond its weights' roofline and its ops' dispatch: the
-        stage-sized model's forward (median of the rounds' `seconds`) less what `device` prices for it without that
+        stage-sized model's forward (`seconds`, the rounds' median) less what `device` prices for it without that
         work, per decoder layer. Profiled on this rig (the model of the speed bench, layer split decode): the ops
         other than the weights' matmuls took 2.5, 5.0 and 7.4 ms per step at batches 1, 4 and 16 (attention over
         the cache, the elementwise multiplies, the cache's append first), where their dispatch accounts for 2.3 ms;
@@ -177,7 +193,7 @@ class DeviceCalibration:
         rig = SpeedRig("calibrating", (device, device), FREE_LINK, FREE_LINK, host_overlaps=False)
         priced = model_seconds(self.shape, phase, device, rig, op_counts(self.shape.config.model_type),
                                self.forwards.layers)
-        return max((statistics.median(seconds) - priced) / self.forwards.layers, 0.0)
+        return max((seconds - priced) / self.forwards.layers, 0.0)
 
 
 def _mean_by_rows(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -474,15 +490,21 @@ def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5
 # --- the engines, measured ----------------------------------------------------------------------------------------
 
 def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequence[int], new_tokens: int,
-                    repeats: int = 3, before_each: Callable[[], None] | None = None) -> list[dict]:
+                    repeats: int = 3, before_each: Callable[[], None] | None = None,
+                    launches: int = 1) -> list[dict]:
     """Prefill and decode tokens per second of the layer split (one request of `batch` prompts), the pipelined split
     (2 such requests in flight) and tensor parallelism (one request), for every batch and prompt length (prompts of
     equal length: no padding). The split cuts the decoder layers in half, as the prediction does. `before_each`:
-    called before each batch and prompt length is measured (the speed bench samples its calibration there)."""
+    called before each batch and prompt length is measured (the speed bench samples its calibration there).
+    `launches`: of tensor parallelism's ranks per case, pooled (`Throughput.pooled`), the first before the two
+    in-process engines are timed and the others after, so that all of them straddle the same minutes."""
     from helpers.inference.generate import LayerSplit, make_requests, stages_from_cuts
     from helpers.inference.pipelined import Pipelined
-    from helpers.inference.throughput import measure
+    from helpers.inference.throughput import Throughput, measure
     from helpers.inference.tensor_parallel import run_tensor_parallel
+
+    if launches < 1:
+        raise ValueError(f"launches must be at least 1, got {launches}")
 
     split = LayerSplit(model, stages_from_cuts(model, [1 + model.config.num_hidden_layers // 2]), rig.devices)
     pipe = Pipelined.from_split(split)
@@ -492,10 +514,14 @@ def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequen
             if before_each is not None:
                 before_each()
             requests = make_requests(REQUESTS, model.config.vocab_size, batch, (prompt, prompt))
+
+            def tensor_parallel() -> Throughput:
+                return run_tensor_parallel(model, requests[:1], new_tokens, rig, repeats=repeats).throughput
+
+            first = tensor_parallel()
             results = measure({"layer split": lambda: split.generate(requests[:1], new_tokens),
                                "pipelined": lambda: pipe.generate(requests, new_tokens)}, repeats=repeats)
-            results["tensor parallel"] = run_tensor_parallel(model, requests[:1], new_tokens, rig,
-                                                             repeats=repeats).throughput
+            results["tensor parallel"] = Throughput.pooled([first] + [tensor_parallel() for _ in range(launches - 1)])
             for engine, t in results.items():
                 rows += [{"engine": engine, "phase": "prefill", "batch": batch, "prompt": prompt,
                           "new_tokens": new_tokens, "tok/s": t.prefill_tok_s, "measured": True},
@@ -540,6 +566,20 @@ def compare(measured: Sequence[dict], rig: SpeedRig, shape: ModelShape) -> list[
     return out
 
 
+def compare_by_case(measured: Sequence[dict], rigs: Mapping[tuple[int, int], SpeedRig],
+                    shape: ModelShape) -> list[dict]:
+    """`compare`, each row priced by the rig of its case, (batch, prompt): on the command line, the calibration
+    rounds taken just before and just after that case was measured. What the bench prints beside the whole run's
+    pricing, to show whether the machine's speed moved during the run: a slow minute put one case's rows 12-37% over
+    their prediction on every engine at once (batch 16 x 16 tokens, 2026-12-06, priced by the whole run). On a
+    steady machine the whole run prices better, two rounds being noisier than seven: four quiet runs (2026-12-06,
+    03:46-04:10 UTC) 36, 36, 35 and 36 of 36 rows within 15% by the whole run (mean absolute error 3.8-5.2%), 36, 35,
+    35 and 35 case by case (4.3-5.5%: the rounds' readings move, the interpreter lock's wait 2.4-8.9 us per op
+    from one pair of rounds to the next)."""
+    return [row for case, rig in rigs.items()
+            for row in compare([m for m in measured if (m["batch"], m["prompt"]) == case], rig, shape)]
+
+
 def rig_as_dict(rig: SpeedRig) -> dict:
     """Every field of a SpeedRig as JSON-ready values (what `rig_from_dict` reads back)."""
     from dataclasses import asdict
@@ -570,7 +610,15 @@ def rig_from_dict(fields: dict) -> SpeedRig:
                        "allreduce": Link(**fields["allreduce"])})
 
 
-def replay(path: str) -> list[dict]:
+class Replayed(NamedTuple):
+    """A saved run's rows priced again: by the whole run's rounds, and each case by its own (empty where the run was
+    written before cases kept their rounds)."""
+
+    rows: list[dict]
+    by_case: list[dict]
+
+
+def replay(path: str) -> Replayed:
     """A `--json` run's measured rows predicted again from its saved calibration and model config, by the speed model
     as it is now: no measurement, seconds."""
     import tempfile
@@ -583,7 +631,9 @@ def replay(path: str) -> list[dict]:
         Path(folder, "config.json").write_text(json.dumps(saved["config"]))
         shape = model_shape(folder, "fp32")
     measured = [{k: v for k, v in r.items() if k not in ("predicted tok/s", "error")} for r in saved["rows"]]
-    return compare(measured, rig_from_dict(saved["speed_rig"]), shape)
+    cases = {(c["batch"], c["prompt"]): rig_from_dict(c["speed_rig"]) for c in saved.get("case_rigs", ())}
+    return Replayed(compare(measured, rig_from_dict(saved["speed_rig"]), shape),
+                    compare_by_case(measured, cases, shape) if cases else [])
 
 
 def error_summary(rows: Sequence[dict]) -> list[dict]:
@@ -596,6 +646,19 @@ def error_summary(rows: Sequence[dict]) -> list[dict]:
                 out.append({"engine": engine, "phase": phase, "median |error|": statistics.median(errs),
                             "max |error|": max(errs), "rows": len(errs)})
     return out
+
+
+def within_summary(rows: Sequence[dict], by_case: Sequence[dict] = (), band: float = 0.15) -> str:
+    """One line: how many rows their prediction comes within `band` of, and the mean absolute error; the same of the
+    rows priced case by case (`compare_by_case`) where given."""
+    def fit(priced: Sequence[dict]) -> str:
+        errors = [abs(r["error"]) for r in priced]
+        return (f"{sum(e <= band for e in errors)} of {len(errors)} within {band:.0%}, "
+                f"mean |error| {statistics.mean(errors):.1%}")
+
+    line = f"priced by the whole run's rounds: {fit(rows)}"
+    return line + (f"; each case by the rounds just before and after it: {fit(by_case)} (better where the machine's "
+                   "speed moved during the run)" if by_case else "")
 
 
 def save_model(directory: str, hidden: int, layers: int, vocab: int, dtype: torch.dtype = torch.float32) -> HFModel:
@@ -626,14 +689,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--launches", type=int, default=2, help="of tensor parallelism's ranks per case, pooled")
     parser.add_argument("--json", help="also write the rows, the calibration and the model's config here")
     parser.add_argument("--replay", metavar="JSON", help="measure nothing: predict the rows of an earlier --json "
                                                           "run again from its calibration")
     ns = parser.parse_args(argv)
     if ns.replay:
-        rows = replay(ns.replay)
+        rows, by_case = replay(ns.replay)
         print(table(rows))
         print(table(error_summary(rows)))
+        print(within_summary(rows, by_case))
         return
     rig = detect_rig(force_cpu=True)
     claim_cpu_device(rig)
@@ -650,15 +715,27 @@ def main(argv: list[str] | None = None) -> None:
         calibration.sample()
         launches.append(tensor_parallel_sample(model, rig, rows_used, ns.repeats))
 
-    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration_round)
-    speed = calibrate_cpu_rig(model, rig, rows_used, ns.repeats, calibration.device(), launches)
-    print(speed.note)
-    rows = compare(measured, speed, shape)
+    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration_round,
+                               ns.launches)
+    calibration_round()  # the round after the last case
+
+    def priced_by(rounds: Sequence[int]) -> SpeedRig:
+        return calibrate_cpu_rig(model, rig, rows_used, device=calibration.device(rounds),
+                                 tensor_parallel=[launches[i] for i in rounds])
+
+    cases = [(b, p) for b in batches for p in prompts]  # measured in this order, round i before case i
+    case_rigs = {case: priced_by([i, i + 1]) for i, case in enumerate(cases)}
+    whole = priced_by(range(len(launches)))
+    print(whole.note)
+    rows = compare(measured, whole, shape)
     print(table(rows))
     print(table(error_summary(rows)))
+    print(within_summary(rows, compare_by_case(measured, case_rigs, shape)))
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"rig": speed.note, "speed_rig": rig_as_dict(speed), "config": shape.config.to_dict(),
+            json.dump({"rig": whole.note, "speed_rig": rig_as_dict(whole), "config": shape.config.to_dict(),
+                       "case_rigs": [{"batch": b, "prompt": p, "speed_rig": rig_as_dict(r)}
+                                     for (b, p), r in case_rigs.items()],
                        "rows": rows, "summary": error_summary(rows)}, f, indent=2)
 
 
