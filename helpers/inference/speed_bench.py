@@ -572,10 +572,10 @@ def compare_by_case(measured: Sequence[dict], rigs: Mapping[tuple[int, int], Spe
     rounds taken just before and just after that case was measured. What the bench prints beside the whole run's
     pricing, to show whether the machine's speed moved during the run: a slow minute put one case's rows 12-37% over
     their prediction on every engine at once (batch 16 x 16 tokens, 2026-12-06, priced by the whole run). On a
-    steady machine the whole run prices better, two rounds being noisier than seven: four quiet runs (2026-12-06,
-    03:46-04:10 UTC) 36, 36, 35 and 36 of 36 rows within 15% by the whole run (mean absolute error 3.8-5.2%), 36, 35,
-    35 and 35 case by case (4.3-5.5%: the rounds' readings move, the interpreter lock's wait 2.4-8.9 us per op
-    from one pair of rounds to the next)."""
+    steady machine the whole run prices better, two rounds being noisier than seven: six quiet runs (2026-12-06,
+    03:46-04:27 UTC) 36, 36, 35, 36, 36 and 34 of 36 rows within 15% by the whole run (mean absolute error
+    3.6-5.4%), 36, 35, 35, 35, 34 and 34 case by case (4.3-5.5%: the rounds' readings move, the interpreter lock's
+    wait 2.4-8.9 us per op from one pair of rounds to the next)."""
     return [row for case, rig in rigs.items()
             for row in compare([m for m in measured if (m["batch"], m["prompt"]) == case], rig, shape)]
 
@@ -657,8 +657,8 @@ def within_summary(rows: Sequence[dict], by_case: Sequence[dict] = (), band: flo
                 f"mean |error| {statistics.mean(errors):.1%}")
 
     line = f"priced by the whole run's rounds: {fit(rows)}"
-    return line + (f"; each case by the rounds just before and after it: {fit(by_case)} (better where the machine's "
-                   "speed moved during the run)" if by_case else "")
+    return line + (f"; each case by the rounds just before and after it: {fit(by_case)} (for a machine whose speed "
+                   "moves during a run)" if by_case else "")
 
 
 def save_model(directory: str, hidden: int, layers: int, vocab: int, dtype: torch.dtype = torch.float32) -> HFModel:
