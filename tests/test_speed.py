@@ -423,6 +423,8 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"rows": rows}))
     with pytest.raises(ValueError, match="no calibration"):
         main(["--replay", str(tmp_path / "old.json")])
+    with pytest.raises(SystemExit):  # refused before a model is saved or a rank starts
+        main(["--launches", "0"])
 
 
 @pytest.mark.full

@@ -694,6 +694,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replay", metavar="JSON", help="measure nothing: predict the rows of an earlier --json "
                                                           "run again from its calibration")
     ns = parser.parse_args(argv)
+    if ns.launches < 1:
+        parser.error(f"--launches must be at least 1, got {ns.launches}")
     if ns.replay:
         rows, by_case = replay(ns.replay)
         print(table(rows))
