@@ -470,7 +470,7 @@ def parity_checks(rig: Rig, workdir: str, progress: bool = True,
     return checks
 
 
-# --- 5. the take-home scripts and the bench's calibration ---------------------------------------------------------
+# --- 5. the take-home scripts, the bench's calibration and a launch of its jobs ------------------------------------
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_RUNS = (("train_naive_split.py", 0, ()), ("train_pipeline.py", 2, ("--schedule", "1f1b")),
@@ -535,8 +535,6 @@ def calibration_check(rig: Rig) -> str:
             f"{out['receive_post_s'] * 1e3:.2f} ms")
 
 
-# --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
-
 BENCH_LAUNCH = "bench: a launch of its jobs"
 
 
@@ -563,6 +561,8 @@ def bench_launch_check(rig: Rig) -> Check | str:
                                                                   if posts[k] is not None else "")
                      for k, res in zip(keys, results))
 
+
+# --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------
 
 def notebook_plan_checks(rig: Rig, wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
     """Each notebook's plan at its GPU sizes (`helpers.gpu_sizes`, as every notebook declares it and

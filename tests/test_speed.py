@@ -387,7 +387,8 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
 
     from dataclasses import replace
 
-    from helpers.inference.speed_bench import compare, compare_by_case, main, replay, rig_as_dict, rig_from_dict
+    from helpers.inference.speed_bench import (compare, compare_by_case, main, replay, rig_as_dict, rig_from_dict,
+                                               within_summary)
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
@@ -407,6 +408,11 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     again, by_case = replay(str(tmp_path / "run.json"))
     assert [r["predicted tok/s"] for r in again] == pytest.approx([r["predicted tok/s"] for r in rows])
     assert by_case == []  # a run written before each case kept its own rounds
+    errors = [{"error": e} for e in (0.1, -0.2, 0.15)]
+    assert within_summary(errors) == "priced by the whole run's rounds: 2 of 3 within 15%, mean |error| 15.0%"
+    assert within_summary(errors, errors[:1]).endswith("each case by the rounds just before and after it: 1 of 1 "
+                                                       "within 15%, mean |error| 10.0% (for a machine whose speed "
+                                                       "moves during a run)")
     # each case priced by its own rounds: a run saved with a rig per case replays each row with its case's
     slower = replace(rig, devices=(replace(cpu, bandwidth=5e9),) * 2)
     cases = {(4, 16): rig, (1, 16): slower}
@@ -446,6 +452,31 @@ def test_cpu_rig_calibration_and_measurement_run_end_to_end(tmp_path):
     rows = compare(measured, speed, model_shape(model.path, "fp32"))
     assert all(r["predicted tok/s"] > 0 and math.isfinite(r["error"]) for r in rows)
     assert len(error_summary(rows)) == 6
+
+
+@pytest.mark.full
+def test_the_speed_bench_command_prices_every_case_and_keeps_its_rounds(tmp_path):
+    """The command line as a learner runs it (its own process: it claims the CPU device), on a tiny model: a round
+    before each case and one after the last, so a rig per case in the order measured; the table priced by the whole
+    run, which --replay gives back row for row; the last line both fits."""
+    import subprocess
+    import sys
+
+    from helpers.inference.speed_bench import replay
+
+    out = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, "-m", "helpers.inference.speed_bench", "--hidden", "64", "--layers", "2",
+                           "--vocab", "96", "--batches", "1,2", "--prompts", "8", "--new-tokens", "3", "--repeats",
+                           "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert [(c["batch"], c["prompt"]) for c in saved["case_rigs"]] == [(1, 8), (2, 8)]
+    assert len(saved["rows"]) == 12 and all(math.isfinite(r["error"]) for r in saved["rows"])
+    rows, by_case = replay(str(out))
+    assert [r["predicted tok/s"] for r in rows] == pytest.approx([r["predicted tok/s"] for r in saved["rows"]])
+    assert len(by_case) == 12
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("priced by the whole run's rounds: ") and "each case by the rounds" in last
 
 
 def test_doctor_fits_the_all_reduce_over_hidden_state_sizes():
