@@ -291,6 +291,44 @@ def test_split_backward_is_the_backward_in_two_halves(make):
     assert max_grad_diff(ref, module) < 1e-6
 
 
+def test_a_stage_split_layer_by_layer_is_the_same_backward_in_fewer_calls():
+    """Run layer by layer (each block's input cut from the previous block's output), the split backward gives the
+    same input gradient and weight gradients as one plain backward, with the same FLOPs, and its weight pass makes one
+    autograd call per fork of a block (6: two norms, four linear layers), not one per fork of the stage (18): the k-th
+    fork of every block runs in one call, since the blocks' graphs share no node."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from helpers.pipeline.split_backward import backward_input, backward_input_cut, forward_cut
+
+    torch.manual_seed(0)
+    stage = build_stack(CFG)[1:4]
+    x = torch.randn(4, CFG.seq_len, CFG.hidden)
+    grad = torch.randn(4, CFG.seq_len, CFG.hidden)
+
+    def flops(fn) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    inp = x.clone().requires_grad_()
+    out = stage(inp)
+    plain = flops(lambda: out.backward(grad))
+    ref = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad(set_to_none=True)
+    whole = x.clone().requires_grad_()
+    assert len(backward_input(stage(whole), grad, whole, stage.parameters())[1].calls) == 18
+    cuts = forward_cut([(block, block.parameters()) for block in stage], x.clone().requires_grad_())
+    assert [c.inp.is_leaf for c in cuts] == [True] * 3 and torch.equal(cuts[-1].out, out)
+    halves = {}
+    halves["input"] = flops(lambda: halves.setdefault("split", backward_input_cut(cuts, grad)))
+    got, weights = halves["split"]
+    assert torch.allclose(got, inp.grad, atol=1e-6) and all(p.grad is None for p in stage.parameters())
+    assert len(weights.calls) == 6
+    halves["weight"] = flops(weights.run)
+    assert halves["input"] + halves["weight"] == plain
+    assert max_grad_diff(ref, stage) <= 1e-6
+
+
 def test_a_first_stage_defers_its_whole_backward():
     """Token ids need no gradient: B computes nothing and W is the whole backward."""
     from helpers.pipeline.split_backward import backward_input

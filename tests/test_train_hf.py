@@ -91,6 +91,23 @@ def test_threads_engine_equals_one_device(saved, name, padding, attention):
     _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
 
 
+@pytest.mark.parametrize("name, schedule, padding", [("llama-gqa", "zbh1", "left"), ("gpt2-tied", "dualpipev", "right")])
+def test_split_backward_schedules_on_hf_models_equal_one_device(saved, name, schedule, padding):
+    """A split backward runs its micro-batch's forward layer by layer, each layer's input cut from the graph
+    (helpers.pipeline.split_backward.forward_cut): with the micro-batch's masks and positions handed to every layer,
+    padding, grouped-query attention, and a tied embedding whose two copies sit on one device (the V shape's first
+    and last stage), the gradients are one device's."""
+    model = HFModel(saved[name].path)
+    ref = reference(model, padding)
+    layers = model.meta_layers()
+    model.materialize(layers, range(len(layers)), torch.device("cpu"))
+    stages = 4 if schedule == "dualpipev" else 2
+    split = split_model(layers, list(range(1, stages)), [torch.device("cpu")] * stages)
+    x, y, mask = _data(padding)
+    loss = ThreadedPipeline(split, schedule, 4, context=model.context).step(x, y, mask)
+    _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
+
+
 PROCESS_RUNS = [  # (model, job fields, in the fast tier)
     ("gpt2-tied", dict(pp=2, schedule="1f1b", microbatches=4, padding="right"), True),
     ("gpt2-tied", dict(pp=2, microbatches=4, engine="torch", padding="left"), False),

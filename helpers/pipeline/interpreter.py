@@ -271,7 +271,8 @@ def run_stage(ex: StageExecutor | Sequence[StageExecutor], actions: Sequence[Act
         mb, stage = microbatches[action.microbatch], chunk.index
         if action.kind == "F":
             inp = incoming[0] if incoming else mb.inputs
-            out = chunk.forward(action.microbatch, inp, mb.targets if stage == last else None, mb.context, normalizer)
+            out = chunk.forward(action.microbatch, inp, mb.targets if stage == last else None, mb.context, normalizer,
+                                weights_later=(action.chunk, action.microbatch) in split)
             result = out.detach()
             if stage == last:
                 losses.append(result)

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from helpers.models.data import kept_tokens, lm_loss_sum
-from helpers.models.layered import Stage
-from helpers.pipeline.split_backward import WeightGradients, backward_input
+from helpers.models.layered import Stage, call_layer
+from helpers.pipeline.split_backward import Cut, WeightGradients, backward_input, backward_input_cut, forward_cut
 from helpers.precision import Precision
 from helpers.timeline import Recorder
 
@@ -138,6 +138,7 @@ class StageStep:
 
     inp: torch.Tensor
     out: torch.Tensor
+    cuts: list[Cut] | None = None  # the forward layer by layer, when its backward is to be split (`forward_cut`)
 
 
 class StageExecutor:
@@ -159,19 +160,38 @@ class StageExecutor:
         self.deferred: dict[int, WeightGradients] = {}  # micro-batch -> weight gradients still to compute
 
     def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None, ctx: object | None = None,
-                normalizer: float = 1.0) -> torch.Tensor:
+                normalizer: float = 1.0, weights_later: bool = False) -> torch.Tensor:
         """The stage's output for micro-batch `mb`; on the last stage, its loss summed over kept tokens divided by
-        `normalizer` (the kept tokens of the global batch)."""
+        `normalizer` (the kept tokens of the global batch). `weights_later`: this micro-batch's backward will be
+        split; where the input needs a gradient, the stage then runs layer by layer, each layer's input cut from the
+        previous one's output (`split_backward.forward_cut`), so that the split's host work grows with the layers
+        of the stage, not with their square."""
         x = x.to(self.device)
         if x.is_floating_point():
             x = x.detach().requires_grad_()
+        target = target.to(self.device) if self.computes_loss else None
         with self.recorder.span("forward", mb, self.index), (self.track() if self.track else nullcontext()), \
                 self.precision.context(self.device):
-            out = self.stage(x, ctx) if ctx is not None else self.stage(x)
-            if self.computes_loss:
-                out = lm_loss_sum(out, target.to(self.device)) / normalizer
-        self.saved[mb] = StageStep(x, out)
+            if weights_later and x.requires_grad and type(self.stage) is Stage:  # a plain Stage: no hooks of its own
+                cuts = forward_cut(self._pieces(ctx, target, normalizer), x)
+                out = cuts[-1].out
+            else:
+                cuts = None
+                out = self.stage(x, ctx) if ctx is not None else self.stage(x)
+                if self.computes_loss:
+                    out = lm_loss_sum(out, target) / normalizer
+        self.saved[mb] = StageStep(x, out, cuts)
         return out
+
+    def _pieces(self, ctx: object | None, target: torch.Tensor | None, normalizer: float) -> list[tuple]:
+        """The stage's layers as `forward_cut`'s pieces, each layer with its weights; on the last stage the last
+        piece ends with the loss (one autograd call fewer than a piece of its own)."""
+        pieces: list[tuple] = [(lambda h, layer=layer: call_layer(layer, h, ctx), layer.parameters())
+                               for layer in self.stage]
+        if self.computes_loss:
+            head, weights = pieces[-1]
+            pieces[-1] = (lambda h: lm_loss_sum(head(h), target) / normalizer, weights)
+        return pieces
 
     def backward(self, mb: int, grad: torch.Tensor | None, loss_scale: float = 1.0,
                  weights_later: bool = False) -> torch.Tensor | None:
@@ -183,8 +203,11 @@ class StageExecutor:
             if weights_later:
                 seed = grad.to(self.device) if grad is not None else \
                     torch.full_like(step.out, loss_scale, device=self.device)
-                inp = step.inp if step.inp.requires_grad else None
-                inp_grad, self.deferred[mb] = backward_input(step.out, seed, inp, self.stage.parameters())
+                if step.cuts:
+                    inp_grad, self.deferred[mb] = backward_input_cut(step.cuts, seed)
+                else:
+                    inp = step.inp if step.inp.requires_grad else None
+                    inp_grad, self.deferred[mb] = backward_input(step.out, seed, inp, self.stage.parameters())
                 return inp_grad
             if grad is None:
                 (step.out * loss_scale).backward()

@@ -256,46 +256,48 @@ def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     """What splitting a backward costs beyond a plain one (`Workload.split_overhead`): on the second half of `model`'s
     layers, a pipeline's last stage (its input, the first half's output, needs a gradient, as every stage's but the
     first does), for one micro-batch (`x`, `y`), each round times (on a CPU in CPU seconds) a plain backward and
-    then the zero-bubble engines' input pass plus weight pass (`helpers.pipeline.split_backward`), each after its
-    own forward; the median of the rounds' ratios, minus 1, never below 0 (the two halves compute exactly a plain
-    backward's FLOPs: what is left is one autograd call per group of forks and each weight gradient reading its
-    saved tensors a second time)."""
-    from helpers.pipeline.split_backward import backward_input
+    then the zero-bubble engines' input pass plus weight pass, each after its own forward (the split one run layer by
+    layer, as the engines run it: `helpers.pipeline.split_backward.forward_cut`); the median of the rounds' ratios,
+    minus 1, never below 0 (the two halves compute exactly a plain backward's FLOPs: what is left is the host work
+    of their autograd calls and each weight gradient reading its saved tensors a second time)."""
+    from helpers.pipeline.split_backward import backward_input_cut, forward_cut
     from helpers.pipeline.stages import as_layers
 
     layers = as_layers(model)
     cut = max(1, len(layers) // 2)
     rest = list(layers[cut:])
-    weights = [p for layer in rest for p in layer.parameters()]
     with torch.no_grad():
         h = x
         for layer in layers[:cut]:
             h = layer(h)
+    pieces = [(layer, list(layer.parameters())) for layer in rest]
+    last, last_weights = pieces[-1]
+    pieces[-1] = (lambda t: loss_fn(last(t), y), last_weights)
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        inp = h.detach().requires_grad_()
-        out = inp
+    def plain() -> Callable[[], object]:
+        out = h.detach().requires_grad_()
         for layer in rest:
             out = layer(out)
-        return inp, loss_fn(out, y)
+        return loss_fn(out, y).backward
+
+    def split() -> Callable[[], object]:
+        cuts = forward_cut(pieces, h.detach().requires_grad_())
+        return lambda: backward_input_cut(cuts, torch.ones_like(cuts[-1].out))[1].run()
 
     # on a CPU the work itself, in the thread's CPU seconds: what other processes on the cores take is not in it
     clock = time.thread_time if x.device.type == "cpu" else time.perf_counter
 
-    def timed(backward: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
-        inp, loss = forward()
+    def timed(forward: Callable[[], Callable[[], object]]) -> float:
+        backward = forward()
         _sync(x.device)
         t0 = clock()
-        backward(inp, loss)
+        backward()
         _sync(x.device)
         return clock() - t0
 
-    def split(inp: torch.Tensor, loss: torch.Tensor) -> None:
-        backward_input(loss, torch.ones_like(loss), inp, weights)[1].run()
-
     ratios = []
     for r in range(1 + rounds):  # the first round warms both up
-        plain_s, split_s = timed(lambda inp, loss: loss.backward()), timed(split)
+        plain_s, split_s = timed(plain), timed(split)
         if r and plain_s > 0:
             ratios.append(split_s / plain_s)
     model.zero_grad(set_to_none=True)
