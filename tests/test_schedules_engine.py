@@ -269,6 +269,15 @@ class _SharedWeight(torch.nn.Module):
         return self.norm(self.lin(torch.tanh(self.lin(x))))
 
 
+def _flops(fn) -> int:
+    """The FLOPs `fn` runs (torch's FlopCounterMode): what tells a backward split in two from one run twice."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
 @pytest.mark.parametrize("make", [_SharedWeight, lambda: build_stack(CFG)[1:3]], ids=["shared", "blocks"])
 def test_split_backward_is_the_backward_in_two_halves(make):
     """B gives the input gradient and leaves .grad untouched; W adds exactly what backward() would have."""
@@ -296,8 +305,6 @@ def test_a_stage_split_layer_by_layer_is_the_same_backward_in_fewer_calls():
     same input gradient and weight gradients as one plain backward, with the same FLOPs, and its weight pass makes one
     autograd call per fork of a block (6: two norms, four linear layers), not one per fork of the stage (18): the k-th
     fork of every block runs in one call, since the blocks' graphs share no node."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from helpers.pipeline.split_backward import backward_input, backward_input_cut, forward_cut
 
     torch.manual_seed(0)
@@ -305,14 +312,9 @@ def test_a_stage_split_layer_by_layer_is_the_same_backward_in_fewer_calls():
     x = torch.randn(4, CFG.seq_len, CFG.hidden)
     grad = torch.randn(4, CFG.seq_len, CFG.hidden)
 
-    def flops(fn) -> int:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-        return counter.get_total_flops()
-
     inp = x.clone().requires_grad_()
     out = stage(inp)
-    plain = flops(lambda: out.backward(grad))
+    plain = _flops(lambda: out.backward(grad))
     ref = [p.grad.clone() for p in stage.parameters()]
     stage.zero_grad(set_to_none=True)
     whole = x.clone().requires_grad_()
@@ -320,11 +322,11 @@ def test_a_stage_split_layer_by_layer_is_the_same_backward_in_fewer_calls():
     cuts = forward_cut([(block, block.parameters()) for block in stage], x.clone().requires_grad_())
     assert [c.inp.is_leaf for c in cuts] == [True] * 3 and torch.equal(cuts[-1].out, out)
     halves = {}
-    halves["input"] = flops(lambda: halves.setdefault("split", backward_input_cut(cuts, grad)))
+    halves["input"] = _flops(lambda: halves.setdefault("split", backward_input_cut(cuts, grad)))
     got, weights = halves["split"]
     assert torch.allclose(got, inp.grad, atol=1e-6) and all(p.grad is None for p in stage.parameters())
     assert len(weights.calls) == 6
-    halves["weight"] = flops(weights.run)
+    halves["weight"] = _flops(weights.run)
     assert halves["input"] + halves["weight"] == plain
     assert max_grad_diff(ref, stage) <= 1e-6
 
@@ -351,30 +353,23 @@ def test_the_split_backward_computes_what_a_plain_backward_does_and_frees_the_gr
     spine computed twice), accumulate into .grad as backward() does, and the weight pass's last group frees the
     graph it passes through: a second backward through it fails, as after a plain backward. (The old weight pass kept
     the graph and its activations alive to the end and added gradients of its own into .grad.)"""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from helpers.pipeline.split_backward import backward_input
 
     torch.manual_seed(0)
     module = build_stack(CFG)[1:3]
     x = torch.randn(4, CFG.seq_len, CFG.hidden)
 
-    def flops(fn) -> int:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-        return counter.get_total_flops()
-
     inp = x.clone().requires_grad_()
     out = module(inp)
     grad = torch.randn_like(out)
-    plain = flops(lambda: out.backward(grad))
+    plain = _flops(lambda: out.backward(grad))
     ref = [p.grad.clone() for p in module.parameters()]
     module.zero_grad(set_to_none=False)
     inp2 = x.clone().requires_grad_()
     out2 = module(inp2)
     halves = {}
-    halves["input"] = flops(lambda: halves.setdefault("split", backward_input(out2, grad, inp2, module.parameters())))
-    halves["weight"] = flops(halves["split"][1].run)
+    halves["input"] = _flops(lambda: halves.setdefault("split", backward_input(out2, grad, inp2, module.parameters())))
+    halves["weight"] = _flops(halves["split"][1].run)
     assert plain > 0 and halves["input"] + halves["weight"] == plain
     assert max_grad_diff(ref, module) <= 1e-6
     with pytest.raises(RuntimeError, match="second time"):

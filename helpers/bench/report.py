@@ -62,7 +62,9 @@ split backward  what ZB-H1's split backward costs on each engine: per device, th
              weight pass of the ZB-H1 row's recorded steps (every launch's) against the median backward of the same
              engine's 1F1B row (same stages, same micro-batches), in CPU seconds of the thread that ran them (other
              processes on the cores do not stretch them; target at most 1.1x) and in wall time. The first stage's
-             input needs no gradient: its input pass is empty and its weight pass is the whole backward
+             input needs no gradient: its input pass is empty and its weight pass is the whole backward in one call,
+             nothing split, so its ratio is how far two rows' backwards differ with no split at all: read the second
+             device's against it
 splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
              threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
              per device; predicted slowest/mean = the slowest stage's profiled cost over the mean
