@@ -331,6 +331,28 @@ def test_a_stage_split_layer_by_layer_is_the_same_backward_in_fewer_calls():
     assert max_grad_diff(ref, stage) <= 1e-6
 
 
+def test_a_weight_two_cut_layers_share_gets_both_uses_gradients():
+    """One linear layer used on both sides of a cut (a tied weight inside one stage): each piece's weight pass adds
+    its own use's gradient, so `.grad` ends as one plain backward's, counted once per use."""
+    from helpers.pipeline.split_backward import backward_input_cut, forward_cut
+
+    torch.manual_seed(0)
+    module = _SharedWeight()
+    x = torch.randn(4, CFG.seq_len, 8)
+    inp = x.clone().requires_grad_()
+    out = module(inp)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    pieces = [(lambda h: torch.tanh(module.lin(h)), module.lin.parameters()),
+              (lambda h: module.norm(module.lin(h)), module.parameters())]
+    got, weights = backward_input_cut(forward_cut(pieces, x.clone().requires_grad_()), grad)
+    weights.run()
+    assert torch.allclose(got, inp.grad, atol=1e-6)
+    assert max_grad_diff(ref, module) < 1e-6
+
+
 def test_a_first_stage_defers_its_whole_backward():
     """Token ids need no gradient: B computes nothing and W is the whole backward."""
     from helpers.pipeline.split_backward import backward_input
