@@ -278,10 +278,21 @@ def _flops(fn) -> int:
     return counter.get_total_flops()
 
 
+def _pieces(module: torch.nn.Module) -> list[tuple]:
+    """`module` as `forward_cut`'s pieces: the shared-weight module cut between its two uses of `lin` (a weight on
+    both sides of a cut, as a tie inside one stage), a block stack block by block."""
+    if isinstance(module, _SharedWeight):
+        return [(lambda h: torch.tanh(module.lin(h)), module.lin.parameters()),
+                (lambda h: module.norm(module.lin(h)), module.parameters())]
+    return [(block, block.parameters()) for block in module]
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "layer-by-layer"])
 @pytest.mark.parametrize("make", [_SharedWeight, lambda: build_stack(CFG)[1:3]], ids=["shared", "blocks"])
-def test_split_backward_is_the_backward_in_two_halves(make):
-    """B gives the input gradient and leaves .grad untouched; W adds exactly what backward() would have."""
-    from helpers.pipeline.split_backward import backward_input
+def test_split_backward_is_the_backward_in_two_halves(make, cut):
+    """B gives the input gradient and leaves .grad untouched; W adds exactly what backward() would have, whether the
+    forward ran whole or cut into pieces (`forward_cut`: each piece's weight pass adds its own uses' gradients)."""
+    from helpers.pipeline.split_backward import backward_input, backward_input_cut, forward_cut
 
     torch.manual_seed(0)
     module = make()
@@ -293,7 +304,10 @@ def test_split_backward_is_the_backward_in_two_halves(make):
     ref = [p.grad.clone() for p in module.parameters()]
     module.zero_grad(set_to_none=True)
     inp2 = x.clone().requires_grad_()
-    got, weights = backward_input(module(inp2), grad, inp2, module.parameters())
+    if cut:
+        got, weights = backward_input_cut(forward_cut(_pieces(module), inp2), grad)
+    else:
+        got, weights = backward_input(module(inp2), grad, inp2, module.parameters())
     assert torch.allclose(got, inp.grad, atol=1e-6)
     assert all(p.grad is None for p in module.parameters())
     weights.run()
@@ -329,28 +343,6 @@ def test_a_stage_split_layer_by_layer_is_the_same_backward_in_fewer_calls():
     halves["weight"] = _flops(weights.run)
     assert halves["input"] + halves["weight"] == plain
     assert max_grad_diff(ref, stage) <= 1e-6
-
-
-def test_a_weight_two_cut_layers_share_gets_both_uses_gradients():
-    """One linear layer used on both sides of a cut (a tied weight inside one stage): each piece's weight pass adds
-    its own use's gradient, so `.grad` ends as one plain backward's, counted once per use."""
-    from helpers.pipeline.split_backward import backward_input_cut, forward_cut
-
-    torch.manual_seed(0)
-    module = _SharedWeight()
-    x = torch.randn(4, CFG.seq_len, 8)
-    inp = x.clone().requires_grad_()
-    out = module(inp)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    ref = [p.grad.clone() for p in module.parameters()]
-    module.zero_grad(set_to_none=True)
-    pieces = [(lambda h: torch.tanh(module.lin(h)), module.lin.parameters()),
-              (lambda h: module.norm(module.lin(h)), module.parameters())]
-    got, weights = backward_input_cut(forward_cut(pieces, x.clone().requires_grad_()), grad)
-    weights.run()
-    assert torch.allclose(got, inp.grad, atol=1e-6)
-    assert max_grad_diff(ref, module) < 1e-6
 
 
 def test_a_first_stage_defers_its_whole_backward():

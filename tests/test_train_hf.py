@@ -91,7 +91,8 @@ def test_threads_engine_equals_one_device(saved, name, padding, attention):
     _check(ref, loss.item(), [p.grad for stage in split.stages for layer in stage for p in layer.parameters()])
 
 
-@pytest.mark.parametrize("name, schedule, padding", [("llama-gqa", "zbh1", "left"), ("gpt2-tied", "dualpipev", "right")])
+@pytest.mark.parametrize("name, schedule, padding",
+                         [("llama-gqa", "zbh1", "left"), ("gpt2-tied", "dualpipev", "right")])
 def test_split_backward_schedules_on_hf_models_equal_one_device(saved, name, schedule, padding):
     """A split backward runs its micro-batch's forward layer by layer, each layer's input cut from the graph
     (helpers.pipeline.split_backward.forward_cut): with the micro-batch's masks and positions handed to every layer,
