@@ -454,6 +454,24 @@ def test_against_a_previous_run_every_ratio_is_compared_and_the_verdict_said():
     assert "all 5 rows within 5%" in describe_comparison(compare_runs(before, before), "x")
 
 
+def test_the_run_says_how_far_its_jobs_moved_between_their_own_launches():
+    from helpers.bench.report import describe_launch_to_launch, launch_to_launch
+
+    shared = [0.99, 1.01, 1.02, 0.98]  # one device beside the two launches: the rows of one launch share them
+    pipeline = {"strategy": "1f1b", "engine": "ours", "runner": "processes", "microbatches": 8,
+                "launch_step_times_s": [[0.70, 0.72, 0.71], [0.78, 0.80, 0.79]], "reference_samples_s": shared}
+    ddp = {"strategy": "ddp", "engine": "torch", "runner": "processes",
+           "launch_step_times_s": [[0.6, 0.6], [0.61, 0.6]], "reference_samples_s": shared}
+    one_launch = {**pipeline, "strategy": "gpipe", "launch_step_times_s": [[0.7]], "reference_samples_s": [1.5, 1.5]}
+    summary = launch_to_launch([pipeline, ddp, {"strategy": "single", "speedup": 1.0}])
+    assert summary["rows"] == 2 and summary["within"] == 1
+    assert summary["largest"] == pytest.approx(0.79 / 0.71 - 1) and summary["largest_row"] == "1f1b ours processes m=8"
+    assert summary["one_device_s"] == pytest.approx([0.98, 1.0, 1.02])
+    text = describe_launch_to_launch(summary)
+    assert "1 of 2 multi-process rows within 5%" in text and "980-1020 ms (median 1000)" in text
+    assert "no row ran in two launches" in describe_launch_to_launch(launch_to_launch([one_launch]))
+
+
 def test_against_refuses_a_path_without_a_bench_json_before_anything_runs(tmp_path):
     from helpers.bench.cli import read_previous
 

@@ -6,8 +6,8 @@ from helpers.bench.blocks import MachineLoad
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
 from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
-                                  compare_runs, describe_comparison, display_rows, misses, row_dicts,
-                                  write_results)
+                                  compare_runs, describe_comparison, describe_launch_to_launch, display_rows,
+                                  launch_to_launch, misses, row_dicts, write_results)
 from helpers.bench.rows import Progress, bench_refusals, default_config, run_bench
 from helpers.models import lm_loss
 from helpers.timeline import PHASES
@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
     timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
                   **{name: extra_rows[0].get("core_slowdown") for name, extra_rows in extras.items() if extra_rows}}
-    compared = compare_runs({"rows": row_dicts(rows, config.batch), **extras}, previous) \
-        if previous else None
+    now = row_dicts(rows, config.batch)
+    compared = compare_runs({"rows": now, **extras}, previous) if previous else None
+    calibration["launch_to_launch"] = launch_to_launch(now)
     calibration["summary"] += [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
                                for name, s in timed_with.items() if s is not None]
     calibration["summary"] += [launch_slowdowns(rows)] if any(r.runner == "processes" and r.core_slowdown
@@ -97,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\nnot run on this rig:\n" + "\n".join(f"  {s} ({e}): {why}" for (s, e), why in refused.items()))
     if compared is not None:
         print("\n" + describe_comparison(compared, ns.against))
+        print(describe_launch_to_launch(launch_to_launch(previous["rows"]), f"{ns.against}"))
     print("\n" + load.describe())
+    print(describe_launch_to_launch(calibration["launch_to_launch"]))
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
 

@@ -202,6 +202,38 @@ def prediction_errors(data: dict) -> dict[str, float | None]:
             for prefix, dicts in tables.items() for d in dicts if d.get("error") is not None}
 
 
+def launch_to_launch(dicts: Sequence[dict], tolerance: float = REPEAT_TOLERANCE) -> dict | None:
+    """How far the same jobs moved between their own launches in one run (bench.json's rows), the floor of
+    `--against`: a second run is only more launches. Per multi-process row, its slowest launch's median step over its
+    fastest's, minus 1; and the one-device step the rows' speed-ups are taken against, timed beside the launches
+    (each sample once: the rows of one launch share them), its fastest and slowest. None without a row of two
+    launches or more."""
+    import statistics
+
+    spreads = {row_label(d): max(medians) / min(medians) - 1 for d in dicts
+               if len(medians := [statistics.median(steps) for steps in d.get("launch_step_times_s") or []]) > 1}
+    if not spreads:
+        return None
+    reference = list(dict.fromkeys(s for d in dicts for s in d.get("reference_samples_s") or []))
+    worst = max(spreads, key=spreads.get)
+    return {"rows": len(spreads), "median": statistics.median(spreads.values()), "largest": spreads[worst],
+            "largest_row": worst, "within": sum(v <= tolerance for v in spreads.values()), "tolerance": tolerance,
+            "one_device_s": [min(reference), statistics.median(reference), max(reference)] if reference else None}
+
+
+def describe_launch_to_launch(summary: dict | None, run: str = "this run") -> str:
+    """What `launch_to_launch` found in `run`, in a sentence."""
+    if summary is None:
+        return f"launch to launch ({run}): no row ran in two launches (--quick runs one)"
+    low, median, high = summary["one_device_s"] or (None,) * 3
+    reference = (f"; one device's step, timed beside the launches, {low * 1e3:.0f}-{high * 1e3:.0f} ms (median "
+                 f"{median * 1e3:.0f})" if median else "")
+    return (f"launch to launch ({run}): the same job's median step differed between its launches by a median "
+            f"{summary['median']:.1%} (largest {summary['largest']:.1%}, {summary['largest_row']}; "
+            f"{summary['within']} of {summary['rows']} multi-process rows within {summary['tolerance']:.0%}){reference}"
+            f": a second run is more launches, and its rows can differ from this run's by as much")
+
+
 def _ratios(data: dict) -> dict[str, float]:
     """Each row's ratio within its run: the rows' speed-ups and the extras' (`EXTRA_SPEEDUPS`), by label."""
     out = {row_label(d): d["speedup"] for d in data.get("rows", []) if d.get("speedup") is not None}
