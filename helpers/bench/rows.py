@@ -13,6 +13,7 @@ from torch import nn
 
 from helpers.bench.blocks import PipelineRun, bench_cut, make_pipeline_run, one_device_step, time_pipeline_runs
 from helpers.catalog import BEYOND_1F1B, strategy as catalog_entry
+from helpers.pipeline.schedules import chunks_of
 from helpers.measure import relative_spread
 from helpers.sizing.ledger import ledger_for
 from helpers.models import StackConfig, lm_loss
@@ -303,7 +304,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
-    threaded += [(s, config.onefoneb_microbatches) for s in BEYOND_1F1B]
+    threaded += [(s, schedule_microbatches(s, config)) for s in BEYOND_1F1B]
     threaded = [(s, m) for s, m in threaded if not left_out(config, (s, "threads"))]
     runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
             for s, m in threaded]
@@ -334,11 +335,24 @@ def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
     jobs += [("gpipe", "ours", "gpipe", k, True) for k in config.gpipe_microbatches]
     jobs += [("1f1b", "ours", "1f1b", m, True)]
     jobs += [(s, "torch", s, k, True) for k in config.torch_microbatches for s in ("gpipe", "1f1b")]
-    jobs += [(s, engine, s, m, True) for engine in ("ours", "torch") for s in BEYOND_1F1B]
+    jobs += [(s, engine, s, schedule_microbatches(s, config), True) for engine in ("ours", "torch")
+             for s in BEYOND_1F1B]
     jobs += [(s, "dp", "auto") for s in ("ddp", "zero1", "fsdp2")] + [("ddp", "dp", "bf16")]
     refused = bench_refusals(rig)
     runner = lambda j: "torch" if j[1] == "torch" else "processes"  # noqa: E731
     return [j for j in jobs if (j[0], runner(j)) not in refused and not left_out(config, (j[0], runner(j)))]
+
+
+def schedule_microbatches(schedule: str, config: BenchConfig) -> int:
+    """Micro-batches a step of `schedule` past 1F1B gets in the bench: 1F1B's count where it runs one stage per
+    device (ZB-H1); where it runs two (interleaved 1F1B, ZB-V, DualPipeV), half as many micro-batches of twice the
+    samples, and at least one per stage. Each device then runs as many passes a step as in 1F1B, each the same
+    FLOPs (twice the samples through half the blocks), and a micro-batch as large as 1F1B would leave each pass
+    half the work at half the samples, which computes slower per sample: on the CPU rig the whole model runs 19%
+    slower per sample at 4 samples than at 32 (the bench's calibration, 2026-12-06), and DualPipeV took 646 ms a
+    step at m=4 against 702 at m=8, ZB-V 670 against 751 (ours, 12 steps each in 4 launches alternating)."""
+    chunks = chunks_of(schedule)
+    return max(2 * chunks, config.onefoneb_microbatches // chunks)
 
 
 def train_job(key: tuple, config: BenchConfig):
