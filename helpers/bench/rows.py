@@ -129,12 +129,12 @@ def left_out(config: BenchConfig, row: tuple[str, str]) -> bool:
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
-    count (m=8) per pipeline, the rows of `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded
-    rows, 3 of the extras, and the two-rank jobs in one launch per round (FSDP2 in one of its own: `launch_groups`),
-    2 rounds in opposite orders (each job's 2 timed steps and its recorded step in each of two launches a minute or
-    more apart: 6 samples, so one disturbed launch or step no longer decides a row). precise: every row, GPipe at
-    m = 2, 4, 8 too, 8 threaded rounds, 3 launches of 6 timed steps (and the recorded one), 6 repeats of the
-    extras."""
+    count per pipeline (m=8; `schedule_microbatches` for two stages per device), the rows of
+    `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded rows, 3 of the extras, and the two-rank
+    jobs in one launch per round (FSDP2 in one of its own: `launch_groups`), 2 rounds in opposite orders (each job's
+    2 timed steps and its recorded step in each of two launches a minute or more apart: 6 samples, so one disturbed
+    launch or step no longer decides a row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
+    launches of 6 timed steps (and the recorded one), 6 repeats of the extras."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
