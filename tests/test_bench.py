@@ -39,6 +39,24 @@ def test_prediction_of_a_pipeline_row_is_the_schedule_plus_the_callers_work():
     assert slow.predicted_s == pytest.approx(2 * per_mb + 1.5 * 3 * per_mb, rel=1e-12)
 
 
+def test_every_schedule_past_1f1b_runs_as_many_passes_a_device_as_1f1b_and_fills_its_stages():
+    from helpers.bench.rows import default_config, schedule_microbatches
+    from helpers.catalog import BEYOND_1F1B
+    from helpers.pipeline.schedules import chunks_of
+    from helpers.runtime.rig import detect_rig
+
+    rig = detect_rig(force_cpu=True)
+    for mode in ("quick", "default", "precise"):
+        config = default_config(mode, rig)
+        for schedule in BEYOND_1F1B:
+            m, chunks = schedule_microbatches(schedule, config), chunks_of(schedule)
+            assert m >= 2 * chunks  # a micro-batch for every stage of the two devices
+            if config.onefoneb_microbatches >= 4 * chunks:  # else the stages need more than 1F1B's passes
+                assert m * chunks == config.onefoneb_microbatches, (mode, schedule)
+    # the split backward's table sets ZB-H1 against 1F1B at the same micro-batches
+    assert schedule_microbatches("zbh1", default_config("default", rig)) == 8
+
+
 def test_every_kind_of_row_maps_to_a_simulated_job():
     assert microbatch_size(row("gpipe", m=8), 32) == 4
     assert microbatch_size(row("ddp", "processes", None), 32) == 16

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\nnot run on this rig:\n" + "\n".join(f"  {s} ({e}): {why}" for (s, e), why in refused.items()))
     if compared is not None:
         print("\n" + describe_comparison(compared, ns.against))
-        print(describe_launch_to_launch(launch_to_launch(previous["rows"]), f"{ns.against}"))
+        print(describe_launch_to_launch(launch_to_launch(previous["rows"]), ns.against))
     print("\n" + load.describe())
     print(describe_launch_to_launch(calibration["launch_to_launch"]))
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)

@@ -347,12 +347,13 @@ def schedule_microbatches(schedule: str, config: BenchConfig) -> int:
     """Micro-batches a step of `schedule` past 1F1B gets in the bench: 1F1B's count where it runs one stage per
     device (ZB-H1); where it runs two (interleaved 1F1B, ZB-V, DualPipeV), half as many micro-batches of twice the
     samples, and at least one per stage. Each device then runs as many passes a step as in 1F1B, each the same
-    FLOPs (twice the samples through half the blocks), and a micro-batch as large as 1F1B would leave each pass
-    half the work at half the samples, which computes slower per sample: on the CPU rig the whole model runs 19%
-    slower per sample at 4 samples than at 32 (the bench's calibration, 2026-12-06), and DualPipeV took 646 ms a
-    step at m=4 against 702 at m=8, ZB-V 670 against 751 (ours, 12 steps each in 4 launches alternating)."""
+    FLOPs (twice the samples through half the blocks), where 1F1B's count would give each pass half the work at half
+    the samples, which computes slower per sample: on the CPU rig the whole model runs 19% slower per sample at 4
+    samples than at 32 (the bench's calibration, 2026-12-06), and DualPipeV took 646 ms a step at m=4 against 702
+    at m=8, ZB-V 670 against 751 (ours, 12 steps each in 4 launches alternating)."""
     chunks = chunks_of(schedule)
-    return max(2 * chunks, config.onefoneb_microbatches // chunks)
+    stages = 2 * chunks  # the bench's pipelines run on two devices
+    return max(stages, config.onefoneb_microbatches // chunks)
 
 
 def train_job(key: tuple, config: BenchConfig):
