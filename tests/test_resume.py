@@ -295,6 +295,27 @@ def test_scripts_resume_under_torchrun_max_restarts(tmp_path, script, extra):
     assert {s: again[s] for s in (3, 4)} == {s: first[s] for s in (3, 4)}
 
 
+def read_together(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Every process's (stdout, stderr), their pipes read at the same time, one thread each: read one after the
+    other, a process not yet read can fill its pipe and block writing while the one being read waits for it (torchrun
+    agents wait for each other at their exit barrier). Past `timeout` every process group is killed and the test
+    fails with each one's tail: the process that hangs is not always the one that says why."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        waits = [pool.submit(proc.communicate, timeout=timeout) for proc in procs]
+        done = [wait.exception() is None for wait in waits]  # each returns or times out within `timeout`
+    if all(done):
+        return [wait.result() for wait in waits]
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    tails = [wait.result() if ok else proc.communicate() for wait, ok, proc in zip(waits, done, procs)]
+    pytest.fail(f"not done within {timeout:.0f} s:\n" + "\n".join(
+        f"process {i} (exit {proc.returncode}): ...{out[-1500:]}\n...{err[-3000:]}"
+        for i, (proc, (out, err)) in enumerate(zip(procs, tails))))
+
+
 @FULL
 def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path, stack_runs):
     """Multi-node torchrun on the loopback address: two agents (`--nnodes 2`, c10d rendezvous), one rank each; one
@@ -310,12 +331,7 @@ def test_two_torchrun_agents_as_two_nodes_resume_after_a_killed_worker(tmp_path,
                                 "helpers.training.loop:torchrun_job", "--kwargs", json.dumps(kwargs)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True) for _ in range(2)]
-    try:
-        outputs = [agent.communicate(timeout=300) for agent in agents]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, 9)
+    outputs = read_together(agents, timeout=300)
     for agent, (out, err) in zip(agents, outputs):
         assert agent.returncode == 0, out[-2000:] + err[-4000:]
     assert (tmp_path / "ckpt" / "killed-at-3").exists()
