@@ -231,6 +231,8 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert {(s, e) for s in BEYOND_1F1B for e in ("ours", "torch")} <= strategies
     assert [r["wire"] for r in data["rows"] if r["strategy"] == "ddp"] == ["auto", "bf16"]  # notebook 07's hook
     assert "ddp, bf16 grads" in out
+    assert "launch to launch (this run): no row ran in two launches" in out  # --quick launches each job once
+    assert data["calibration"]["launch_to_launch"] is None
     for r in data["rows"] + data["splits"] + data["checkpointing"]:
         assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
         if r.get("strategy") not in ("ddp", "zero1", "fsdp2"):  # threads, processes, one thread: a drift each
@@ -488,6 +490,12 @@ def test_the_run_says_how_far_its_jobs_moved_between_their_own_launches():
     text = describe_launch_to_launch(summary)
     assert "1 of 2 multi-process rows within 5%" in text and "980-1020 ms (median 1000)" in text
     assert "no row ran in two launches" in describe_launch_to_launch(launch_to_launch([one_launch]))
+    # --against prints the previous run's floor under the comparison
+    from helpers.bench.report import compare_runs, describe_against
+
+    before, now = {"rows": [{**pipeline, "speedup": 1.4}]}, {"rows": [{**pipeline, "speedup": 1.5}]}
+    text = describe_against(compare_runs(now, before), before, "old/bench.json")
+    assert "1 of 1 rows outside 5%" in text and "launch to launch (old/bench.json)" in text and "11.3%" in text
 
 
 def test_against_refuses_a_path_without_a_bench_json_before_anything_runs(tmp_path):

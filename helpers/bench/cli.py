@@ -6,7 +6,7 @@ from helpers.bench.blocks import MachineLoad
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
 from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
-                                  compare_runs, describe_comparison, describe_launch_to_launch, display_rows,
+                                  compare_runs, describe_against, describe_launch_to_launch, display_rows,
                                   launch_to_launch, misses, row_dicts, write_results)
 from helpers.bench.rows import Progress, bench_refusals, default_config, run_bench
 from helpers.models import lm_loss
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     if refused:
         print("\nnot run on this rig:\n" + "\n".join(f"  {s} ({e}): {why}" for (s, e), why in refused.items()))
     if compared is not None:
-        print("\n" + describe_comparison(compared, ns.against))
-        print(describe_launch_to_launch(launch_to_launch(previous["rows"]), ns.against))
+        print("\n" + describe_against(compared, previous, ns.against))
     print("\n" + load.describe())
     print(describe_launch_to_launch(calibration["launch_to_launch"]))
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)

@@ -234,6 +234,13 @@ def describe_launch_to_launch(summary: dict | None, run: str = "this run") -> st
             f": a second run is more launches, and its rows can differ from this run's by as much")
 
 
+def describe_against(compared: list[dict], previous: dict, path: str) -> str:
+    """What `--against` prints: the comparison with the previous run (`describe_comparison`) and how far that run's
+    own rows moved between their launches (`launch_to_launch`), the floor the comparison can show."""
+    return describe_comparison(compared, path) + "\n" + describe_launch_to_launch(launch_to_launch(previous["rows"]),
+                                                                                 path)
+
+
 def _ratios(data: dict) -> dict[str, float]:
     """Each row's ratio within its run: the rows' speed-ups and the extras' (`EXTRA_SPEEDUPS`), by label."""
     out = {row_label(d): d["speedup"] for d in data.get("rows", []) if d.get("speedup") is not None}
