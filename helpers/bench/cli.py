@@ -5,6 +5,7 @@ from __future__ import annotations
 from helpers.bench.blocks import MachineLoad
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
+from helpers.bench.records import command_line, keep
 from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
                                   compare_runs, describe_against, describe_launch_to_launch, display_rows,
                                   launch_to_launch, misses, row_dicts, write_results)
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--against", metavar="PATH",
                         help="a previous run's bench.json: print each row's speed-up (and the extras' ratios) beside "
                              "that run's, and whether all agree within 5%%")
+    parser.add_argument("--record", action="store_true",
+                        help="also keep this run's bench.json as a record in data/bench/ (docs/benchmarks.md is "
+                             "rendered from them: python -m helpers.bench.records)")
     ns = parser.parse_args(argv)
     previous = read_previous(ns.against) if ns.against else None
     progress = Progress(not ns.no_progress)
@@ -102,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     print(describe_launch_to_launch(calibration["launch_to_launch"]))
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
+    if ns.record:
+        print(f"kept as {keep(f'{ns.out}/bench.json', command_line('python -m helpers.bench', argv))}")
 
 
 def one_device_drift(rows) -> str:
