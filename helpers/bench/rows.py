@@ -221,17 +221,13 @@ def _caller_seconds(run: PipelineRun) -> float:
 class LaunchReference:
     """One device's step (the `single` row's closure), timed again in this process just before and just after every
     multi-process launch: the reference of those rows' speed-ups, the median of the one-device steps timed around a
-    row's launches over the row's median step in them (`seconds`). The machine's speed drifts over a run: in two
-    quiet default runs the one-device step took 1.020 s and 0.973 s in the threaded rounds, while the whole model
-    timed beside the launches was 4% faster than in those rounds in the first run and 7% slower in the second. Pooled
-    rather than launch by launch: with the default run's two launches a median of per-launch ratios is their mean,
-    each from two single one-device steps, so one slow step or launch moves it; in three pairs of quiet default runs
-    (2026-12-05 21:53-22:29 UTC, the bench taking them launch by launch; pooled: from the same rows' medians), 5, 7
-    and 3 of 16 multi-process rows' speed-ups moved more than 5% between the runs of a pair taken launch by launch
-    (mean difference 5.7%, 4.3%, 3.3%), 4, 5 and 2 pooled (4.3%, 4.1%, 2.4%). Timed
-    instead by rank 0 inside the launch, just before each job (the other rank waiting at a barrier), the same step
-    took 1.0 s before the launch's first jobs and 1.2-1.5 s in the middle of a long launch on a quiet machine, while
-    the jobs themselves ran at their calibrated speed: a rank that has run other jobs is no reference. Rows with Adam
+    row's launches over the row's median step in them (`seconds`). The machine's speed drifts over a run (the whole
+    model timed beside the launches ran from 4% faster to 7% slower than in the same run's threaded rounds), so each
+    row is set against its own minutes. Pooled rather than launch by launch: with the default run's two launches a
+    median of per-launch ratios is their mean, each from two single one-device steps, so one slow step or launch
+    moves it; pooled, fewer rows' speed-ups move more than 5% between two runs. Not timed by rank 0 inside the
+    launch, before each job: a rank that has run other jobs took 20-50% longer for the same step while the jobs
+    themselves ran at their calibrated speed, so it is no reference. Rows with Adam
     add one device's Adam step, measured (`adam_s`)."""
 
     step: Callable[[], None]
@@ -348,9 +344,9 @@ def schedule_microbatches(schedule: str, config: BenchConfig) -> int:
     device (ZB-H1); where it runs two (interleaved 1F1B, ZB-V, DualPipeV), half as many micro-batches of twice the
     samples, and at least one per stage. Each device then runs as many passes a step as in 1F1B, each the same
     FLOPs (twice the samples through half the blocks), where 1F1B's count would give each pass half the work at half
-    the samples, which computes slower per sample: on the CPU rig the whole model runs 19% slower per sample at 4
-    samples than at 32 (the bench's calibration, 2026-12-06), and DualPipeV took 646 ms a step at m=4 against 702
-    at m=8, ZB-V 670 against 751 (ours, 12 steps each in 4 launches alternating)."""
+    the samples, which computes slower per sample: on the CPU rig the whole model runs about 19% slower per sample
+    at 4 samples than at 32 (the bench's calibration), and DualPipeV and ZB-V step 8-11% faster at m=4 than at
+    m=8."""
     chunks = chunks_of(schedule)
     stages = 2 * chunks  # the bench's pipelines run on two devices
     return max(stages, config.onefoneb_microbatches // chunks)
@@ -395,13 +391,13 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     model's forward and backward timed on both ranks at once (released by a barrier), `repeats` times at each
     micro-batch size of `sizes`: how fast a rank computes while the other rank computes too, in its launch's
     minutes. The parent times the same model alone beside the launch (`sample_launch`); the ratio is the busy-core
-    slowdown of the launch's rows. A fresh pair of processes measured it steady, 1.03 (quartiles 1.02-1.04 over 60
-    rounds), yet the run's one figure, timed in a launch of its own at the end, priced a run whose pipelines' passes
-    ran 6-16% slower than calibrated (2026-12-05, 10:28 UTC). Where a job is a pipeline, then what posting a receive
-    costs while both ranks compute (`receive_post_seconds`, a hidden state of the pipelines' micro-batch), for the
-    same reason: one reading for the whole run, from a launch of its own, read 0.59-2.24 ms in four runs, and the
-    runs that read it low were over-predicted more (2026-12-05). Timed after the last job, so that no job runs after
-    it (a job's step can depend on what ran before it in the same processes: `own_launch`)."""
+    slowdown of the launch's rows. A fresh pair of processes measures it steady (about 1.03), yet one figure for
+    the whole run, timed in a launch of its own, priced a run whose pipelines' passes ran 6-16% slower than
+    calibrated. Where a job is a pipeline, then what posting a receive costs while both ranks compute
+    (`receive_post_seconds`, a hidden state of the pipelines' micro-batch), for the same reason: one reading for the
+    whole run, from a launch of its own, moved from run to run (0.59-2.24 ms), and the runs that read it low were
+    over-predicted more. Timed after the last job, so that no job runs after it (a job's step can depend on what ran
+    before it in the same processes: `own_launch`)."""
     import torch.distributed as dist
 
     from helpers.models import SyntheticTokens, build_stack
@@ -450,7 +446,7 @@ def own_launch(key: tuple) -> bool:
     """Whether the job of `key` runs in a launch of its own: the strategies built on FSDP2's `fully_shard` (the
     catalog's `fully_sharded`), whose step depends on what ran before it in the same processes: FSDP2 took 0.75-0.85
     s a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier
-    jobs' process groups were destroyed as they ended (2026-12-05, quiet machine; cause not found)."""
+    jobs' process groups were destroyed as they ended (quiet machine; cause not found)."""
     return catalog_entry(key[0]).fully_sharded
 
 

@@ -184,7 +184,7 @@ def pin_to_device_cores(index: int, world: int, threads_per_device: int, cores: 
     A rank pins its main thread once it has joined the group (`helpers.runtime.launch.init_rank`): the default
     group's gloo threads, started meanwhile, stay free to run on whichever core is idle, as a GPU's communication does
     not take its compute; the groups a job makes later (its mesh) start theirs on the rank's core (letting those run
-    free changed no step time of six bench jobs, three launches each: 0.97-1.03x, 2026-12-05). Measured on the 2-core
+    free changed no step time of six bench jobs, three launches each: 0.97-1.03x). Measured on the 2-core
     rig (default bench runs, quiet machine): with every thread of a rank pinned,
     ZeRO-1 fell from 1.56x one device to 1.38-1.40x (its all-reduce thread queued behind the backward on one core);
     unpinned, a rank migrates and wakes late from its all-reduces: inside tensor-parallel decode 1.5-2.8 ms per
