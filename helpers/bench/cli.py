@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers.bench.blocks import MachineLoad
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
-from helpers.bench.records import command_line, keep
+from helpers.bench.records import command_line, keep, source_state
 from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
                                   compare_runs, describe_against, describe_launch_to_launch, display_rows,
                                   launch_to_launch, misses, row_dicts, write_results)
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
                              "rendered from them: python -m helpers.bench.records)")
     ns = parser.parse_args(argv)
     previous = read_previous(ns.against) if ns.against else None
+    started = source_state() if ns.record else None  # the code that measures, whatever is committed meanwhile
     progress = Progress(not ns.no_progress)
     load = MachineLoad()
     rig = detect_rig(force_cpu=ns.cpu or None)
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
     if ns.record:
-        print(f"kept as {keep(f'{ns.out}/bench.json', command_line('python -m helpers.bench', argv))}")
+        print(f"kept as {keep(f'{ns.out}/bench.json', command_line('python -m helpers.bench', argv), started)}")
 
 
 def one_device_drift(rows) -> str:
