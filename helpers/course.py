@@ -1,15 +1,15 @@
-"""The setup cell every notebook starts with, and reading the facts in data/ (each with its source)."""
+"""The setup cell every notebook starts with; `load_data` (the facts in data/, `helpers.facts`) is here too, since
+every notebook imports both from here."""
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import torch
 
+from helpers.facts import DATA_DIR, load_data
 from helpers.runtime.rig import Rig, claim_cpu_device, detect_rig
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+__all__ = ["DATA_DIR", "load_data", "setup"]
 
 
 def setup(seed: int = 0, force_cpu: bool | None = None, quiet: bool = False) -> Rig:
@@ -25,11 +25,3 @@ def setup(seed: int = 0, force_cpu: bool | None = None, quiet: bool = False) -> 
             print("advice:", line)
     return rig
 
-
-def load_data(name: str) -> dict:
-    """A JSON file from data/ (facts and figures, every entry with its source)."""
-    path = DATA_DIR / f"{name}.json"
-    if not path.exists():
-        raise FileNotFoundError(f"no data file {path.name} in {DATA_DIR}; available: "
-                                f"{sorted(p.stem for p in DATA_DIR.glob('*.json'))}")
-    return json.loads(path.read_text())

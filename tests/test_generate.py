@@ -266,7 +266,7 @@ def test_from_pretrained_balances_with_transformers_own_copy():
 
 
 def test_decode_bounds_follow_the_bandwidth():
-    from helpers.course import load_data
+    from helpers.facts import load_data
     from helpers.inference.throughput import decode_bounds
 
     b = decode_bounds("llama-3-8b", "fp16", context=512)

@@ -3,7 +3,7 @@ round. Every row of `predictions_vs_published()` is held to 15%, none excused.""
 import pytest
 import torch
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.simulate import (MODELS, efficiency, fitted_constants, gpu_named, gpu_orders, kernels_s,
                               predictions_vs_published, recommend, target_rig, trace_kernels, transformer_workload)
 from helpers.simulate import Job, simulate

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from helpers.course import load_data  # noqa: E402
+from helpers.facts import load_data  # noqa: E402
 from helpers.sizing.state import BYTES_PER_PARAM  # noqa: E402
 from helpers.sizing.activations import transformer_activation_bytes  # noqa: E402
 from helpers.sizing.gpus import gpu, runtime_reserve_bytes  # noqa: E402

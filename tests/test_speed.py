@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.sizing.shape import model_shape
 from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_over, breakeven_latency, crossover_table,
                                      crossovers, layer_cost, op_counts, predict_speed, speed_data, speed_rig,

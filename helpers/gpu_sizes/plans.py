@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from helpers.course import DATA_DIR
+from helpers.facts import DATA_DIR
 from helpers.gpu_sizes.footprint import Footprint
 from helpers.gpu_sizes.suite import Replay
 from helpers.sizing.gpus import gpu, runtime_reserve

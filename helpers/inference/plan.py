@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
 from helpers.sizing.shape import Layer, ModelShape, WeightFormat, model_shape, reprice, span
 from helpers.units import fmt_bytes

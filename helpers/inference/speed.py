@@ -36,7 +36,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.sizing.shape import Layer, ModelShape, model_shape, weight_format
 from helpers.simulate.hardware import Link, gpu_named, link_named
 from helpers.simulate.hardware import allreduce_link as ring_allreduce_link

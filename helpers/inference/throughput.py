@@ -109,7 +109,7 @@ def decode_bounds(model: str = "llama-3-8b", dtype: str = "fp16", context: int =
     - tensor parallel: each card reads half, plus two all-reduces per layer, each costed as twice the link's
       latency (the simulator's rule: an estimate; their bytes are negligible in decode).
     """
-    from helpers.course import load_data
+    from helpers.facts import load_data
     from helpers.sizing import gpus
     from helpers.sizing.shape import model_shape
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.sizing.gpus import DTYPES, Gpu, gpu
 
 @dataclass(frozen=True)

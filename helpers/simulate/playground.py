@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.units import MiB, fmt_bytes
 from helpers.monitor import frontend_attached
 from helpers.simulate.hardware import Link

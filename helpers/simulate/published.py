@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.simulate.guide import exposed_exchange, transformer_workload
 from helpers.simulate.hardware import (Collectives, Link, TargetRig, allreduce_link, gpu_named, link_named,
                                       target_rig)

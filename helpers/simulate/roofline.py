@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.simulate.hardware import DTYPES, gpu_named
 from helpers.sizing.gpus import Gpu
 from helpers.simulate.workload import LayerCost, Workload

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.sizing.shape import inference_data
 from helpers.units import MiB, fmt_bytes, is_size, parse_size
 

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from helpers.course import load_data
+from helpers.facts import load_data
 
 
 @lru_cache(maxsize=1)

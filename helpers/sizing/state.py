@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from helpers.catalog import DATA_PARALLEL, strategy as catalog_entry
-from helpers.course import load_data
+from helpers.facts import load_data
 from helpers.sizing.ledger import DeviceMemory
 
 FP32_BYTES = 4
