@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.check import assert_same_grads, max_grad_diff
-from helpers.doctor import _compare as doctor_compare
+from helpers.doctor.engines import _compare as doctor_compare
 from helpers.inference.generate import same_tokens
 from helpers.precision import Precision, max_relative_diff
 

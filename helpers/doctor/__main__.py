@@ -1,0 +1,5 @@
+import sys
+
+from helpers.doctor.cli import main
+
+sys.exit(main())
