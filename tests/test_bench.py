@@ -8,7 +8,7 @@ from helpers.bench.cli import main as bench_main
 from helpers.bench.predict import microbatch_size, predict_row, simulation_job
 from helpers.bench.report import display_rows, misses, timeline_name
 from helpers.bench.rows import BenchRow, Progress, default_config
-from helpers.catalog import BEYOND_1F1B
+from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
 from helpers.simulate.hardware import Collectives
@@ -235,7 +235,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert data["calibration"]["launch_to_launch"] is None
     for r in data["rows"] + data["splits"] + data["checkpointing"]:
         assert r["predicted_samples_per_s"] > 0 and r["error"] is not None
-        if r.get("strategy") not in ("ddp", "zero1", "fsdp2"):  # threads, processes, one thread: a drift each
+        if r.get("strategy") not in DATA_PARALLEL:  # threads, processes, one thread: a drift each
             assert r["forward_vs_predicted"] is not None and r["backward_vs_predicted"] is not None
     for r in data["rows"]:
         assert {"strategy", "engine", "microbatches", "samples_per_s", "speedup", "peak_activation_bytes"} <= set(r)
@@ -397,11 +397,11 @@ def test_the_bench_leaves_out_what_the_rig_refuses():
     rigs = reference_rigs()
     assert bench_refusals(rigs["CPU (2 cores)"]) == {}
     one = bench_refusals(rigs["one GPU"])
-    torch_pipelines = {(s, "torch") for s, engine in PROCESS_ROWS if engine == "torch"}
-    assert len(torch_pipelines) == 6  # GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV
-    assert set(one) == torch_pipelines | {("fsdp2", "processes"), ("dp_x_pp", "processes")}
-    assert all("NCCL refuses two ranks on one GPU" in why for key, why in one.items() if key[0] != "dp_x_pp")
-    assert set(bench_refusals(rigs["two GPUs"])) == {("dp_x_pp", "processes")}
+    torch_engine = {(s, "torch") for s, engine in PROCESS_ROWS if engine == "torch"}
+    assert len(torch_engine) == 7  # GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV; DP x PP
+    assert set(one) == torch_engine | {("zero2", "processes"), ("fsdp2", "processes"), ("dp_x_pp", "processes")}
+    assert all("NCCL refuses two ranks on one GPU" in why for (s, _), why in one.items() if s != "dp_x_pp")
+    assert set(bench_refusals(rigs["two GPUs"])) == {("dp_x_pp", "processes"), ("dp_x_pp", "torch")}
     assert set(one) <= set(PROCESS_ROWS)
 
 
@@ -427,11 +427,13 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
     assert config.rounds == 2 and config.steps == 2 and config.thread_repeats == 5
     keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
-    assert len(keys) == 15 and {k[0] for k in keys if k[1] == "dp"} == {"ddp", "zero1", "fsdp2"}
+    assert len(keys) == 15 and {k.strategy for k in keys if k.pp == 1} == {"ddp", "zero1", "fsdp2"}
     precise = two_rank_jobs(default_config("precise", reference_rigs()["CPU (2 cores)"]),
                             reference_rigs()["CPU (2 cores)"])
-    assert set(precise) - set(keys) == {("naive", "ours", "gpipe", 1, False), ("gpipe", "torch", "gpipe", 8, True),
-                                        ("gpipe", "ours", "gpipe", 2, True), ("gpipe", "ours", "gpipe", 4, True)}
+    what = lambda jobs: {(k.strategy, k.engine, k.microbatches, k.overlap, k.wire) for k in jobs}  # noqa: E731
+    assert what(precise) - what(keys) == {("naive", "ours", 1, False, "auto"), ("gpipe", "torch", 8, True, "auto"),
+                                          ("gpipe", "ours", 2, True, "auto"), ("gpipe", "ours", 4, True, "auto"),
+                                          ("zero2", "ours", 1, True, "auto")}
     assert dp_x_pp_rows(config, reference_rigs()["CPU (2 cores)"], progress=False) == []  # 4 ranks: --precise
     orders, seen = [], []
 
@@ -446,7 +448,8 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]
     # FSDP2, whose step depends on what ran before it in the same processes, in a launch of its own
     shared, *apart = launch_groups(keys)
-    assert apart == [(("fsdp2", "dp", "auto"),)] and set(shared) == set(keys) - {("fsdp2", "dp", "auto")}
+    fsdp2 = next(k for k in keys if k.strategy == "fsdp2")
+    assert apart == [(fsdp2,)] and set(shared) == set(keys) - {fsdp2}
 
 
 def _bench_json(speedups: dict[str, float], errors: dict[str, float | None] | None = None) -> dict:

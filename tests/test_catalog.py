@@ -91,9 +91,9 @@ def test_the_simulator_and_the_training_job_speak_one_vocabulary():
 
     from helpers.training.job import TrainJob
 
-    shared = {"batch", "microbatches", "pp", "dp", "boundaries", "checkpointing", "schedule", "bucket_mb"}
+    shared = {"batch", "microbatches", "pp", "dp", "boundaries", "activation_checkpointing", "schedule", "bucket_mb"}
     assert shared <= {f.name for f in fields(Job)} & {f.name for f in fields(TrainJob)}
-    assert not {"stages", "replicas", "cut", "checkpoint"} & {f.name for f in fields(Job)}
+    assert not {"stages", "replicas", "cut", "checkpoint", "checkpointing"} & {f.name for f in fields(Job)}
     assert Job("ddp", batch=4).world == TrainJob(CFG, dp=2).world == 2
 
 
@@ -122,3 +122,24 @@ def test_every_strategy_and_engine_trains_like_one_device():
         for job, res in zip(batch, run_trainings(batch, cpu_rig(), oversubscribe=True)):
             assert abs(res.loss - loss) < 1e-5, job.strategy
             assert max_grad_diff(grads, res.grads) <= 1e-5, job.strategy
+
+
+def test_every_strategy_the_cpu_rig_runs_reaches_the_doctor_and_the_bench():
+    """The doctor's checks and the bench's rows derive from the catalog and the support matrix, by construction:
+    every strategy and engine the CPU rig supports has a parity check of the doctor and a row of the bench's
+    --precise run (threads: a pipeline timed in the bench's process; processes and torch: a job). The lists are
+    computed; nothing runs."""
+    from helpers.bench.rows import bench_engine, bench_jobs, default_config, threaded_pipelines
+    from helpers.doctor.engines import plan_checks, strategy_checks
+    from helpers.training.support import support
+
+    rig = cpu_rig()
+    supported = {(name, engine) for name, engine in PAIRS if support(rig, name, engine).ok}
+    assert supported == set(PAIRS)  # the CPU rig runs every pair (4 ranks oversubscribed)
+    doctor = {(name, engine): check for check, name, engine, _ in strategy_checks(rig, reference=None)}
+    assert set(doctor) == supported
+    assert set(doctor.values()) <= {name for name, _, _ in plan_checks(rig, "unused")}
+    config = default_config("precise", rig)
+    bench = {(entry.name, "threads") for entry, _ in threaded_pipelines(config)}
+    bench |= {(job.strategy, bench_engine(job)) for job in bench_jobs(config, rig)}
+    assert bench == supported

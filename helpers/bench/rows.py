@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
 
 from helpers.bench.blocks import PipelineRun, bench_cut, make_pipeline_run, one_device_step, time_pipeline_runs
-from helpers.catalog import BEYOND_1F1B, strategy as catalog_entry
+from helpers.catalog import BEYOND_1F1B, CATALOG, Strategy, strategy as catalog_entry
 from helpers.pipeline.schedules import chunks_of
 from helpers.measure import relative_spread
 from helpers.sizing.ledger import ledger_for
@@ -21,9 +21,15 @@ from helpers.runtime.rig import claim_cpu_device
 from helpers.timeline import PHASES, Event, Recorder, median_phases, phase_seconds
 from helpers.training.support import support
 
+if TYPE_CHECKING:
+    from helpers.training.job import TrainJob
 
-# strategies whose recorded spans of a phase include communication, which the simulator keeps apart
-SPANS_INCLUDE_COMMUNICATION = {"forward": {"fsdp2"}, "backward": {"ddp", "zero1", "fsdp2"}}
+
+# strategies whose recorded spans of a phase include communication, which the simulator keeps apart: the backward
+# of every data-parallel strategy (DDP's hooks all-reduce in it, fully_shard reduce-scatters), the forward of those
+# built on fully_shard (it all-gathers each layer there)
+SPANS_INCLUDE_COMMUNICATION = {"forward": {s.name for s in CATALOG if s.fully_sharded},
+                               "backward": {s.name for s in CATALOG if s.kind == "data_parallel"}}
 
 
 def compute_drift(strategy: str, phase: str, measured: dict[str, float], predicted: dict[str, float]) -> float | None:
@@ -104,33 +110,47 @@ class BenchConfig:
     steps: int  # timed steps of each multi-process job per launch (the recorded step after them is timed too)
     gpipe_microbatches: tuple[int, ...]
     onefoneb_microbatches: int
-    torch_microbatches: tuple[int, ...]
     rounds: int = 1  # launches of each multi-process job, interleaved across jobs
     extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
     thread_repeats: int = 3  # interleaved rounds of one device and the threaded pipelines
-    every_row: bool = True  # False (the default run): leave out the rows of `SHORTER_RUN_LEAVES_OUT`
+    every_row: bool = True  # False (the default run): leave out the rows `shorter_run_leaves_out` names
 
 
 MODES = ("quick", "default", "precise")
-# what the default run leaves to --precise, to stay under 5 minutes on the 2-core rig: the threaded engine's rows
-# past 1F1B (ours runs them on processes beside torch's, where they are compared), the naive split on processes,
-# torch's GPipe (never torch's best pipeline) and DP x PP (4 ranks: refused on two GPUs; on the CPU rig they share
-# the 2 cores and the prediction is excluded from the target; 27-34 s of the run); as (strategy, runner)
-SHORTER_RUN_LEAVES_OUT = {*((s, "threads") for s in BEYOND_1F1B), ("naive", "processes"), ("gpipe", "torch"),
-                          ("dp_x_pp", "processes")}
 
 
-def left_out(config: BenchConfig, row: tuple[str, str]) -> bool:
-    """Whether the run of `config` leaves the row (strategy, runner) to --precise (`SHORTER_RUN_LEAVES_OUT`)."""
-    return not config.every_row and row in SHORTER_RUN_LEAVES_OUT
+def shorter_run_leaves_out(strategy: str, engine: str) -> bool:
+    """Whether the default run leaves the row of `strategy` on `engine` (threads, processes or torch: the support
+    matrix's) to --precise, to stay under 5 minutes on the 2-core rig. A rule on the catalog's fields, so that a
+    strategy added there runs by default unless a rule says why not:
+    - the threaded engine's schedules past 1F1B (notebook 06b's): ours runs them on processes beside torch's, where
+      they are compared;
+    - a pipeline that reuses another's schedule (the naive split: GPipe's at one micro-batch, notebook 01's
+      baseline rather than a contender);
+    - torch's GPipe: never torch's best pipeline;
+    - FSDP2 without resharding after forward (ZeRO-2): FSDP2 with one knob turned, and like FSDP2 in a launch of
+      its own (`own_launch`);
+    - DP x PP: 4 ranks, refused on two GPUs; on the CPU rig they share the 2 cores and the prediction is excluded
+      from the target (27-34 s of the run)."""
+    entry = catalog_entry(strategy)
+    return ((engine == "threads" and strategy in BEYOND_1F1B)
+            or (entry.kind == "pipeline" and entry.schedule != entry.name)
+            or (engine == "torch" and strategy == "gpipe")
+            or (entry.fully_sharded and entry.reshard_after_forward is False)
+            or entry.kind == "dp_x_pp")
+
+
+def left_out(config: BenchConfig, strategy: str, engine: str) -> bool:
+    """Whether the run of `config` leaves the row of `strategy` on `engine` to --precise (`shorter_run_leaves_out`)."""
+    return not config.every_row and shorter_run_leaves_out(strategy, engine)
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
     count per pipeline (m=8; `schedule_microbatches` for two stages per device), the rows of
-    `SHORTER_RUN_LEAVES_OUT` left out, 5 interleaved rounds of the threaded rows, 3 of the extras, and the two-rank
+    `shorter_run_leaves_out` left out, 5 interleaved rounds of the threaded rows, 3 of the extras, and the two-rank
     jobs in one launch per round (FSDP2 in one of its own: `launch_groups`), 2 rounds in opposite orders (each job's
     2 timed steps and its recorded step in each of two launches a minute or more apart: 6 samples, so one disturbed
     launch or step no longer decides a row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
@@ -141,14 +161,14 @@ def default_config(mode: str | bool, rig) -> BenchConfig:
     scale = 1 if rig.is_cpu else 4
     if mode == "quick":  # 3 steps, so their median is not the first: 2-18% slower on the CPU rig (DDP rebuilds)
         return BenchConfig(StackConfig(hidden=256 * scale, n_blocks=4, seq_len=32), batch=16, steps=3,
-                           gpipe_microbatches=(4,), onefoneb_microbatches=4, torch_microbatches=(4,), rounds=1,
+                           gpipe_microbatches=(4,), onefoneb_microbatches=4, rounds=1,
                            link_sizes=tuple(4 ** k * 1024 for k in range(1, 8)), extra_repeats=2)
     cfg = StackConfig(hidden=384 * scale, n_blocks=8, seq_len=32)
     if mode == "precise":
-        return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8,
-                           torch_microbatches=(8,), rounds=3, extra_repeats=6, thread_repeats=8)
-    return BenchConfig(cfg, batch=32, steps=2, gpipe_microbatches=(8,), onefoneb_microbatches=8,
-                       torch_microbatches=(8,), rounds=2, extra_repeats=3, thread_repeats=5, every_row=False)
+        return BenchConfig(cfg, batch=32, steps=6, gpipe_microbatches=(2, 4, 8), onefoneb_microbatches=8, rounds=3,
+                           extra_repeats=6, thread_repeats=8)
+    return BenchConfig(cfg, batch=32, steps=2, gpipe_microbatches=(8,), onefoneb_microbatches=8, rounds=2,
+                       extra_repeats=3, thread_repeats=5, every_row=False)
 
 
 class Progress:
@@ -267,10 +287,9 @@ class LaunchReference:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
-PROCESS_ROWS = (("naive", "processes"), ("gpipe", "processes"), ("1f1b", "processes"), ("gpipe", "torch"),
-                ("1f1b", "torch"), *((s, e) for s in BEYOND_1F1B for e in ("processes", "torch")),
-                ("ddp", "processes"), ("zero1", "processes"), ("fsdp2", "processes"),
-                ("dp_x_pp", "processes"))  # the bench's multi-process rows, as (strategy, engine) of the support matrix
+# the bench's multi-process rows, as (strategy, engine) of the support matrix: every strategy of the catalog that
+# train() runs, on every engine it lists but threads (`run_bench` times those in this process)
+PROCESS_ROWS = tuple((s.name, engine) for s in CATALOG for engine in s.engines if engine != "threads")
 
 
 def bench_refusals(rig) -> dict[tuple[str, str], str]:
@@ -279,15 +298,22 @@ def bench_refusals(rig) -> dict[tuple[str, str], str]:
     written."""
     out = {}
     for strategy, engine in PROCESS_ROWS:
-        verdict = support(rig, strategy, engine, 4 if strategy == "dp_x_pp" else 2)
+        verdict = support(rig, strategy, engine)
         if not verdict.ok:
             out[(strategy, engine)] = verdict.reason
     return out
 
 
+def threaded_pipelines(config: BenchConfig) -> list[tuple[Strategy, int]]:
+    """The pipelines the bench times on threads in this process, each with its micro-batch count: every pipeline of
+    the catalog that the threaded engine runs, at its `pipeline_microbatches`, less what the run leaves out."""
+    return [(entry, m) for entry in CATALOG if "threads" in entry.engines
+            and not left_out(config, entry.name, "threads") for m in pipeline_microbatches(entry, "threads", config)]
+
+
 def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
-    """Every pipeline strategy on this rig, side by side: one device, the naive split, our GPipe and 1F1B (threads
-    in this process and one process per device), and torch.distributed.pipelining's GPipe and 1F1B. With `timer`
+    """Every strategy on this rig, side by side: one device, every pipeline of the catalog on threads in this
+    process (`threaded_pipelines`), then every multi-process job (`process_rows`). With `timer`
     (a `helpers.simulate.calibrate.WholeModelTimer` of the same model), the whole model is timed at each row's
     micro-batch size in the same interleaved rounds (threads) and around each launch (processes), each row's samples
     kept under its `calibration_key`, for the predictions."""
@@ -299,11 +325,9 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     model = build_stack(config.cfg).to(rig.devices[0])
     x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
-    threaded = [("gpipe", m) for m in config.gpipe_microbatches] + [("1f1b", config.onefoneb_microbatches)]
-    threaded += [(s, schedule_microbatches(s, config)) for s in BEYOND_1F1B]
-    threaded = [(s, m) for s, m in threaded if not left_out(config, (s, "threads"))]
-    runs = [make_pipeline_run(f"{s}-m{m}", model, bench_cut(s, len(model)), rig.devices, rig.labels, s, m)
-            for s, m in threaded]
+    threaded = threaded_pipelines(config)
+    runs = [make_pipeline_run(f"{s.name}-m{m}", model, bench_cut(s.schedule, len(model)), rig.devices, rig.labels,
+                              s.schedule, m) for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
     sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
     samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
@@ -313,7 +337,7 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
                                                                                                        THREADS_KEY)
     times, rows, reference = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
     for (s, m), r in zip(threaded, runs):
-        rows.append(BenchRow(s, "ours", "threads", m, times[r.name], r.events,
+        rows.append(BenchRow(s.name, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
                              spread=times.spread(r.name), measured_phase_s=median_phases(r.phases),
                              speedup=times.paired_ratio("single", r.name)))
@@ -322,21 +346,57 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     return rows + process_rows(config, rig, progress, timer, reference)
 
 
-def two_rank_jobs(config: BenchConfig, rig) -> list[tuple]:
-    """The keys of the bench's two-rank jobs this rig runs: pipelines as (strategy, engine, schedule, m, overlap),
-    data parallelism as (strategy, "dp", wire): DDP also with its gradients sent in bf16 (notebook 07's
-    compression hook)."""
-    m = config.onefoneb_microbatches
-    jobs = [("naive", "ours", "gpipe", 1, False)]
-    jobs += [("gpipe", "ours", "gpipe", k, True) for k in config.gpipe_microbatches]
-    jobs += [("1f1b", "ours", "1f1b", m, True)]
-    jobs += [(s, "torch", s, k, True) for k in config.torch_microbatches for s in ("gpipe", "1f1b")]
-    jobs += [(s, engine, s, schedule_microbatches(s, config), True) for engine in ("ours", "torch")
-             for s in BEYOND_1F1B]
-    jobs += [(s, "dp", "auto") for s in ("ddp", "zero1", "fsdp2")] + [("ddp", "dp", "bf16")]
+def bench_engine(job: TrainJob) -> str:
+    """The support matrix's engine of a bench job: torch's pipelining, or processes (our interpreter, and PyTorch's
+    data-parallel wrappers)."""
+    return "torch" if job.pp > 1 and job.engine == "torch" else "processes"
+
+
+def pipeline_microbatches(entry: Strategy, engine: str, config: BenchConfig) -> tuple[int, ...]:
+    """The micro-batch counts the bench runs a pipeline strategy at on `engine` (threads, processes or torch): a
+    pipeline that reuses another's schedule (the naive split) at one, our GPipe at each of
+    `config.gpipe_microbatches` (notebook 05's sweep, in --precise), every other at `schedule_microbatches`; DP x PP
+    at `DP_X_PP_MICROBATCHES` a replica."""
+    if entry.kind == "dp_x_pp":
+        return (DP_X_PP_MICROBATCHES(config),)
+    if entry.schedule != entry.name:
+        return (1,)
+    if entry.name == "gpipe" and engine != "torch":
+        return config.gpipe_microbatches
+    return (schedule_microbatches(entry.name, config),)
+
+
+def strategy_jobs(entry: Strategy, engine: str, config: BenchConfig) -> list[TrainJob]:
+    """The bench's `TrainJob`s of a catalog strategy on `engine` (`job_for`: two devices a dimension), each the key
+    of its row: a pipeline at each of its `pipeline_microbatches`, cut as `bench_cut` cuts it (DP x PP: equal
+    layers), the naive split with blocking sends (the baseline notebook 01 measures); data parallelism with Adam,
+    DDP also with its gradients sent in bf16 (notebook 07's compression hook)."""
+    from helpers.training.job import job_for
+
+    common = dict(batch=config.batch, timed_steps=config.steps)
+    if entry.kind == "data_parallel":
+        return [job_for(config.cfg, entry.name, engine, optimizer="adam", wire=wire, **common)
+                for wire in (("auto", "bf16") if entry.name == "ddp" else ("auto",))]
+    naive = entry.schedule != entry.name
+    cut = () if entry.data_parallel else bench_cut(entry.schedule, config.cfg.n_blocks + 2)
+    return [job_for(config.cfg, entry.name, engine, microbatches=m, boundaries=cut, overlap=not naive, **common)
+            for m in pipeline_microbatches(entry, engine, config)]
+
+
+def bench_jobs(config: BenchConfig, rig) -> list[TrainJob]:
+    """Every multi-process job the run of `config` measures on this rig, in catalog order: each strategy of the
+    catalog on each engine it lists but threads (`strategy_jobs`), less what the rig refuses (`bench_refusals`)
+    and what the run leaves out (`left_out`)."""
     refused = bench_refusals(rig)
-    runner = lambda j: "torch" if j[1] == "torch" else "processes"  # noqa: E731
-    return [j for j in jobs if (j[0], runner(j)) not in refused and not left_out(config, (j[0], runner(j)))]
+    jobs = [job for entry in CATALOG for engine in entry.engines if engine != "threads"
+            for job in strategy_jobs(entry, engine, config)]
+    return [job for job in jobs if (job.strategy, bench_engine(job)) not in refused
+            and not left_out(config, job.strategy, bench_engine(job))]
+
+
+def two_rank_jobs(config: BenchConfig, rig) -> list[TrainJob]:
+    """The bench's jobs on two ranks (pipelines and data parallelism: DP x PP takes 4), each its row's key."""
+    return [job for job in bench_jobs(config, rig) if job.world == 2]
 
 
 def schedule_microbatches(schedule: str, config: BenchConfig) -> int:
@@ -352,33 +412,21 @@ def schedule_microbatches(schedule: str, config: BenchConfig) -> int:
     return max(stages, config.onefoneb_microbatches // chunks)
 
 
-def train_job(key: tuple, config: BenchConfig):
-    """The `TrainJob` of a `two_rank_jobs` key."""
-    from helpers.training.job import TrainJob
-
-    if key[1] == "dp":
-        return TrainJob(config.cfg, dp=2, data_parallel=key[0], batch=config.batch, timed_steps=config.steps,
-                        optimizer="adam", wire=key[2])
-    strategy, engine, schedule, m, overlap = key
-    return TrainJob(config.cfg, pp=2, boundaries=bench_cut(schedule, config.cfg.n_blocks + 2), schedule=schedule,
-                    microbatches=m, batch=config.batch, engine=engine, overlap=overlap, timed_steps=config.steps)
+def job_microbatch(job: TrainJob) -> int:
+    """Samples one rank computes at a time in `job`."""
+    return job.batch // job.dp // job.microbatches
 
 
-def key_microbatch(key: tuple, config: BenchConfig) -> int:
-    """Samples one rank computes at a time in the job of `key`."""
-    return config.batch // 2 if key[1] == "dp" else config.batch // key[3]
+def jobs_by_size(jobs: Sequence[TrainJob]) -> dict[int, list[TrainJob]]:
+    """A launch's jobs by the micro-batch size their ranks compute at, smallest first."""
+    sizes = sorted({job_microbatch(job) for job in jobs})
+    return {size: [job for job in jobs if job_microbatch(job) == size] for size in sizes}
 
 
-def jobs_by_size(keys: Sequence[tuple], config: BenchConfig) -> dict[int, list[tuple]]:
-    """A launch's job keys by the micro-batch size their ranks compute at, smallest first."""
-    sizes = sorted({key_microbatch(k, config) for k in keys})
-    return {size: [k for k in keys if key_microbatch(k, config) == size] for size in sizes}
-
-
-def sample_launch(timer, keys: Sequence[tuple], config: BenchConfig) -> None:
+def sample_launch(timer, jobs: Sequence[TrainJob]) -> None:
     """The whole model timed once at each micro-batch size a launch's jobs use, each time kept for every job of that
     size (they ran in the same minutes)."""
-    for size, same in jobs_by_size(keys, config).items():
+    for size, same in jobs_by_size(jobs).items():
         timer.sample(size, keys=same)
 
 
@@ -419,38 +467,37 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
             "receive_post_s": posts}
 
 
-def launch_jobs(keys: Sequence[tuple], config: BenchConfig, rig, timer=None) -> list:
-    """One launch of the bench's two-rank jobs of `keys`, in that order: a `TrainResult` each. With `timer`, the
+def launch_jobs(jobs: Sequence[TrainJob], config: BenchConfig, rig, timer=None) -> list:
+    """One launch of the bench's two-rank `jobs`, in that order: a `TrainResult` each. With `timer`, the
     ranks' whole model timed both at once after the jobs is kept as the jobs' together samples, by micro-batch size,
     and what posting a receive cost there as their receive posts (`train_workers_timed_together`)."""
     from helpers.runtime.launch import run
     from helpers.training.job import check_job
     from helpers.training.loop import combine_ranks, run_trainings
 
-    jobs = [train_job(k, config) for k in keys]
     if timer is None:
         return run_trainings(jobs, rig)
     for job in jobs:
         check_job(job, rig)
-    by_size = jobs_by_size(keys, config)
+    by_size = jobs_by_size(jobs)
     parts = run(train_workers_timed_together, jobs, config.cfg, list(by_size), rig=rig, timeout=300.0 * len(jobs))
     for part in parts:
         for size, seconds in part["together"].items():
             timer.add_together(size, seconds, by_size[size])
     if parts[0]["receive_post_s"] is not None:  # the mean over both ranks: every rank returns it
-        timer.add_receive_posts(parts[0]["receive_post_s"], [k for k, job in zip(keys, jobs) if job.pp > 1])
+        timer.add_receive_posts(parts[0]["receive_post_s"], [job for job in jobs if job.pp > 1])
     return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
 
 
-def own_launch(key: tuple) -> bool:
-    """Whether the job of `key` runs in a launch of its own: the strategies built on FSDP2's `fully_shard` (the
+def own_launch(job: TrainJob) -> bool:
+    """Whether `job` runs in a launch of its own: the strategies built on FSDP2's `fully_shard` (the
     catalog's `fully_sharded`), whose step depends on what ran before it in the same processes: FSDP2 took 0.75-0.85
     s a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier
     jobs' process groups were destroyed as they ended (quiet machine; cause not found)."""
-    return catalog_entry(key[0]).fully_sharded
+    return job.fully_sharded
 
 
-def launch_groups(jobs: Sequence[tuple]) -> list[tuple]:
+def launch_groups(jobs: Sequence[TrainJob]) -> list[tuple[TrainJob, ...]]:
     """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less those that
     `own_launch` sets apart, each in a launch of its own."""
     shared = tuple(k for k in jobs if not own_launch(k))
@@ -459,28 +506,34 @@ def launch_groups(jobs: Sequence[tuple]) -> list[tuple]:
 
 def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
                  reference: LaunchReference | None = None) -> list[BenchRow]:
-    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1; FSDP2 in a launch of its own: `launch_groups`) in
+    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1; FSDP2's in launches of their own: `launch_groups`) in
     one launch per round, `config.rounds` rounds in alternating order (start-up paid once a round; each job's steps
     come from launches minutes apart), then DP x PP (4 ranks). With `timer`, the whole model timed at each job's
     micro-batch size just before and after the launch that ran it (`calibration_key`: the job's key), and on both
     ranks at once inside that launch (`launch_jobs`); with `reference`, the one-device step too, each row's speed-up
     then taken against its median there."""
     jobs = two_rank_jobs(config, rig)
-    launches = {group: lambda keys: launch_jobs(keys, config, rig, timer) for group in launch_groups(jobs)}
+    launches = {group: lambda group: launch_jobs(group, config, rig, timer) for group in launch_groups(jobs)}
     results = run_in_rounds(launches, config.rounds, "multi-process jobs", progress,
-                            around=_around(reference, timer and (lambda keys: sample_launch(timer, keys, config))))
-    rows = []
-    for key, got in results.items():
-        dp = key[1] == "dp"
-        rows.append(BenchRow(key[0], "torch" if dp else key[1], "processes", None if dp else key[3], got.step_s,
-                             got.last.events, got.last.peak_activations, optimizer="adam" if dp else "none",
-                             reference="single_adam" if dp else "single", spread=got.spread,
-                             measured_phase_s=got.phase_s, calibration_key=key, cpu_s=got.cpu_s,
-                             wire=key[2] if dp else "auto", launch_times=got.launch_times,
-                             launch_events=tuple(result.events for result in got.launched)))
-        if reference is not None:
-            reference.apply(rows[-1], key, adam=dp)
-    return rows + dp_x_pp_rows(config, rig, progress, timer, reference)
+                            around=_around(reference, timer and (lambda group: sample_launch(timer, group))))
+    return [process_row(job, got, "processes", reference) for job, got in results.items()] + \
+        dp_x_pp_rows(config, rig, progress, timer, reference)
+
+
+def process_row(job: TrainJob, got: Pooled, runner: str, reference: LaunchReference | None = None) -> BenchRow:
+    """The row of a multi-process `job` (its key) from its launches pooled: a pipeline under its engine; data
+    parallelism under PyTorch's wrappers (engine 'torch'), with Adam, against one device with Adam. With
+    `reference`, its speed-up taken against the one-device step timed around its launches."""
+    replicas_only = job.pp == 1
+    row = BenchRow(job.strategy, "torch" if replicas_only else job.engine, runner,
+                   None if replicas_only else job.microbatches, got.step_s, got.last.events,
+                   got.last.peak_activations, optimizer=job.optimizer,
+                   reference="single_adam" if job.optimizer == "adam" else "single", spread=got.spread,
+                   measured_phase_s=got.phase_s, calibration_key=job, cpu_s=got.cpu_s, wire=job.wire,
+                   launch_times=got.launch_times, launch_events=tuple(result.events for result in got.launched))
+    if reference is not None:
+        reference.apply(row, job, adam=job.optimizer == "adam")
+    return row
 
 
 def _around(reference: LaunchReference | None, sample: Callable | None) -> Callable | None:
@@ -559,24 +612,13 @@ DP_X_PP_MICROBATCHES = lambda config: max(2, config.onefoneb_microbatches // 2) 
 
 def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
                  reference: LaunchReference | None = None) -> list[BenchRow]:
-    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores), its launches interleaved in rounds;
-    with `timer`, the whole model timed at its micro-batch size around them (and the one-device `reference`)."""
-    from helpers.training.job import TrainJob
+    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores) on each engine the catalog lists for
+    it, each job in launches of its own, interleaved in rounds; with `timer`, the whole model timed at its
+    micro-batch size around them (and the one-device `reference`)."""
     from helpers.training.loop import run_training
 
-    rows = []
-    refused = bench_refusals(rig)
-    if ("dp_x_pp", "processes") not in refused and not left_out(config, ("dp_x_pp", "processes")):
-        m = DP_X_PP_MICROBATCHES(config)
-        job = TrainJob(config.cfg, dp=2, pp=2, schedule="1f1b", microbatches=m, batch=config.batch,
-                       timed_steps=config.steps)
-        sizes = timer and (lambda keys: timer.sample(config.batch // 2 // m, keys=keys))
-        results = run_in_rounds({("dp_x_pp",): lambda keys: [run_training(job, rig, oversubscribe=rig.is_cpu)]},
-                                config.rounds, "DP x PP", progress, around=_around(reference, sizes))
-        got = results["dp_x_pp"]
-        rows.append(BenchRow("dp_x_pp", "ours", "processes (4 ranks)", m, got.step_s, got.last.events,
-                             got.last.peak_activations, spread=got.spread, measured_phase_s=got.phase_s,
-                             calibration_key="dp_x_pp", cpu_s=got.cpu_s, launch_times=got.launch_times))
-        if reference is not None:
-            reference.apply(rows[-1], "dp_x_pp")
-    return rows
+    jobs = [job for job in bench_jobs(config, rig) if job.world == 4]
+    sizes = timer and (lambda group: timer.sample(job_microbatch(group[0]), keys=group))
+    results = run_in_rounds({(job,): lambda group: [run_training(group[0], rig, oversubscribe=rig.is_cpu)]
+                             for job in jobs}, config.rounds, "DP x PP", progress, around=_around(reference, sizes))
+    return [process_row(job, got, "processes (4 ranks)", reference) for job, got in results.items()]

@@ -98,19 +98,20 @@ def bench_launch_check(rig: Rig) -> Check | str:
     from helpers.simulate.calibrate import WholeModelTimer
 
     config = default_config("quick", rig)
-    keys = [k for k in two_rank_jobs(config, rig) if k[:2] in (("1f1b", "ours"), ("ddp", "dp")) and k[-1] != "bf16"]
-    if not keys:
+    jobs = [job for job in two_rank_jobs(config, rig) if job.strategy in ("1f1b", "ddp") and job.engine == "ours"
+            and job.wire == "auto"]
+    if not jobs:
         return Check(BENCH_LAUNCH, "REFUSED", "none of the bench's two-rank jobs runs on this rig", 0.0)
     x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     device = rig.devices[0]
     timer = WholeModelTimer(build_stack(config.cfg).to(device), x.to(device), y.to(device), lm_loss)
-    results = launch_jobs(keys, config, rig, timer)
-    posts = {k: timer.receive_post_s(k) for k in keys}
-    if any((posts[k] is not None) != (k[1] != "dp") for k in keys):
-        raise AssertionError(f"receive posts timed for the wrong jobs: {posts}")
-    return "; ".join(f"{k[0]} step {res.step_s * 1e3:.1f} ms" + (f", a receive posted in {posts[k] * 1e3:.2f} ms"
-                                                                  if posts[k] is not None else "")
-                     for k, res in zip(keys, results))
+    results = launch_jobs(jobs, config, rig, timer)
+    posts = {job: timer.receive_post_s(job) for job in jobs}
+    if any((posts[job] is not None) != (job.pp > 1) for job in jobs):
+        raise AssertionError(f"receive posts timed for the wrong jobs: {list(posts.values())}")
+    return "; ".join(f"{job.strategy} step {res.step_s * 1e3:.1f} ms" + (
+        f", a receive posted in {posts[job] * 1e3:.2f} ms" if posts[job] is not None else "")
+        for job, res in zip(jobs, results))
 
 
 # --- 6. each notebook's GPU sizes ----------------------------------------------------------------------------------

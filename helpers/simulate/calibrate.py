@@ -659,7 +659,7 @@ class RigModel:
 
         if engine not in ("threads", "processes"):
             raise ValueError(f"unknown engine {engine!r}; choose 'threads' or 'processes'")
-        if job.strategy == "fsdp2":
+        if job.entry.fully_sharded:  # FSDP2 and ZeRO-2: both fully_shard
             job = replace(job, forward_prefetch=not self.host_computes, host_waits=self.host_computes,
                           fsdp2_host_s=self.fsdp2_host_s)
         threads = engine == "threads"
