@@ -225,7 +225,7 @@ def test_finetune_each_runs_every_method_in_one_launch(tmp_path, monkeypatch):
 def test_nf4_dequantization_peak_is_measured_as_the_planner_prices_it(dtype, name):
     """torchao's get_original_weight holds int64 indices and intermediate halves: far more than the dequantized
     weight's own bytes (what the planner counted before). The planner's figure is this measurement."""
-    from helpers.finetune.memory_plan import training_data
+    from helpers.sizing.state import training_data
 
     measured = dequantization_peak(dtype)
     assert measured == dequantization_peak(dtype, (512, 2048)), "bytes per element, whatever the shape"

@@ -1,0 +1,238 @@
+"""One GPU's share of a training plan (`helpers.finetune.memory_plan`), part by part: weights, gradients, optimizer
+state, activations, workspace and reserve, and what its rank holds in host RAM while it loads; the figures and the
+assumptions they rest on are the planner's module docstring's."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from helpers.finetune.training_request import TrainingRequest
+from helpers.inference.plan import activation_workspace_bytes
+from helpers.sizing.gpus import Gpu
+from helpers.sizing.shape import span
+from helpers.sizing.state import moment_bytes, training_data
+from helpers.sizing.training import FP32, TORCHAO_NF4, TrainShape, Unit, saved_activation_bytes
+
+
+@dataclass(frozen=True)
+class GpuTraining:
+    """What one GPU holds during a training step, by part. `peak_bytes` is the most it needs at once: the state
+    plus, during forward and backward, activations and workspace, or, during the optimizer step, its temporaries."""
+
+    device: int
+    gpu: Gpu
+    layers: str
+    frozen_bytes: int  # frozen weights (quantization constants included) and buffers
+    constants_bytes: int  # of which quantization constants
+    trainable_bytes: int  # trainable weights as the model holds them
+    gradient_bytes: int  # gradients (with DDP's bucket copy)
+    optimizer_bytes: int  # moments, and the fp32 master copy where the model holds 16-bit weights
+    activation_bytes: int  # under the chosen checkpointing
+    activations_checkpointed_bytes: int
+    activations_full_bytes: int
+    workspace: dict = field(default_factory=dict)  # name -> bytes, each an estimate
+    step_bytes: int = 0  # optimizer-step temporaries on this GPU
+    host: dict = field(default_factory=dict)  # part -> bytes CPU offload keeps in host RAM for this GPU's shard
+    loading: dict = field(default_factory=dict)  # part -> bytes of this rank's host RAM at the peak of its load
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def loading_bytes(self) -> int:
+        """This rank's host RAM at the peak of streaming its weights from the checkpoint (see `_loading`)."""
+        return sum(self.loading.values())
+
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.device} {self.gpu.name}"
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(self.workspace.values())
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.gpu.reserve_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.frozen_bytes + self.trainable_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.state_bytes + max(self.activation_bytes + self.workspace_bytes, self.step_bytes) \
+            + self.reserve_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.gpu.capacity_bytes - self.peak_bytes
+
+    def as_dict(self) -> dict:
+        return {"name": self.label, "gpu": self.gpu.name, "capacity_bytes": self.gpu.capacity_bytes,
+                "layers": self.layers, "frozen_weights_bytes": self.frozen_bytes,
+                "quant_constants_bytes": self.constants_bytes, "trainable_weights_bytes": self.trainable_bytes,
+                "gradients_bytes": self.gradient_bytes, "optimizer_state_bytes": self.optimizer_bytes,
+                "activations_bytes": self.activation_bytes,
+                "activations_with_checkpointing_bytes": self.activations_checkpointed_bytes,
+                "activations_without_checkpointing_bytes": self.activations_full_bytes,
+                "workspace_bytes": self.workspace_bytes,
+                "workspace_estimates_bytes": dict(self.workspace), "optimizer_step_temporaries_bytes": self.step_bytes,
+                "reserve_bytes": self.reserve_bytes, "peak_bytes": self.peak_bytes, "free_bytes": self.free_bytes,
+                "host_ram_bytes": self.host_bytes, "host_ram_parts_bytes": dict(self.host),
+                "loading_host_ram_bytes": self.loading_bytes, "loading_host_ram_parts_bytes": dict(self.loading)}
+
+
+def pipeline_stages(shape: TrainShape, stages: int) -> list[list[int]]:
+    """Unit indices per pipeline stage: decoder layers split evenly (earlier stages take the remainder), everything
+    before the first decoder layer on the first stage and everything after the last on the last."""
+    decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
+    share, extra = divmod(len(decoders), stages)
+    groups, start = [], 0
+    for j in range(stages):
+        size = share + (j < extra)
+        groups.append(decoders[start:start + size])
+        start += size
+    groups[0] = list(range(decoders[0])) + groups[0]
+    groups[-1] += list(range(decoders[-1] + 1, len(shape.units)))
+    return groups
+
+
+def _sharded(tensors: Sequence[int], shards: int) -> list[int]:
+    """Each tensor's local shard (FSDP2 splits dim 0; the element count is split here, padding ignored)."""
+    return [math.ceil(n / shards) for n in tensors]
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """Bytes per value the plan uses for one request (see the module docstring's precision paragraph)."""
+
+    compute: int  # activations, and the weights FSDP2 all-gathers
+    state: int  # the optimizer's parameters and moments: fp32 ("mixed") or the compute dtype ("pure")
+    held: int  # the trainable weights as the model keeps them (and so their gradients outside FSDP2)
+    grad: int  # a gradient value: FSDP2 reduce-scatters into reduce_dtype shards (the state dtype)
+
+    @classmethod
+    def of(cls, request: TrainingRequest, shape: TrainShape) -> "_Bytes":
+        a = shape.compute_bytes
+        state = training_data()["precision"][request.precision]["state_bytes"] or a
+        fsdp = request.strategy == "fsdp2"
+        held = a if shape.method == "full" and not fsdp else state  # full, replicated: 16-bit weights + fp32 master
+        return cls(a, state, held, state if fsdp else held)
+
+    def adapters_in_forward(self, request: TrainingRequest) -> int:
+        """FSDP2 all-gathers the adapters in param_dtype; elsewhere the forward sees them as they are held."""
+        return self.compute if request.strategy == "fsdp2" else self.held
+
+
+def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units: list[int], in_flight: int,
+                 first_stage: bool, last_stage: bool) -> GpuTraining:
+    """One GPU's parts for the units it holds (all of them for DDP and FSDP2, sharded 1/N by FSDP2; a stage's)."""
+    size = _Bytes.of(request, shape)
+    shards = len(request.gpus) if request.strategy == "fsdp2" else 1
+    mine = [shape.units[k] for k in units]
+    tensors = _sharded([n for u in mine for n in u.trainable], shards)
+    trainable = sum(tensors)
+    parts = {"frozen_weights": math.ceil(sum(u.packed_bytes for u in mine) / shards),
+             "trainable_weights": trainable * size.held,
+             "gradients": trainable * size.grad * (2 if request.strategy == "ddp" else 1),  # DDP: + its buckets
+             "optimizer_state": moment_bytes(tensors, size.state, request.optimizer)
+             + (trainable * size.state if size.held != size.state else 0),  # the fp32 master copy
+             "optimizer_step_temporaries":
+                 training_data()["optimizers"][request.optimizer]["step_temporaries"] * trainable * size.state}
+    host = {}
+    loading = _loading(request, shape, size, mine, parts["frozen_weights"] + parts["trainable_weights"])
+    if request.offload == "cpu":  # the shards, their gradients and the optimizer (and its step) live on the host
+        host, parts = parts, dict.fromkeys(parts, 0)
+    whole = sum(u.constants_bytes + u.buffer_bytes for u in mine)  # never sharded, never offloaded
+
+    decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
+    options = dict(compute_bytes=size.compute, adapter_bytes=size.adapters_in_forward(request),
+                   layers=[decoders.index(k) for k in units if k in decoders], embedding=first_stage, loss=last_stage)
+    with_ckpt = saved_activation_bytes(shape, request.context, request.batch, checkpointing=True, **options)
+    without = saved_activation_bytes(shape, request.context, request.batch, checkpointing=False, **options)
+    checkpointed, full = with_ckpt.saved * in_flight + with_ckpt.recompute, without.saved * in_flight
+
+    held = {"ddp": "all (a replica)", "fsdp2": f"all (1/{shards} of each)"}.get(request.strategy)
+    return GpuTraining(device, request.gpus[device], held or span([u.name for u in mine]),
+                       parts["frozen_weights"] + whole, sum(u.constants_bytes for u in mine),
+                       parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
+                       checkpointed if request.checkpointing else full, checkpointed, full,
+                       _workspace(request, shape, size, mine, first_stage, last_stage),
+                       parts["optimizer_step_temporaries"], host, loading)
+
+
+def _read_at_once(request: TrainingRequest, shape: TrainShape, mine: list[Unit]) -> list[list[Unit]]:
+    """The groups of units a rank reads from the checkpoint at once. FSDP2 (the scripts, `apply_fsdp`): one
+    decoder layer at a time, then the root unit (embedding, final norm, head) together; a pipeline stage
+    (`materialize` of the stage's layers) and a DDP replica (`from_pretrained`): everything the GPU holds."""
+    if request.strategy != "fsdp2":
+        return [mine]
+    decoders = [[u] for u in mine if u.kind == "decoder"]
+    return decoders + [[u for u in mine if u.kind != "decoder"]]
+
+
+def _loading(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], shard: int) -> dict:
+    """One rank's host RAM at the peak of loading, by part: with CPU offload its shards (allocated before the first
+    layer is read, on the host: `shard`, the frozen and trainable weights' share); the largest group of units read
+    at once (`_read_at_once`), in the dtype it is loaded in (the compute dtype for a frozen base, the optimizer's for
+    full fine-tuning), with its NF4 copy and its adapters beside it; torchao's NF4 quantization of its largest
+    weight (measured bytes per element); and the process itself (Python, torch, transformers, peft, the process
+    group: measured on the CPU rig; a GPU process adds the CUDA libraries)."""
+    data = training_data()
+    load = size.state if shape.method == "full" else size.compute
+    quantized = shape.format.name.startswith(TORCHAO_NF4)
+
+    def read(group: list[Unit]) -> int:
+        adapters = 0 if shape.method == "full" else sum(u.trainable_params for u in group) * size.state
+        return sum(u.params for u in group) * load + (sum(u.packed_bytes for u in group) if quantized else 0) \
+            + adapters
+
+    parts = {"shards kept on the host": shard if request.offload == "cpu" else 0,
+             "largest unit read": max(read(g) for g in _read_at_once(request, shape, mine))}
+    largest = max((u.largest_quantized for u in mine), default=0)
+    if quantized and largest:
+        peaks = data["nf4_quantization"]["peak_bytes_per_element"]
+        parts["NF4 quantization workspace"] = int(largest * peaks["fp32" if load == FP32 else "bf16"])
+    parts["process"] = data["host_loading"]["process_bytes"]
+    return parts
+
+
+def _gathered_bytes(unit: Unit, a: int) -> int:
+    """A unit's parameters as FSDP2 all-gathers them: the packed frozen bytes and the trainable ones in bf16."""
+    return unit.packed_bytes + unit.trainable_params * a
+
+
+def dequantization_bytes(format_name: str, compute_bytes: int) -> float:
+    """Bytes per element held at the peak of dequantizing one quantized weight: torchao's NF4 (nf4-torchao), as
+    measured (data/training_memory.json nf4_dequantization: int64 indices and halves, about 14 in bf16); the
+    bitsandbytes formats dequantize in one CUDA kernel that writes the 16-bit result only."""
+    if format_name.startswith(TORCHAO_NF4):
+        peaks = training_data()["nf4_dequantization"]["peak_bytes_per_element"]
+        return peaks["fp32" if compute_bytes == FP32 else "bf16"]
+    return compute_bytes
+
+
+def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], first_stage: bool,
+               last_stage: bool) -> dict:
+    """Transient memory beside the saved activations, each an estimate named for what it is."""
+    a, b = size.compute, shape.base
+    tokens = request.context * request.batch
+    space = {"layer transient": activation_workspace_bytes(b, request.context, request.batch)}
+    if last_stage:  # the logits the output holds, the gradient of the fp32 log-softmax and of its input
+        space["logits"] = tokens * b.vocab * (a + 2 * FP32)
+    quantized = max((u.largest_quantized for u in mine), default=0)
+    if quantized:
+        space["dequantized weight"] = int(quantized * dequantization_bytes(shape.format.name, a))
+    if request.strategy == "fsdp2":
+        decoders = [u for u in mine if u.kind == "decoder"]
+        per_layer = training_data()["fsdp2"]["decoder_layers_in_flight"]
+        space["gathered layers"] = per_layer * max(_gathered_bytes(u, a) for u in decoders)
+        space["gathered root"] = sum(_gathered_bytes(u, a) for u in mine if u.kind != "decoder")
+        space["gradient reduce-scatter"] = max(u.trainable_params for u in decoders) * (a + size.grad)
+    if request.strategy == "pipeline":
+        boundaries = (not first_stage) + (not last_stage)
+        space["stage boundary"] = boundaries * 2 * tokens * b.hidden * a  # the activation and its gradient
+    return space
