@@ -14,22 +14,13 @@ import torch
 from torch import nn
 
 from helpers.check import matching_pairs
+from helpers.dtypes import DTYPES, resolve
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-NAMES = {v: k for k, v in DTYPES.items()}
 AUTOCAST = ("bf16", "fp16")
 
 # Parity with one device, by what the run computes in: fp32 is exact up to summation order; 16-bit formats round
 # every product (bf16 keeps 8 bits of mantissa, fp16 11), so gradients are compared relative to their size.
 TOLERANCE = {"fp32": 1e-5, "fp64": 1e-10, "bf16": 5e-2, "fp16": 1e-2}
-
-
-def resolve(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {list(DTYPES)}")
-    return DTYPES[name]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers.dtypes import DTYPES
 from helpers.pipeline.schedules import SCHEDULES
 from helpers.runtime.strict import strict_requested  # LAB_DEVICE_STRICT, parsed as the library parses it
 
@@ -79,7 +80,7 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
     return ns
 
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WEIGHT_DTYPES = {name: DTYPES[name] for name in ("fp32", "bf16")}
 
 
 def weights_dtype(ns: argparse.Namespace) -> torch.dtype:

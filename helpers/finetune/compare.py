@@ -20,9 +20,9 @@ from helpers.sizing.gpus import runtime_reserve
 from helpers.sizing.shape import WeightFormat, weight_format
 from helpers.sizing.ledger import DeviceMemory
 from helpers.units import GiB, fmt_bytes
-from helpers.precision import DTYPES
+from helpers.dtypes import BYTES, DTYPES, NAMES
 
-ADAPTER_BYTES = 4  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
+ADAPTER_BYTES = BYTES["fp32"]  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
 QLORA_FORMAT = "nf4-torchao"  # torchao's NF4: 4-bit codes, an 8-bit scale per 64 values, a factor per 256 scales
 
 
@@ -46,8 +46,6 @@ def _run_of(model) -> tuple[str, str, str, int | None, object]:
     """(model directory, method, base dtype, LoRA rank, LoRA targets) of a LoraModel or an HFModel (full)."""
     spec = getattr(model, "spec", None)
     if spec is None:  # an HFModel trained whole
-        from helpers.precision import NAMES
-
         return model.path, "full", NAMES[model.weights_dtype], None, "all"
     targets = "all" if spec.targets == "all-linear" else ",".join(spec.targets)
     return model.base.path, spec.method, spec.base_dtype, spec.rank, targets

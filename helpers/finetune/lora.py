@@ -28,7 +28,7 @@ from torch import nn
 from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear, release_host_memory
 from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
-from helpers.precision import DTYPES
+from helpers.dtypes import DTYPES
 from helpers.training.api import Trained
 
 METHODS = ("lora", "qlora")

@@ -52,7 +52,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from helpers.sizing.ledger import MemoryLedger
-from helpers.sizing.state import FP32_BYTES, OPTIMIZER_STATE, OPTIMIZER_TEMPORARIES
+from helpers.dtypes import BYTES
+from helpers.sizing.state import OPTIMIZER_STATE, OPTIMIZER_TEMPORARIES
 from helpers.models.data import lm_loss
 from helpers.models.layered import call_layer
 from helpers.models.stack import StackConfig, StackModel
@@ -277,11 +278,11 @@ def training_step(stage: StageBytes, optimizer: str = "sgd", in_flight: int = 1,
     `activations_held`: the activations at the step's heaviest moment where a schedule's chunks differ (it replaces
     the `in_flight` count)."""
     params = stage.params
-    state = params // 4 * OPTIMIZER_STATE[optimizer] // state_shards
+    state = params // BYTES["fp32"] * OPTIMIZER_STATE[optimizer] // state_shards
     casts = params // 2 if autocast else 0  # autocast's 16-bit weight copies, saved with each micro-batch
     activations = activations_held if activations_held is not None else \
         in_flight * (stage.activations + (stage.output if keeps_outputs else 0) + casts)
-    step_temporary = params // 4 * OPTIMIZER_TEMPORARIES[optimizer] * FP32_BYTES // state_shards
+    step_temporary = params // BYTES["fp32"] * OPTIMIZER_TEMPORARIES[optimizer] * BYTES["fp32"] // state_shards
     workspace = max(stage.backward_workspace, step_temporary - activations) + CUBLAS_WORKSPACE
     return Footprint(params, params, state, activations, workspace)
 

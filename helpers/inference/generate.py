@@ -31,6 +31,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from helpers.dtypes import NAMES
 from helpers.models.hf import FAMILIES, HFModel
 from helpers.models.layered import Stage, call_layer
 from helpers.timeline import Event, Recorder
@@ -282,10 +283,9 @@ def rig_gpus(rig) -> list:
 
 
 def weight_format_name(dtype: torch.dtype) -> str:
-    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    if dtype not in names:
+    if dtype not in NAMES or dtype == torch.float64:
         raise ValueError(f"no weight format for {dtype}: the engines run fp32, fp16 or bf16 weights")
-    return names[dtype]
+    return NAMES[dtype]
 
 
 def plan_for_rig(model: HFModel, rig, context: int, batch: int):

@@ -24,12 +24,12 @@ from typing import Iterator, Sequence
 
 import torch
 
+from helpers.dtypes import DTYPES
 from helpers.inference.compare import CASES, DEVICE_MAP_STRATEGIES, Case, accelerate_device_map
 from helpers.sizing.gpus import Gpu, check_gpus
 from helpers.sizing.shape import ModelShape, model_shape
 from helpers.inference.plan import evaluate
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PUBLIC = {"balanced": "auto", "balanced_low_0": "balanced_low_0", "sequential": "sequential"}
 
 

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from helpers.dtypes import BYTES
 from helpers.facts import load_data
 from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
 from helpers.sizing.shape import Layer, ModelShape, WeightFormat, model_shape, reprice, span
@@ -29,7 +30,6 @@ from helpers.partition import NoFeasibleSplit, Split, optimal_split
 
 LogitsMode = Literal["prompt", "last"]
 LOGITS_MODES = ("prompt", "last")
-FP32_BYTES = 4  # logits are upcast to fp32: by generate() for the next token, by the loss for a whole prompt
 FOUR_BIT = "nf4"
 
 
@@ -68,7 +68,7 @@ def logits_workspace_bytes(shape: ModelShape, context: int, batch: int, logits: 
     position only (logits_to_keep=1) and copies it to fp32 for sampling.
     """
     positions = context if logits == "prompt" else 1
-    return batch * positions * shape.vocab * (shape.format.activation_bytes + FP32_BYTES)
+    return batch * positions * shape.vocab * (shape.format.activation_bytes + BYTES["fp32"])  # and their fp32 copy
 
 
 # --- placements: what a device_map puts on each GPU -----------------------------------------------------------------

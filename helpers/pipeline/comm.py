@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from helpers.dtypes import DTYPES, NAMES
 from helpers.runtime.strict import plain_backend
 
-SENDABLE = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-DTYPES = {v: k for k, v in SENDABLE.items()}
+SENDABLE = NAMES  # every floating format the course names can carry activations and gradients
 AUTO = "auto"  # send in the dtype the stage computed: exact, whatever the model's precision
 
 

@@ -23,7 +23,8 @@ from helpers.sizing.activations import transformer_activation_bytes
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import ModelShape, decoder_shape
 from helpers.simulate.hardware import TargetRig, target_rig
-from helpers.simulate.roofline import VALUE_BYTES, Efficiency, kernels_s, optimizer_s, step_s, trace_kernels
+from helpers.dtypes import BYTES
+from helpers.simulate.roofline import Efficiency, kernels_s, optimizer_s, step_s, trace_kernels
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
@@ -111,7 +112,7 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf
     `block_activation_bytes`; the head keeps its input and fp32 logits for the loss (an estimate of what Hugging
     Face's loss holds); a tied head's weight is the embedding's (counted once)."""
     kernels, counts, tensors = _decoder_kernels(shape, seq, head_outputs, batch, dtype, attention)
-    v, outputs = VALUE_BYTES[dtype], head_outputs or shape.vocab
+    v, outputs = BYTES[dtype], head_outputs or shape.vocab
     hidden_bytes = seq * shape.hidden * v
     parts = [("embedding", 0.0, hidden_bytes),
              ("block", block_activation_bytes(seq, shape.hidden, shape.heads, attention, bytes_per_value=v),

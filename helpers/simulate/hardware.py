@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from helpers.facts import load_data
-from helpers.sizing.gpus import DTYPES, Gpu, gpu
+from helpers.sizing.gpus import Gpu, gpu
 
 @dataclass(frozen=True)
 class Link:

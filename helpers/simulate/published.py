@@ -24,7 +24,8 @@ from helpers.facts import load_data
 from helpers.simulate.guide import exposed_exchange, transformer_workload
 from helpers.simulate.hardware import (Collectives, Link, TargetRig, allreduce_link, gpu_named, link_named,
                                       target_rig)
-from helpers.simulate.roofline import (TORCH_DTYPES, Efficiency, efficiency, kernels_s, trace_call, trace_kernels,
+from helpers.dtypes import DTYPES
+from helpers.simulate.roofline import (Efficiency, efficiency, kernels_s, trace_call, trace_kernels,
                                       workload_from_traces)
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import decoder_shape
@@ -213,8 +214,8 @@ def bert_layer_tflops(seq: int, batch: int, gpu: Gpu, hidden: int = 1024, heads:
     from transformers.models.bert.modeling_bert import BertLayer
 
     with torch.device("meta"):
-        layer = BertLayer(_bert_config(hidden, heads)).to(TORCH_DTYPES[dtype]).train()
-    sample = torch.zeros(batch, seq, hidden, device="meta", dtype=TORCH_DTYPES[dtype])
+        layer = BertLayer(_bert_config(hidden, heads)).to(DTYPES[dtype]).train()
+    sample = torch.zeros(batch, seq, hidden, device="meta", dtype=DTYPES[dtype])
 
     def timed_statement():
         out = layer(sample)

@@ -32,12 +32,11 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from helpers.facts import load_data
-from helpers.simulate.hardware import DTYPES, gpu_named
-from helpers.sizing.gpus import Gpu
+from helpers.dtypes import BYTES, DTYPES
+from helpers.simulate.hardware import gpu_named
+from helpers.sizing.gpus import MATMUL_DTYPES, Gpu
 from helpers.simulate.workload import LayerCost, Workload
 
-VALUE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # bytes read and written per parameter by one optimizer step (weights, gradient, state; read and written once)
 OPTIMIZER_BYTES_PER_PARAM = {"fp32 + SGD": 12, "fp32 + SGD momentum": 20, "fp32 + Adam": 28,
                              "mixed precision + Adam": 28}  # fp16 grad read + fp16 weight written + fp32 state
@@ -191,12 +190,12 @@ def trace_kernels(layers: Sequence[nn.Module], sample: torch.Tensor, dtype: str 
     `train=False`. The first layer's input gets a gradient only with `input_grad` (a model's input has none)."""
     if sample.dim() == 0 or sample.shape[0] < 1:
         raise ValueError("the sample must be a batch: its first dimension counts samples")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
-    x = sample.to("meta", TORCH_DTYPES[dtype]) if sample.is_floating_point() else sample.to("meta")
+    if dtype not in MATMUL_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {MATMUL_DTYPES}")
+    x = sample.to("meta", DTYPES[dtype]) if sample.is_floating_point() else sample.to("meta")
     traced = []
     for i, layer in enumerate(layers):
-        layer = _on_meta(layer, TORCH_DTYPES[dtype]).train(train)
+        layer = _on_meta(layer, DTYPES[dtype]).train(train)
         grad_in = x.is_floating_point() and (i > 0 or input_grad)
         x_in = x.detach().requires_grad_(grad_in)
         forward, backward = _Recorder(), _Recorder()
@@ -307,11 +306,11 @@ def on_gpu(workload: Workload, flops: Sequence[tuple[float, float]], gpu: Gpu | 
     the dtype's, each layer's time from the roofline of its totals, the optimizer step (Adam) from memory
     bandwidth. Coarser than `trace_kernels`, which sees each kernel."""
     gpu = gpu_named(gpu) if isinstance(gpu, str) else gpu
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
+    if dtype not in MATMUL_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {MATMUL_DTYPES}")
     if len(flops) != len(workload.layers):
         raise ValueError(f"{len(flops)} FLOP counts for {len(workload.layers)} layers")
-    scale = VALUE_BYTES[dtype] / value_bytes_here
+    scale = BYTES[dtype] / value_bytes_here
     layers = []
     for layer, (f_flops, b_flops) in zip(workload.layers, flops):
         activations, output = layer.activations * scale, layer.output * scale

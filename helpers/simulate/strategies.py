@@ -38,7 +38,7 @@ from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout
                                        split_backwards)
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
-from helpers.simulate.roofline import VALUE_BYTES
+from helpers.dtypes import BYTES
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
 from helpers.units import MiB, fmt_bytes
@@ -97,8 +97,8 @@ class Job:
                              f"{self.checkpointing!r}")
         if not (self.fsdp2_host_s >= 0 and math.isfinite(self.fsdp2_host_s)):
             raise ValueError(f"FSDP2's host work per collective must be seconds >= 0, got {self.fsdp2_host_s!r}")
-        if self.wire != "auto" and self.wire not in VALUE_BYTES:
-            raise ValueError(f"unknown wire dtype {self.wire!r}; choose auto or one of {list(VALUE_BYTES)}")
+        if self.wire != "auto" and self.wire not in BYTES:
+            raise ValueError(f"unknown wire dtype {self.wire!r}; choose auto or one of {list(BYTES)}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
         if self.samples_per_microbatch * self.dp * self.microbatches != self.batch:
@@ -442,8 +442,8 @@ class _Builder:
         devices = list(range(self.job.dp))
         r = len(devices)
         views, g = self.job.bucket_views, self.w.bytes_per_param[1]
-        cast = self.job.wire != "auto" and VALUE_BYTES[self.job.wire] != g
-        on_wire = VALUE_BYTES[self.job.wire] / g if cast else 1.0
+        cast = self.job.wire != "auto" and BYTES[self.job.wire] != g
+        on_wire = BYTES[self.job.wire] / g if cast else 1.0
         # [into its bucket,] the hook's division[, its cast to the wire's dtype]
         ready = self.local_steps(devices, copy_passes=1 + (not views) + cast)
         reduced, back = [], {d: [] for d in devices}

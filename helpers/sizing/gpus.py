@@ -13,7 +13,7 @@ from helpers.facts import load_data
 from helpers.sizing.shape import inference_data
 from helpers.units import MiB, fmt_bytes, is_size, parse_size
 
-DTYPES = ("fp32", "fp16", "bf16")  # the dtypes a matmul rate is given for
+MATMUL_DTYPES = ("fp32", "fp16", "bf16")  # the dtypes a matmul rate is given for
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def _sustained(entry: dict) -> dict:
         return {}
     matmul, conv = sustained["matmul_tflops"], sustained.get("conv_efficiency")
     return {"memory_bandwidth": sustained["memory_gb_s"]["value"] * 1e9,
-            "matmul_flops": {d: rate * 1e12 for d, rate in matmul.items() if d in DTYPES},
+            "matmul_flops": {d: rate * 1e12 for d, rate in matmul.items() if d in MATMUL_DTYPES},
             "conv_efficiency": conv["value"] if conv else None}
 
 

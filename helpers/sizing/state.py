@@ -12,21 +12,21 @@ from functools import lru_cache
 from typing import Sequence
 
 from helpers.catalog import DATA_PARALLEL, strategy as catalog_entry
+from helpers.dtypes import BYTES
 from helpers.facts import load_data
 from helpers.sizing.ledger import DeviceMemory
 
-FP32_BYTES = 4
 # state tensors shaped like each parameter: SGD none, SGD's momentum_buffer, Adam's exp_avg and exp_avg_sq
 OPTIMIZER_MOMENTS = {"none": 0, "sgd": 0, "momentum": 1, "adam": 2}
 # tensors shaped like the parameters that an optimizer step allocates: foreach Adam's sqrt(exp_avg_sq)
 OPTIMIZER_TEMPORARIES = {"none": 0, "sgd": 0, "momentum": 0, "adam": 1}
-OPTIMIZER_STATE = {name: n * FP32_BYTES for name, n in OPTIMIZER_MOMENTS.items()}  # bytes per fp32 parameter
+OPTIMIZER_STATE = {name: n * BYTES["fp32"] for name, n in OPTIMIZER_MOMENTS.items()}  # bytes per fp32 parameter
 
 BYTES_PER_PARAM = {  # (weights, grads, optimizer state) per parameter
-    "fp32 + SGD": (4, 4, OPTIMIZER_STATE["sgd"]),
-    "fp32 + SGD momentum": (4, 4, OPTIMIZER_STATE["momentum"]),
-    "fp32 + Adam": (4, 4, OPTIMIZER_STATE["adam"]),
-    "mixed precision + Adam": (2, 2, FP32_BYTES + OPTIMIZER_STATE["adam"]),  # fp32 master copy + two moments
+    "fp32 + SGD": (BYTES["fp32"], BYTES["fp32"], OPTIMIZER_STATE["sgd"]),
+    "fp32 + SGD momentum": (BYTES["fp32"], BYTES["fp32"], OPTIMIZER_STATE["momentum"]),
+    "fp32 + Adam": (BYTES["fp32"], BYTES["fp32"], OPTIMIZER_STATE["adam"]),
+    "mixed precision + Adam": (BYTES["bf16"], BYTES["bf16"], BYTES["fp32"] + OPTIMIZER_STATE["adam"]),  # fp32 master
 }
 
 

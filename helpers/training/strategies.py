@@ -30,7 +30,8 @@ from helpers.pipeline.interpreter import MicroBatch, communication_plan, run_sta
 from helpers.pipeline.schedules import Layout, layout_for, make_schedule
 from helpers.pipeline.stages import StageExecutor, stage_ranges
 from helpers.pipeline.transports import P2PTransport
-from helpers.precision import DTYPES, Precision
+from helpers.dtypes import DTYPES
+from helpers.precision import Precision
 from helpers.timeline import Recorder
 
 PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
