@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from helpers.catalog import strategy as catalog_entry
+from helpers.catalog import CATALOG, names, strategy as catalog_entry
 from helpers.units import fmt_bytes
 from helpers.sizing.activations import transformer_activation_bytes
 from helpers.sizing.gpus import Gpu
@@ -28,7 +28,13 @@ from helpers.simulate.roofline import Efficiency, kernels_s, optimizer_s, step_s
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-GUIDE_STRATEGIES = ("ddp", "zero1", "fsdp2", "1f1b")  # simplest first
+# the strategies the guide weighs, simplest first (the catalog's order): the data-parallel strategies whose layout a
+# PyTorch API gives by its defaults (DDP, ZeroRedundancyOptimizer, fully_shard; ZeRO-2 is fully_shard with its
+# reshard_after_forward turned off, a knob of FSDP2's rather than another choice), then the pipeline of notebook 06:
+# 1F1B, GPipe's bubble at fewer activations, which GPipe and the naive split never beat in the simulator (the
+# schedules past it are notebook 06b's own comparison)
+GUIDE_STRATEGIES = (*(s.name for s in CATALOG if s.kind == "data_parallel" and s.reshard_after_forward is not False),
+                    *names("pipeline", notebook="06"))
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 AFTER_BACKWARD_MB = 1e9  # a DDP bucket no model fills: one all-reduce of every gradient once the backward is done
 
@@ -200,7 +206,7 @@ def exposed_exchange(job: Job) -> Job:
     transfers are small and on its schedule's critical path already)."""
     if job.entry.bucketed:
         return replace(job, first_bucket_mb=AFTER_BACKWARD_MB, bucket_mb=AFTER_BACKWARD_MB)
-    return replace(job, host_waits=True) if job.strategy == "fsdp2" else job
+    return replace(job, host_waits=True) if job.entry.fully_sharded else job
 
 
 def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int,
