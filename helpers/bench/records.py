@@ -44,7 +44,8 @@ def command_line(prog: str, argv: list[str] | None) -> str:
     return " ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
 
 
-def keep(source: str | Path, command: str, state: tuple[str, bool] | None = None, folder: Path = RECORDS_DIR) -> Path:
+def keep(source: str | Path, command: str, state: tuple[str, bool] | None = None,
+         folder: Path = RECORDS_DIR) -> Path:
     """Copy a run's JSON into `folder` as <kind>-<commit>-<n>.json (n: the first number not taken), wrapped with
     what measured it: kind, commit, whether the tree had changes (`state`: `source_state()` when the run started;
     default: now), and the command. Returns the record's path."""
@@ -82,35 +83,40 @@ def provenance(name: str, record: dict) -> str:
 
 
 def within_target(errors: list[float], target: float) -> str:
-    """'18 of 19 predicted rows within 15%, mean |error| 4.2%'."""
+    """'18 of 19 predicted rows within 15%, mean absolute error 4.2%'."""
     inside = sum(abs(e) <= target for e in errors)
-    return (f"{inside} of {len(errors)} predicted rows within {target:.0%}, mean |error| "
+    return (f"{inside} of {len(errors)} predicted rows within {target:.0%}, mean absolute error "
             f"{sum(map(abs, errors)) / len(errors):.1%}") if errors else "no predicted rows"
+
+
+def machine_load(run: dict) -> str:
+    """How much of the machine other processes took while the bench ran (its calibration's `machine_load`)."""
+    share = (run["calibration"].get("machine_load") or {}).get("share_of_machine")
+    return "not measured" if share is None else f"other processes used {share:.0%} of the CPU while it ran"
 
 
 def bench_section(name: str, record: dict) -> str:
     """One bench run: where it came from, the machine load, the verdict, the rows, the extras and the calibration."""
     from helpers.bench.predict import TARGET
-    from helpers.bench.report import EXTRA_SPEEDUPS, display_rows, prediction_errors, row_label
+    from helpers.bench.report import (EXTRA_COLUMNS, EXTRA_SPEEDUPS, describe_launch_to_launch, display_rows,
+                                      prediction_errors, row_label)
 
     run = record["run"]
-    load = run["calibration"].get("machine_load") or {}
-    share = load.get("share_of_machine")
-    said_load = ("other processes used " + f"{share:.0%} of the machine's CPU during the run" if share is not None
-                 else "not measured")
     errors = [e for e in prediction_errors(run).values() if e is not None]
     parts = [provenance(name, record),
-             f"Model {run['model']}, batch {run['batch']}. Machine load: {said_load}. "
-             f"{within_target(errors, TARGET)} (the extras' rows included; excluded rows apart).",
+             f"Model {run['model']}, batch {run['batch']}. Machine load: {machine_load(run)}. "
+             f"{within_target(errors, TARGET)} (the extras' included; rows excluded with a reason left out).",
+             "In this run, " + describe_launch_to_launch(run["calibration"].get("launch_to_launch")) + ".",
              markdown_table(display_rows(run["rows"]), ["strategy", "engine", "runner", "m", "optimizer", "samples/s",
                                                          "spread", "predicted", "error", "speedup"])]
     for extra, ratio in EXTRA_SPEEDUPS.items():
         rows = [{"row": row_label(d), ratio: d.get(ratio), "error": _percent_cell(d.get("error"))}
                 for d in run.get(extra, [])]
         parts += [f"{extra}:", markdown_table(rows, ["row", ratio, "error"])] if rows else []
-    parts += ["Calibration (measured in the run):\n" + "\n".join(f"- {line}" for line in
-                                                               run["calibration"].get("summary", []))]
-    return "\n\n".join(parts)
+    backward = run.get("split backward", [])
+    parts += ["split backward:", markdown_table(backward, EXTRA_COLUMNS["split backward"])] if backward else []
+    summary = run["calibration"].get("summary", [])
+    return "\n\n".join(parts + ["Calibration (measured in the run):\n" + "\n".join(f"- {line}" for line in summary)])
 
 
 def _percent_cell(error: float | None) -> str:
@@ -119,20 +125,22 @@ def _percent_cell(error: float | None) -> str:
 
 def speed_section(name: str, record: dict) -> str:
     """One speed-bench run: where it came from, the model, the verdict, the rows and the per-engine summary."""
-    from helpers.inference.speed_bench import within_summary
+    from helpers.bench.predict import TARGET  # the speed bench holds its rows to the same 15%
 
     run = record["run"]
     config = run["config"]
     model = ", ".join(f"{key} {config[key]}" for key in ("hidden_size", "num_hidden_layers", "vocab_size")
                       if key in config)
     rows = [{**row, "error": _percent_cell(row["error"])} for row in run["rows"]]
-    summary = [{**row, "median |error|": _percent_cell(row["median |error|"]),
-                "max |error|": _percent_cell(row["max |error|"])} for row in run["summary"]]
+    summary = [{**row, "median error (absolute)": f"{row['median |error|']:.1%}",
+                "largest error (absolute)": f"{row['max |error|']:.1%}"} for row in run["summary"]]
+    verdict = within_target([row["error"] for row in run["rows"]], TARGET) + " (priced by the whole run's rounds)"
     return "\n\n".join([provenance(name, record),
-                        f"Model: {model}. Machine load: not recorded by the speed bench. {within_summary(run['rows'])}.",
+                        f"Model: {model}. Machine load: not recorded by the speed bench. {verdict}.",
                         markdown_table(rows, ["engine", "phase", "batch", "prompt", "new_tokens", "tok/s",
                                               "predicted tok/s", "error"]),
-                        markdown_table(summary, ["engine", "phase", "rows", "median |error|", "max |error|"])])
+                        markdown_table(summary, ["engine", "phase", "rows", "median error (absolute)",
+                                                 "largest error (absolute)"])])
 
 
 HEADER = """\
