@@ -11,7 +11,7 @@ from helpers.bench.rows import BenchRow, Progress, default_config
 from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
-from helpers.simulate.hardware import Collectives
+from helpers.hardware import Collectives
 
 F, B = 0.25, 0.5  # per sample and layer: binary fractions, so every sum below is exact
 BATCH = 16

@@ -13,7 +13,7 @@ from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_over, br
                                      crossovers, layer_cost, op_counts, predict_speed, speed_data, speed_rig,
                                      speed_rig_from_doctor, speed_rigs, speed_vs_batch, split_layers)
 from helpers.plan import main as plan_main
-from helpers.simulate.hardware import FREE_LINK, Link, gpu_named
+from helpers.hardware import FREE_LINK, Link, gpu_named
 
 RIGS_3090 = ("2x3090 PCIe", "2x3090 PCIe P2P", "2x3090 NVLink")
 

@@ -149,7 +149,7 @@ def links(rig: Rig, sizes: list[int], repeats: int) -> list[dict]:
     over the hidden-state sizes alone (<= 256 KiB), whose latency is what tensor parallelism pays twice per layer."""
     from helpers.pipeline.comm import link_benchmark
     from helpers.simulate.calibrate import fit_small_messages
-    from helpers.simulate.hardware import fit_link
+    from helpers.hardware import fit_link
 
     samples = link_benchmark(rig, sizes, repeats)
     small = [s for s in samples if "all-reduce" in s.path and s.bytes <= SMALL_MESSAGE_BYTES]

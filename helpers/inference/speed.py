@@ -38,9 +38,8 @@ import torch
 
 from helpers.facts import load_data
 from helpers.sizing.shape import Layer, ModelShape, model_shape, weight_format
-from helpers.simulate.hardware import Link, gpu_named, link_named
-from helpers.simulate.hardware import allreduce_link as ring_allreduce_link
-from helpers.simulate.roofline import efficiency
+from helpers.hardware import Link, efficiency, gpu_named, link_named
+from helpers.hardware import allreduce_link as ring_allreduce_link
 
 ENGINES = ("one device", "layer split", "pipelined", "tensor parallel")  # the order of every prediction's rows
 SPLITS = ENGINES[1:]  # the engines that use both devices
@@ -191,7 +190,7 @@ def allreduce_over(link: Link) -> Link:
 
 def rig_allreduce(link_name: str) -> Link:
     """The all-reduce of a named link: data/hardware.json's own figure where it has one (a ring's per-step latency
-    and bus bandwidth, `helpers.simulate.hardware.allreduce_link`: 2 ranks pay 2 steps and n / busbw), else
+    and bus bandwidth, `helpers.hardware.allreduce_link`: 2 ranks pay 2 steps and n / busbw), else
     `allreduce_over` the link's copy figures."""
     if "allreduce" not in load_data("hardware")["links"][link_name]:
         return allreduce_over(link_named(link_name))

@@ -43,7 +43,7 @@ from helpers.sizing.shape import ModelShape, model_shape
 from helpers.inference.speed import (SPLITS, Device, Phase, SpeedRig, layer_split, model_seconds, op_counts,
                                      ops_per_layer, pipelined, tensor_parallel, tiny_model)
 from helpers.models.hf import HFModel
-from helpers.simulate.hardware import FREE_LINK, Link
+from helpers.hardware import FREE_LINK, Link
 
 ENGINES = SPLITS  # the two-device engines measured
 REQUESTS = 2  # in flight for the pipelined engine

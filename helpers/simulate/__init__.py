@@ -15,26 +15,22 @@
 - `predictions_vs_published()`: predictions beside published results, with the error; `gpu_orders(rows)`: the
   GPUs fastest first per model, predicted and published; `fitted_constants()`: the constants fitted on them.
 - `predict_speed(model, dtype, rig, batch, context)`, `speed_rig(name)`, `crossovers(...)`: inference, prefill and
-  decode tokens/s of the layer split, pipelined requests and tensor parallelism (`helpers.inference.speed`, loaded
-  on first use).
+  decode tokens/s of the layer split, pipelined requests and tensor parallelism (`helpers.inference.speed`).
 """
+from helpers.inference.speed import (SpeedPrediction, SpeedRig, breakeven_latency, crossovers, predict_speed,
+                                     speed_rig, speed_rigs)
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, block_tflops, decision_table,
                                     recommend, recommend_model, transformer_workload)
-from helpers.simulate.hardware import (FREE_LINK, Collectives, Link, SharedCores, TargetRig, allgather_s,
-                                       allreduce_s, broadcast_s, collective_s, fit_collective_link, fit_collectives,
-                                       fit_link, gpu_named, link_named, reducescatter_s,
-                                       target_rig, target_rigs)
+from helpers.hardware import (FREE_LINK, Collectives, Efficiency, Link, SharedCores, TargetRig, allgather_s,
+                              allreduce_s, broadcast_s, collective_s, efficiency, fit_collective_link, fit_collectives,
+                              fit_link, gpu_named, link_named, reducescatter_s, target_rig, target_rigs)
 from helpers.simulate.playground import Knobs, Playground
 from helpers.simulate.published import (bert_workload, fitted_constants, gpu_orders,
                                         predictions_vs_published, resnet50_workload)
-from helpers.simulate.roofline import (Efficiency, Kernel, efficiency, kernels_s, layer_flops, on_gpu, roofline_s,
-                                       trace_kernels)
+from helpers.simulate.roofline import Kernel, kernels_s, layer_flops, on_gpu, roofline_s, trace_kernels
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
-
-INFERENCE_SPEED = ("SpeedPrediction", "SpeedRig", "breakeven_latency", "crossovers", "predict_speed", "speed_rig",
-                   "speed_rigs")
 
 __all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
            "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
@@ -43,14 +39,7 @@ __all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "
            "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named", "on_gpu",
            "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s", "resnet50_workload",
            "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs", "trace_kernels",
-           "transformer_workload", *INFERENCE_SPEED]
+           "transformer_workload",
+           # the inference speed model (helpers.inference.speed, a floor below), named here too
+           "SpeedPrediction", "SpeedRig", "breakeven_latency", "crossovers", "predict_speed", "speed_rig", "speed_rigs"]
 
-
-def __getattr__(name: str):
-    """The inference speed model lives with the inference engines; it is loaded on first use (it imports this
-    package's hardware module, so importing it here eagerly would be circular)."""
-    if name in INFERENCE_SPEED:
-        from helpers.inference import speed
-
-        return getattr(speed, name)
-    raise AttributeError(f"module 'helpers.simulate' has no attribute {name!r}")

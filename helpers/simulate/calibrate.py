@@ -28,7 +28,7 @@ from torch import nn
 from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.profile import Profile, profile_layers
 from helpers.runtime.rig import device_thread
-from helpers.simulate.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
+from helpers.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.simulate.workload import Workload
 
 

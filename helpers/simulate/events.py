@@ -8,7 +8,7 @@ stream, so it starts when all of them reach it. Links are granted first come, fi
 became ready (ties: the order they were added); a message waiting for a link blocks later messages on that link.
 
 Devices that are not hardware of their own (the CPU rig: each virtual device is a thread or process on a shared pool
-of cores) run with `sharing` (`helpers.simulate.hardware.SharedCores`): the tasks that need a core then progress at
+of cores) run with `sharing` (`helpers.hardware.SharedCores`): the tasks that need a core then progress at
 the speed the pool gives them, which changes whenever a task starts or ends (processor sharing).
 """
 from __future__ import annotations

@@ -22,9 +22,9 @@ from helpers.units import fmt_bytes
 from helpers.sizing.activations import transformer_activation_bytes
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import ModelShape, decoder_shape
-from helpers.simulate.hardware import TargetRig, target_rig
+from helpers.hardware import Efficiency, TargetRig, target_rig
 from helpers.dtypes import BYTES
-from helpers.simulate.roofline import Efficiency, kernels_s, optimizer_s, step_s, trace_kernels
+from helpers.simulate.roofline import kernels_s, optimizer_s, step_s, trace_kernels
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from helpers.facts import load_data
 from helpers.units import MiB, fmt_bytes
 from helpers.monitor import frontend_attached
-from helpers.simulate.hardware import Link
+from helpers.hardware import Link
 from helpers.simulate.strategies import Job, Simulation, simulate
 from helpers.simulate.workload import Workload
 

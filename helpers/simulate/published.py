@@ -22,11 +22,10 @@ from torch import nn
 
 from helpers.facts import load_data
 from helpers.simulate.guide import exposed_exchange, transformer_workload
-from helpers.simulate.hardware import (Collectives, Link, TargetRig, allreduce_link, gpu_named, link_named,
-                                      target_rig)
+from helpers.hardware import (Collectives, Efficiency, Link, TargetRig, allreduce_link, efficiency, gpu_named,
+                              link_named, target_rig)
 from helpers.dtypes import DTYPES
-from helpers.simulate.roofline import (Efficiency, efficiency, kernels_s, trace_call, trace_kernels,
-                                      workload_from_traces)
+from helpers.simulate.roofline import kernels_s, trace_call, trace_kernels, workload_from_traces
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import decoder_shape
 from helpers.simulate.strategies import Job, Simulation, simulate

@@ -15,7 +15,7 @@ Views cost nothing. Each kernel then takes the longer of its two roofs on the ta
 and never less than one kernel launch (`launch_us`: the GPU waits for the CPU when kernels are shorter than it
 takes to issue them). The sustained matmul rates per GPU and dtype are measured (data/hardware.json `gpus`); the
 efficiency constants are named, each with its source or the one published figure it is fitted on
-(data/hardware.json `efficiency`, `efficiency()`). The optimizer step is memory-bound: it reads and writes each
+(data/hardware.json `efficiency`, `helpers.hardware.efficiency()`). The optimizer step is memory-bound: it reads and writes each
 parameter's state once (`OPTIMIZER_BYTES_PER_PARAM`).
 """
 from __future__ import annotations
@@ -31,9 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from helpers.facts import load_data
 from helpers.dtypes import BYTES, DTYPES
-from helpers.simulate.hardware import gpu_named
+from helpers.hardware import Efficiency, efficiency, gpu_named
 from helpers.sizing.gpus import MATMUL_DTYPES, Gpu
 from helpers.simulate.workload import LayerCost, Workload
 
@@ -45,29 +44,6 @@ CONV_OPS = frozenset({torch.ops.aten.convolution, torch.ops.aten.convolution_bac
 FREE_OPS = frozenset({torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.new_empty,
                       torch.ops.aten.empty_strided, torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh})
 GATHER_OPS = frozenset({torch.ops.aten.embedding})  # reads only the rows it gathers: as many bytes as it writes
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """The named constants of the per-kernel roofline (data/hardware.json `efficiency`): the fraction of the
-    sustained large-matmul rate that real matmuls, convolutions and fused attention reach, the CPU's time to
-    launch one kernel, and the share of a whole training step the GPU spends in the traced kernels (`framework`:
-    the rest is what a layer benchmark does not see: the training loop's host work, synchronisations, the mixed-
-    precision bookkeeping)."""
-
-    matmul: float
-    conv: float
-    attention: float
-    launch_s: float
-    framework: float = 1.0
-
-
-def efficiency(**overrides: float) -> Efficiency:
-    """The roofline's constants from data/hardware.json, with any of them overridden (what a fit varies)."""
-    table = load_data("hardware")["efficiency"]
-    values = {name: table[name]["value"] for name in ("matmul", "conv", "attention", "framework")}
-    values["launch_s"] = table["launch_us"]["value"] * 1e-6
-    return Efficiency(**{**values, **overrides})
 
 
 @dataclass(frozen=True)

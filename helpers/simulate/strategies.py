@@ -37,7 +37,7 @@ from helpers.partition import optimal_split
 from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout_of, make_schedule,
                                        split_backwards)
 from helpers.simulate.events import TaskGraph
-from helpers.simulate.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
+from helpers.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
 from helpers.dtypes import BYTES
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
