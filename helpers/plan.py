@@ -21,7 +21,8 @@ from helpers.sizing.training import METHODS, default_lora_rank
 from helpers.finetune.memory_plan import PLAN_STRATEGIES, plan_training
 from helpers.sizing.state import known_optimizers
 from helpers.inference.plan import LOGITS_MODES, DoesNotFit, plan
-from helpers.inference.speed import predict_speed, speed_rigs
+from helpers.inference.speed import predict_speed
+from helpers.inference.speed_rigs import speed_rigs
 from helpers.sizing.gpus import describe_gpus, parse_gpus
 from helpers.sizing.shape import known_formats, known_models
 from helpers.units import parse_size
@@ -86,8 +87,10 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--method", help=f"{', '.join(METHODS)} (default qlora)")
     train.add_argument("--strategy", help=f"{', '.join(PLAN_STRATEGIES)} (default fsdp2; pipeline: one stage per GPU)")
     train.add_argument("--offload", help="none or cpu (FSDP2's CPUOffloadPolicy; default none)")
-    train.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                       help="activation checkpointing on every decoder layer (default on)")
+    train.add_argument("--activation-checkpointing", "--checkpointing", dest="checkpointing",
+                       action=argparse.BooleanOptionalAction, default=None,
+                       help="recompute every decoder layer's activations in backward (default on; --checkpointing: "
+                            "its old name)")
     train.add_argument("--lora-rank", type=int, help=f"LoRA rank (default {default_lora_rank()}, QLoRA's)")
     train.add_argument("--lora-targets", help="all (every decoder linear, the default), attention (q, k, v, o), or "
                                               "module names: q_proj,v_proj")

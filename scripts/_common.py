@@ -40,7 +40,8 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
         p.add_argument("--lora-alpha", type=float, default=16.0)
         p.add_argument("--lora-targets", default="all-linear",
                        help="comma-separated names of the blocks' linears (q_proj,v_proj), or all-linear")
-        p.add_argument("--checkpointing", action="store_true", help="recompute each block's activations in backward")
+        p.add_argument("--activation-checkpointing", "--checkpointing", action="store_true",
+                       help="recompute each block's activations in backward (--checkpointing: its old name)")
         p.add_argument("--offload", choices=("cpu",), help="FSDP2's CPUOffloadPolicy: shards and Adam in host memory")
     p.add_argument("--data", help="a torch.save'd LongTensor [N, L+1] of token ids (default: synthetic tokens that "
                                   "follow a fixed rule, so the loss can fall)")

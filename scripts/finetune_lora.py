@@ -1,7 +1,8 @@
-"""LoRA / QLoRA with FSDP2: a frozen base sharded over the GPUs, small adapters trained, checkpointing, CPU offload.
+"""LoRA / QLoRA with FSDP2: a frozen base sharded over the GPUs, small adapters trained, activation checkpointing,
+CPU offload.
 
     torchrun --nproc-per-node 2 scripts/finetune_lora.py --model DIR --method qlora --lora-rank 16 --text corpus/ \
-        --checkpointing --steps 200 --save-to adapters/
+        --activation-checkpointing --steps 200 --save-to adapters/
 
 The base is frozen: in bf16 with --autocast bf16, in fp32 with --autocast none (fp16 is refused), and for --method qlora every linear layer of its
 decoder blocks is stored in 4-bit NF4 (torchao's NF4Tensor, which FSDP2 shards and all-gathers as 4-bit codes and
@@ -25,6 +26,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from helpers.models.hf import enable_activation_checkpointing
 
 from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
                      stream_checkpoint, token_loss_sum, training_steps)
@@ -64,8 +67,8 @@ def load_model(ns, rank: int, world: int, device: torch.device) -> tuple[nn.Modu
 
     dtype = torch.bfloat16 if ns.autocast == "bf16" else torch.float32
     model, config = build(ns, dtype)
-    if ns.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if ns.activation_checkpointing:
+        enable_activation_checkpointing(model)  # recompute each decoder layer in backward
     shard = not (ns.method == "qlora" and world == 1)
     if shard:
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if ns.offload == "cpu" else OffloadPolicy()

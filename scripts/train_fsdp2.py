@@ -12,6 +12,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from helpers.models.hf import enable_activation_checkpointing
+
+from helpers.dtypes import DTYPES
+
 from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
                      stream_checkpoint, token_loss_sum, training_steps, weights_dtype)
 
@@ -21,8 +25,8 @@ def main() -> None:
     rank, world, device = init()
     model = meta_model(ns.model, weights_dtype(ns))  # shapes only: each rank reads its shards after sharding
     mesh = init_device_mesh(device.type, (world,))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast)
+    enable_activation_checkpointing(model)  # recompute each decoder layer in backward
+    half = DTYPES.get(ns.autocast)  # None without autocast
     mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
     for layer in decoder_layers(model)[1]:
         fully_shard(layer, mesh=mesh, mp_policy=mp)  # one all-gather per decoder layer

@@ -171,7 +171,7 @@ def test_fsdp2_lora_step_equals_one_device(base, method, base_dtype, checkpointi
     model = LoraModel(base, LoraSpec(method=method, rank=4, alpha=8, base_dtype=base_dtype, init="random"))
     ref_loss, ref_grads = _reference(model)
     job = TrainJob(model, dp=2, data_parallel="fsdp2", batch=BATCH, seq_len=SEQ, timed_steps=1, optimizer="adam",
-                   return_grads=True, return_state=True, checkpointing=checkpointing, offload=offload)
+                   return_grads=True, return_state=True, activation_checkpointing=checkpointing, offload=offload)
     res = run_training(job, cpu_rig(), oversubscribe=True)
     assert len(res.grads) == len(ref_grads)
     assert abs(res.loss - ref_loss) < 1e-5

@@ -8,7 +8,7 @@ final norm, which the loop checkpoints (keeping its input) where the planner kee
 import pytest
 import torch
 
-from helpers.checkpointing import checkpoint_in_place
+from helpers.activation_checkpointing import checkpoint_in_place
 from helpers.finetune.compare import planned_parts, plot_plans, published_comparison, run_format, summary_row
 from helpers.finetune.lora import LoraModel, LoraSpec, full_layers, small_llama
 from helpers.finetune.memory_plan import plan_training

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from helpers.finetune.memory_plan import plan_training
+from helpers.models.hf import enable_activation_checkpointing
 from helpers.sizing.training import resolve_targets, saved_activation_bytes, training_shape
 from helpers.sizing.state import training_data
 from helpers.sizing.shape import inference_data, meta_model
@@ -36,7 +37,7 @@ def small_llama() -> LlamaConfig:
 def ledger_activations(model: torch.nn.Module, batch: int, context: int, checkpointing: bool) -> int:
     """Peak saved activations of one training step, as the course's ledger counts them."""
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
     ledger = MemoryLedger(["device"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.checkpointing import checkpoint_layers, every_kth
+from helpers.activation_checkpointing import checkpoint_layers, every_kth
 from helpers.check import assert_same_grads
 from helpers.sizing.ledger import measure_step_memory
 from helpers.models import StackConfig, SyntheticTokens, build_hf_model, build_stack, hf_layers, lm_loss

@@ -60,7 +60,7 @@ def lora_job(base, method: str) -> TrainJob:
     from helpers.finetune.lora import LoraModel, LoraSpec
 
     return TrainJob(LoraModel(base, LoraSpec(method=method, rank=4, init="random")), dp=2, data_parallel="fsdp2",
-                    batch=4, seq_len=16, timed_steps=STEPS, optimizer="adam", checkpointing=True)
+                    batch=4, seq_len=16, timed_steps=STEPS, optimizer="adam", activation_checkpointing=True)
 
 
 def on_one_job(hf, name: str, folder: Path) -> TrainJob:

@@ -174,7 +174,7 @@ def test_unbalanced_cut_is_bounded_by_the_slowest_stage():
 
 def test_checkpointing_recomputes_the_forward_and_holds_only_inputs():
     work = equal_stages(2, activations=1000.0, output=10.0)
-    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, checkpointing=True))
+    sim = simulate(work, Job("gpipe", batch=4, microbatches=4, activation_checkpointing=True))
     assert sim.step_s == 5 * (F + F + B)
     # stage 0 holds nothing of its (only) layer's input, stage 1 the 10 bytes it received; + one recompute
     assert [m.activations for m in sim.memory.values()] == [1000.0, 4 * 10.0 + 1000.0]
@@ -183,19 +183,19 @@ def test_checkpointing_recomputes_the_forward_and_holds_only_inputs():
 
 def test_checkpointing_chosen_layers_recomputes_only_those():
     work = Workload.from_lists([F] * 4, [B] * 4, activations=[1000.0] * 4, output=[10.0] * 4)
-    sim = simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), checkpointing=(1, 3)))
+    sim = simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), activation_checkpointing=(1, 3)))
     # each stage recomputes one layer's forward per micro-batch: (m + p - 1) slots of 2F + F + 2B
     assert sim.step_s == 3 * (3 * F + 2 * B)
     # a checkpointed layer keeps its 10-byte input instead of its 1000 bytes; one recompute's worth is transient
     assert [m.activations for m in sim.memory.values()] == [2 * (1000 + 10) + 1000, 2 * (10 + 1000) + 1000]
-    everything = simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), checkpointing=(0, 1, 2, 3)))
+    everything = simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), activation_checkpointing=(0, 1, 2, 3)))
     assert everything.step_s == \
-        simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), checkpointing=True)).step_s
-    assert simulate(work, Job("gpipe", batch=2, microbatches=2, checkpointing=())).step_s == 3 * 2 * (F + B)
+        simulate(work, Job("gpipe", batch=2, microbatches=2, boundaries=(2,), activation_checkpointing=True)).step_s
+    assert simulate(work, Job("gpipe", batch=2, microbatches=2, activation_checkpointing=())).step_s == 3 * 2 * (F + B)
     with pytest.raises(ValueError, match="indices of the workload's 4 layers"):
-        simulate(work, Job("gpipe", batch=2, microbatches=2, checkpointing=(4,)))
+        simulate(work, Job("gpipe", batch=2, microbatches=2, activation_checkpointing=(4,)))
     with pytest.raises(ValueError, match="tuple of layer indices"):
-        Job("gpipe", batch=2, microbatches=2, checkpointing=[1])
+        Job("gpipe", batch=2, microbatches=2, activation_checkpointing=[1])
 
 
 # --- devices sharing cores (the CPU rig) ----------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def test_single_device_and_memory_without_timing():
     sim = simulate(work, Job("single", batch=4, microbatches=2))
     assert sim.step_s == 2 * 2 * LAYERS * (F + B) + 0.5
     assert sim.busy == {0: 1.0}
-    for job in (Job("fsdp2", batch=4, microbatches=2), Job("1f1b", batch=4, microbatches=2, checkpointing=True)):
+    for job in (Job("fsdp2", batch=4, microbatches=2), Job("1f1b", batch=4, microbatches=2, activation_checkpointing=True)):
         assert simulate_memory(work, job) == simulate(work, job).memory
 
 
@@ -583,7 +583,7 @@ def test_guide_recommends_ddp_for_a_model_that_fits_and_is_fair():
     assert all(o.fits for o in rec.options)
     big = recommend_model("GPT-2 medium", batch=64)  # too many activations for one batch: DDP accumulates
     ddp = big.options[0]
-    assert ddp.job.strategy == "ddp" and ddp.fits and (ddp.job.microbatches > 1 or ddp.job.checkpointing)
+    assert ddp.job.strategy == "ddp" and ddp.fits and (ddp.job.microbatches > 1 or ddp.job.activation_checkpointing)
     assert big.choice.startswith("DDP")
 
 

@@ -211,7 +211,7 @@ def test_train_refuses_bad_input_before_starting(saved):
     with pytest.raises(ValueError, match="steps must be at least 3"):
         train(saved["llama-gqa"], steps=2)
     with pytest.raises(ValueError, match="activation checkpointing here runs with the data-parallel strategies"):
-        train(saved["llama-gqa"], "naive", "threads", seq_len=SEQ, checkpointing=True)
+        train(saved["llama-gqa"], "naive", "threads", seq_len=SEQ, activation_checkpointing=True)
     model = saved["llama-gqa"]
     with pytest.raises(ValueError, match=f"vocabulary of {VOCAB}"):
         model.context(torch.tensor([[1, VOCAB]]), None)

@@ -358,3 +358,48 @@ def test_ddp_gradients_are_views_of_its_buckets():
     finally:
         if not group_existed:
             dist.destroy_process_group()
+
+
+def test_activation_checkpointing_is_named_apart_from_training_checkpoints_and_the_old_name_still_works():
+    """`activation_checkpointing` (recompute in backward) and `checkpoint` (training state on disk) are two words;
+    the old `checkpointing=` keyword, flag and module keep working for a release, with a DeprecationWarning."""
+    import importlib
+    import sys
+
+    from helpers.training.api import job_fields
+    from helpers.training.job import job_for
+
+    with pytest.warns(DeprecationWarning, match="activation_checkpointing"):
+        job = job_for(CFG, "ddp", checkpointing=True)
+    assert job.activation_checkpointing is True
+    with pytest.warns(DeprecationWarning):
+        assert job.checkpointing is True
+    with pytest.raises(TypeError, match="activation_checkpointing= only"):
+        job_fields({"checkpointing": True, "activation_checkpointing": False})
+    with pytest.raises(TypeError, match="unknown option.*'lr'"):  # refused with the fields a job has
+        job_fields({"learning_rate": 0.1})
+    sys.modules.pop("helpers.checkpointing", None)
+    with pytest.warns(DeprecationWarning, match="helpers.activation_checkpointing"):
+        old = importlib.import_module("helpers.checkpointing")
+    from helpers.activation_checkpointing import checkpoint_layers
+    assert old.checkpoint_layers is checkpoint_layers
+
+
+def test_the_scripts_and_the_planner_take_the_new_flag_and_the_old_one():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from _common import parse
+    finally:
+        sys.path.pop(0)
+    argv = sys.argv
+    for flag in ("--activation-checkpointing", "--checkpointing"):
+        sys.argv = ["finetune_lora.py", "--model", "m", flag]
+        try:
+            assert parse("x", lora=True).activation_checkpointing is True
+        finally:
+            sys.argv = argv
+    from helpers.plan import _parser
+    for flag, value in (("--activation-checkpointing", True), ("--no-checkpointing", False)):
+        assert _parser().parse_args(["--train", "--model", "llama-2-7b", flag]).checkpointing is value

@@ -19,7 +19,7 @@ def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict
 
     for i, (row, run) in enumerate(zip(rows, runs)):
         job = Job("gpipe", batch, microbatches=m, pp=2, boundaries=tuple(run.boundaries),
-                  checkpointing=tuple(checkpoints[i]) if checkpoints else False)
+                  activation_checkpointing=tuple(checkpoints[i]) if checkpoints else False)
         sim = simulate(workload, job, rig_model.threads_link, cores=rig_model.thread_cores)
         step = sim.step_s + _caller_seconds(run)
         row["predicted_samples_per_s"] = batch / step
@@ -82,7 +82,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
     """Notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline; step time and saved
     activations per device; with `rig_model`, each row's prediction (the simulator recomputes the checkpointed
     blocks' forward in backward) from one profile of the unchecked model."""
-    from helpers.checkpointing import checkpoint_layers, every_kth
+    from helpers.activation_checkpointing import checkpoint_layers, every_kth
     from helpers.models import SyntheticTokens, build_stack
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)

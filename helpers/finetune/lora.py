@@ -8,8 +8,8 @@ casts the input to the adapter's dtype and the result back) over a base kept in 
 `LoraModel(HFModel(dir), LoraSpec(...))` builds every layer on the meta device with its adapters; a rank
 materialises only the layers it owns: the base's tensors read from the `save_pretrained` checkpoint, quantized on
 the host (the same bytes on every rig), adapters initialised from a per-layer seed. So one device and two FSDP2 ranks
-hold exactly the same numbers, and `TrainJob(LoraModel(...), dp=2, data_parallel="fsdp2", checkpointing=True,
-offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
+hold exactly the same numbers, and `TrainJob(LoraModel(...), dp=2, data_parallel="fsdp2",
+activation_checkpointing=True, offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
 returns the adapters' trained values (`TrainResult.state`), which `save_adapters` writes with peft's
 `save_pretrained`, `merged_model` merges with peft's `merge_and_unload`, and `finetune` (one method) and
 `finetune_each` (several, in one launch) train with `helpers.training.api.train_each` for notebook 12, returning its
@@ -30,6 +30,7 @@ from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
 from helpers.dtypes import DTYPES
 from helpers.training.api import Trained
+from helpers.training.job import renamed
 
 METHODS = ("lora", "qlora")
 BASE_DTYPES = ("fp32", "bf16")
@@ -353,23 +354,17 @@ def small_llama(directory: str | Path, vocab: int = 512, seq_len: int = 64, n_la
     return save_hf_model(small_llama_config(vocab, seq_len, n_layers, hidden), directory, seed=seed)
 
 
-def finetune(model: str | Path | None = None, method: str = "qlora", steps: int = 20, batch: int = 8,
-             seq_len: int = 32, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] | str = ALL_LINEAR,
-             base_dtype: str = "fp32", checkpointing: bool = True, offload: str | None = None,
-             text: str | Path | None = None, lr: float = 3e-3, save_to: str | Path | None = None,
-             prompt: str = "def ", workdir: str | Path | None = None, rig=None, timeout: float = 600.0,
-             held_out_windows: int = 32, max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> Trained:
+def finetune(model: str | Path | None = None, method: str = "qlora", save_to: str | Path | None = None,
+             **options) -> Trained:
     """LoRA / QLoRA of `model` (a save_pretrained directory; None: `small_llama` in `workdir`) on real text (`text`,
     default the standard library): `helpers.training.train` with FSDP2 over 2 ranks of a `LoraModel`, for `steps`
     optimizer steps (>= 3) of Adam on the adapters, and the adapters saved with peft's `save_pretrained`. The result
     (`Trained`) also holds `held_out_loss` (on `held_out_windows` held-out windows) and `samples` (the greedy
-    continuation of `prompt`), before and after. `checkpoint`, `restarts`: as in `train` (the checkpoints hold the
-    adapters, not the base). Bad input is refused before any process starts."""
-    return _finetune(model, (method,), {method: save_to}, steps=steps, batch=batch, seq_len=seq_len, rank=rank,
-                     alpha=alpha, targets=targets, base_dtype=base_dtype, checkpointing=checkpointing,
-                     offload=offload, text=text, lr=lr, prompt=prompt, workdir=workdir, rig=rig, timeout=timeout,
-                     held_out_windows=held_out_windows, max_chars=max_chars, checkpoint=checkpoint,
-                     restarts=restarts)[method]
+    continuation of `prompt`), before and after. `options` and their defaults: `_finetune`'s (steps=20, batch=8,
+    seq_len=32, rank=8, alpha=16, targets, base_dtype, activation_checkpointing=True, offload, text, lr=3e-3, prompt,
+    workdir, rig, timeout, held_out_windows, max_chars; `checkpoint`, `restarts` as in `train`: the checkpoints hold
+    the adapters, not the base). Bad input is refused before any process starts."""
+    return _finetune(model, (method,), {method: save_to}, **renamed(options))[method]
 
 
 def finetune_each(model: str | Path | None = None, methods: Sequence[str] = METHODS,
@@ -382,12 +377,13 @@ def finetune_each(model: str | Path | None = None, methods: Sequence[str] = METH
     if not methods:
         raise ValueError(f"no fine-tuning method given: choose among {METHODS}")
     folders = {m: (Path(save_to) / m if save_to is not None else None) for m in methods}
-    return _finetune(model, methods, folders, **options)
+    return _finetune(model, methods, folders, **renamed(options))
 
 
 def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | None], steps: int = 20,
               batch: int = 8, seq_len: int = 32, rank: int = 8, alpha: float = 16.0,
-              targets: tuple[str, ...] | str = ALL_LINEAR, base_dtype: str = "fp32", checkpointing: bool = True,
+              targets: tuple[str, ...] | str = ALL_LINEAR, base_dtype: str = "fp32",
+              activation_checkpointing: bool = True,
               offload: str | None = None, text: str | Path | None = None, lr: float = 3e-3, prompt: str = "def ",
               workdir: str | Path | None = None, rig=None, timeout: float = 600.0, held_out_windows: int = 32,
               max_chars: int = 200_000, checkpoint=None, restarts: int = 0) -> dict[str, Trained]:
@@ -406,7 +402,7 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
                      seq_len=seq_len, save_to=save_to, save=save_adapters, rig=rig, timeout=timeout,
                      text=text if text is not None else stdlib_path(), workdir=workdir / "text",
                      max_chars=max_chars, checkpoint=checkpoint, restarts=restarts, batch=batch, microbatches=1,
-                     optimizer="adam", lr=lr, checkpointing=checkpointing, offload=offload)
+                     optimizer="adam", lr=lr, activation_checkpointing=activation_checkpointing, offload=offload)
     first = next(iter(out.values()))
     held = load_rows(first.held_out_path)[:held_out_windows]
     context = getattr(base.config, "max_position_embeddings", None)

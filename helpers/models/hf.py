@@ -537,6 +537,18 @@ def save_hf_model(config, directory: str | Path, seed: int = 0, attn_implementat
     return HFModel(str(directory), attn_implementation, dtype)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each decoder layer's activations in backward, non-reentrant (what PyTorch recommends). transformers
+    renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable` (the old name warns, and goes in
+    v6): this calls the one the installed version has."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 # --- models built from configs (nothing downloaded) -----------------------------------------------------------------
 
 def hf_config(family: str = "gpt2", n_layers: int = 4, hidden: int = 128, heads: int = 4, vocab: int = 256,

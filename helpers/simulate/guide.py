@@ -159,7 +159,7 @@ class Option:
 
     def row(self) -> dict:
         return {"strategy": LABELS[self.job.strategy], "micro-batches": self.job.microbatches,
-                "checkpointing": self.job.checkpointing, "peak per GPU": fmt_bytes(self.peak_bytes),
+                "checkpointing": self.job.activation_checkpointing, "peak per GPU": fmt_bytes(self.peak_bytes),
                 "fits": self.fits, "step (s)": self.step_s,
                 "samples/s": self.simulation.samples_per_s if self.simulation else None}
 
@@ -189,7 +189,7 @@ def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
     for checkpointing in (False, True):
         for m in MICROBATCHES:
             try:
-                job = Job(strategy, batch, microbatches=m, checkpointing=checkpointing, **sizes)
+                job = Job(strategy, batch, microbatches=m, activation_checkpointing=checkpointing, **sizes)
             except ValueError:
                 continue  # the batch does not split this way
             if strategy == "1f1b" and m < devices:

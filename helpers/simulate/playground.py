@@ -73,7 +73,8 @@ class Playground:
     def simulate(self, knobs: Knobs) -> Simulation:
         """One step with these knob settings (one sample per micro-batch: costs above are per micro-batch)."""
         m = 1 if knobs.schedule == "naive" else knobs.microbatches
-        job = Job(knobs.schedule, batch=m, microbatches=m, pp=knobs.pp, checkpointing=knobs.checkpointing)
+        job = Job(knobs.schedule, batch=m, microbatches=m, pp=knobs.pp,
+                  activation_checkpointing=knobs.checkpointing)
         link = Link(knobs.latency_us * 1e-6, knobs.bandwidth_gb_s * 1e9, "playground link")
         return simulate(self.workload(knobs.pp, knobs.imbalance), job, link)
 

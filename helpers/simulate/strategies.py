@@ -28,6 +28,7 @@ plus the peak of activations held by in-flight micro-batches, walked in the orde
 from __future__ import annotations
 
 import math
+import warnings
 
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ class Job:
     """How to train: the strategy, the global batch per optimizer step and its micro-batches (pipeline
     micro-batches, or gradient-accumulation steps for data parallelism), and each strategy's knobs. The names are
     `helpers.training.job.TrainJob`'s, meaning the same (`from_train_job` reads a training job's): `pp` pipeline
-    devices, `dp` data-parallel replicas (their product `world`), `boundaries`, `checkpointing`."""
+    devices, `dp` data-parallel replicas (their product `world`), `boundaries`, `activation_checkpointing`."""
 
     strategy: str
     batch: int
@@ -59,8 +60,8 @@ class Job:
     pp: int | None = None  # pipeline devices; None: 2 for a pipeline strategy (naive, gpipe, ..., dp_x_pp), else 1.
     # interleaved, zbv and dualpipev run 2 model stages on each
     dp: int | None = None  # data-parallel replicas; None: 2 for ddp, zero1, zero2, fsdp2 and dp_x_pp, else 1
-    checkpointing: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the layers to
-    # recompute
+    activation_checkpointing: bool | tuple[int, ...] = False  # True: recompute every layer in backward; or the
+    # layers to recompute
     schedule: str = "1f1b"  # the pipeline schedule inside dp_x_pp
     boundaries: tuple[int, ...] | None = None  # first layer of each model stage after the first; None:
     # time-balanced
@@ -91,10 +92,11 @@ class Job:
         if self.strategy == "naive" and self.microbatches != 1:
             raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
                              "for micro-batches")
-        if not isinstance(self.checkpointing, bool) and (not isinstance(self.checkpointing, tuple) or any(
-                not isinstance(i, int) or i < 0 for i in self.checkpointing)):
-            raise ValueError(f"checkpointing must be True, False or a tuple of layer indices >= 0, got "
-                             f"{self.checkpointing!r}")
+        recompute = self.activation_checkpointing
+        if not isinstance(recompute, bool) and (not isinstance(recompute, tuple) or any(
+                not isinstance(i, int) or i < 0 for i in recompute)):
+            raise ValueError(f"activation_checkpointing must be True, False or a tuple of layer indices >= 0, got "
+                             f"{recompute!r}")
         if not (self.fsdp2_host_s >= 0 and math.isfinite(self.fsdp2_host_s)):
             raise ValueError(f"FSDP2's host work per collective must be seconds >= 0, got {self.fsdp2_host_s!r}")
         if self.wire != "auto" and self.wire not in BYTES:
@@ -108,6 +110,12 @@ class Job:
             raise ValueError(f"global batch {self.batch} is not divisible by {split}")
 
     @property
+    def checkpointing(self) -> bool | tuple[int, ...]:
+        """Deprecated name of `activation_checkpointing`."""
+        warnings.warn("Job.checkpointing is now Job.activation_checkpointing", DeprecationWarning, stacklevel=2)
+        return self.activation_checkpointing
+
+    @property
     def entry(self):
         """The strategy's entry in helpers.catalog."""
         return catalog_entry(self.strategy)
@@ -117,7 +125,8 @@ class Job:
         """The simulator's job for a `TrainJob`: its strategy, and its fields of the same names (the run's
         boundaries, or the equal split it trains with)."""
         strategy = job.strategy if job.world > 1 else "single"
-        return cls(strategy, job.batch, job.microbatches, pp=job.pp, dp=job.dp, checkpointing=job.checkpointing,
+        return cls(strategy, job.batch, job.microbatches, pp=job.pp, dp=job.dp,
+                   activation_checkpointing=job.activation_checkpointing,
                    schedule=job.schedule, boundaries=job.cut() if job.pp > 1 else None, bucket_mb=job.bucket_mb,
                    wire=job.wire if job.pp == 1 else "auto")
 
@@ -138,10 +147,10 @@ class Job:
             parts.append(f"{self.dp} x {self.pp}, {self.schedule}")
         if self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
-        if self.checkpointing is True:
+        if self.activation_checkpointing is True:
             parts.append("checkpointing")
-        elif self.checkpointing:
-            parts.append(f"checkpointing {len(self.checkpointing)} layers")
+        elif self.activation_checkpointing:
+            parts.append(f"checkpointing {len(self.activation_checkpointing)} layers")
         return ", ".join(parts)
 
     @property
@@ -151,7 +160,8 @@ class Job:
 
     def checkpoints(self, layer: int) -> bool:
         """Whether `layer` recomputes its activations in backward."""
-        return self.checkpointing is True or (self.checkpointing is not False and layer in self.checkpointing)
+        recompute = self.activation_checkpointing
+        return recompute is True or (recompute is not False and layer in recompute)
 
 
 @dataclass(frozen=True)
@@ -226,8 +236,9 @@ class _Builder:
     def __init__(self, workload: Workload, job: Job, link: Link, collective_link: Link | Collectives | None = None):
         self.w, self.job, self.link = workload, job, link
         self.coll = collective_link or link
-        if job.checkpointing not in (True, False) and max(job.checkpointing, default=-1) >= len(workload.layers):
-            raise ValueError(f"checkpointed layers {sorted(job.checkpointing)} must be indices of the workload's "
+        recompute = job.activation_checkpointing
+        if recompute not in (True, False) and max(recompute, default=-1) >= len(workload.layers):
+            raise ValueError(f"checkpointed layers {sorted(recompute)} must be indices of the workload's "
                              f"{len(workload.layers)} layers")
         self.layers = workload.layers
         self.graph = TaskGraph()

@@ -16,7 +16,7 @@ computes what one device computes (helpers.training.support says where each runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields as dataclass_fields, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -30,7 +30,7 @@ from helpers.precision import make_scaler
 from helpers.runtime.rig import Rig, detect_rig
 from helpers.runtime.scratch import scratch_dir
 from helpers.training.checkpoint import CheckpointSpec, as_checkpoint_spec
-from helpers.training.job import TrainJob, check_choice, check_job, job_for
+from helpers.training.job import TrainJob, check_choice, check_job, job_for, renamed
 from helpers.training.loop import global_batch, run_trainings
 
 
@@ -125,34 +125,45 @@ def save_trained(model: HFModel, state: dict[int, dict[str, torch.Tensor]], dire
     return directory
 
 
-def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int = 10, batch: int = 8,
-          seq_len: int = 32, microbatches: int = 4, rig: Rig | None = None, save_to: str | Path | None = None,
-          optimizer: str = "adam", lr: float = 1e-3, dtype: str = "fp32", autocast: str | None = None,
-          padding: str = "none", data_seed: int = 0, model_seed: int = 0, timeout: float = 600.0,
-          text: str | Path | None = None, data: str | Path | None = None, workdir: str | Path | None = None,
-          checkpointing: bool = False, offload: str | None = None,
-          checkpoint: str | Path | CheckpointSpec | None = None, restarts: int = 0) -> Trained:
+TRAIN_DEFAULTS = {"batch": 8, "seq_len": 32, "microbatches": 4, "optimizer": "adam"}  # train()'s job, where it
+# differs from TrainJob's defaults: a few Adam steps on a small batch in 4 micro-batches
+RUN_OPTIONS = ("timeout", "text", "data", "workdir", "checkpoint", "restarts", "rig")  # how it runs, not the job
+SET_BY_TRAIN = {"model", "dp", "pp", "data_parallel", "schedule", "engine", "timed_steps", "return_state"}
+
+
+def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int = 10,
+          save_to: str | Path | None = None, model_seed: int = 0, **options) -> Trained:
     """Train `model` for `steps` optimizer steps (>= 3: one warm-up, timed steps, one recorded) on synthetic tokens,
     real `text` or token windows `data`, and, with `save_to`, save it with `save_pretrained` (and the text's
-    tokenizer beside it). `checkpointing`: recompute each decoder layer's activations in backward (the data-parallel
-    strategies); `offload="cpu"`: FSDP2's CPU offload (fsdp2, zero2). `checkpoint`: a folder (or a CheckpointSpec:
-    every, keep, async_save) where the run saves its training state with DCP and from whose latest complete
-    checkpoint it resumes; `restarts`: start every rank again after one fails, up to this many times (torchrun's
-    --max-restarts). Bad input is refused before anything starts."""
+    tokenizer beside it). `options` are `train_each`'s: how it runs (`rig`, `timeout`, `text`, `data`, `workdir`,
+    `checkpoint`: a folder or CheckpointSpec where the run saves its training state with DCP and from whose latest
+    complete checkpoint it resumes; `restarts`: torchrun's --max-restarts) and the job's fields
+    (`helpers.training.job.TrainJob`: batch=8, seq_len=32, microbatches=4, optimizer="adam", lr, dtype, autocast,
+    padding, data_seed, activation_checkpointing (recompute each decoder layer in backward: the data-parallel
+    strategies), offload="cpu" (FSDP2's CPU offload: fsdp2, zero2)). Bad input is refused before anything starts."""
     check_choice(strategy, engine)  # before a config is built and saved
     hf = as_hf_model(model, seed=model_seed)
-    out = train_each({"model": hf}, strategy, engine, steps=steps, save_to={"model": save_to}, rig=rig,
-                     timeout=timeout, text=text, data=data, workdir=workdir, checkpoint=checkpoint,
-                     restarts=restarts, batch=batch, seq_len=seq_len, microbatches=microbatches,
-                     optimizer=optimizer, lr=lr, dtype=dtype, autocast=autocast, padding=padding,
-                     data_seed=data_seed, checkpointing=checkpointing, offload=offload)["model"]
+    out = train_each({"model": hf}, strategy, engine, steps=steps, save_to={"model": save_to}, **options)["model"]
     if save_to is not None and out.tokenizer is not None:
         out.tokenizer.save_pretrained(str(save_to))
     return out
 
 
+def job_fields(fields: Mapping[str, object]) -> dict:
+    """train()'s job fields: TRAIN_DEFAULTS under the caller's, deprecated names renamed, and a field the caller
+    may not set refused with those it may (the strategy sets the layout, train_each the steps, data and
+    checkpoint)."""
+    fields = {**TRAIN_DEFAULTS, **renamed(fields)}
+    known = {f.name for f in dataclass_fields(TrainJob)} - set(RUN_OPTIONS) - SET_BY_TRAIN
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"train() got unknown option(s) {unknown}: a job's fields are {sorted(known)}, and how it "
+                        f"runs: {list(RUN_OPTIONS)}")
+    return fields
+
+
 def train_each(models: Mapping[str, object], strategy: str, engine: str = "processes", steps: int = 10,
-               seq_len: int = 32, save_to: Mapping[str, str | Path | None] | None = None, save=save_trained, rig: Rig | None = None,
+               save_to: Mapping[str, str | Path | None] | None = None, save=save_trained, rig: Rig | None = None,
                timeout: float = 600.0, text: str | Path | None = None, data: str | Path | None = None,
                workdir: str | Path | None = None, max_chars: int = 400_000,
                checkpoint: str | Path | CheckpointSpec | None = None, restarts: int = 0,
@@ -161,9 +172,11 @@ def train_each(models: Mapping[str, object], strategy: str, engine: str = "proce
     base) by name, with one strategy on the same data, one after the other in one launch of the ranks
     (`helpers.training.loop.run_trainings`: one start-up of the processes for all of them). `save_to`: a folder per
     name (or None), written by `save(model, state, folder)`; with several models, each one's checkpoints go to
-    its own subfolder of `checkpoint` (checkpoint/name). `fields`: the TrainJob's (batch, seq_len, lr, ...). Every
-    job is checked before anything starts."""
+    its own subfolder of `checkpoint` (checkpoint/name). `fields`: the TrainJob's (batch, seq_len, lr, ...), with
+    train()'s defaults (TRAIN_DEFAULTS). Every job is checked before anything starts."""
     check_choice(strategy, engine)
+    fields = job_fields(fields)
+    seq_len = fields.pop("seq_len")
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be at least 3 (one warm-up, one or more timed, one recorded), got {steps}")
     if text is not None and data is not None:

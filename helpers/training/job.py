@@ -3,6 +3,7 @@ both, laid out on a (dp, pp) DeviceMesh. `check_job` refuses, before any process
 run, in the user's terms."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from helpers.catalog import DATA_PARALLEL, TRAINED, Strategy, strategy as catalog_entry
@@ -22,6 +23,21 @@ from helpers.training.support import support
 from helpers.units import fmt_bytes
 
 OPTIMIZERS = ("none", "sgd", "adam")
+RENAMED = {"checkpointing": "activation_checkpointing"}  # old keyword -> new, accepted with a warning for a release
+
+
+def renamed(options: dict) -> dict:
+    """`options` with every deprecated keyword (RENAMED) under its new name, warning once for each; both names
+    given at once is refused."""
+    options = dict(options)
+    for old, new in RENAMED.items():
+        if old in options:
+            if new in options:
+                raise TypeError(f"give {new}= only ({old}= is its deprecated name)")
+            warnings.warn(f"{old}= is now {new}= (activation checkpointing, not a training checkpoint)",
+                          DeprecationWarning, stacklevel=3)
+            options[new] = options.pop(old)
+    return options
 PIPELINE_ENGINES = ("ours", "torch")
 
 
@@ -61,9 +77,17 @@ class TrainJob:
     return_state: bool = False  # every rank sends back its trained weights (to save the model)
     data: str | None = None  # token windows saved with torch.save, [N, L+1] (helpers.models.text): step k trains on
     # windows k*batch..; None: synthetic tokens, the same batch every step
-    checkpointing: bool = False  # recompute each block's activations in backward (dp strategies, one stage)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (dp strategies, one
+    # stage); not to be confused with `checkpoint`, the training state saved to disk
     offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
     checkpoint: CheckpointSpec | None = None  # save / resume training state with DCP (helpers.training.checkpoint)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Deprecated name of `activation_checkpointing`."""
+        warnings.warn("TrainJob.checkpointing is now TrainJob.activation_checkpointing", DeprecationWarning,
+                      stacklevel=2)
+        return self.activation_checkpointing
 
     @property
     def layered(self) -> LayeredModel:
@@ -138,6 +162,7 @@ def job_for(model: LayeredModel | StackConfig, strategy: str, engine: str = "pro
     pipeline of 2 stages, 2 data-parallel replicas, or 2 x 2 for DP x PP; `engine` one of those the catalog lists
     for it (threads run the job's layout in one process). The naive split is GPipe with one micro-batch."""
     entry = check_choice(strategy, engine)
+    fields = renamed(fields)
     if entry.name == "naive":
         fields["microbatches"] = 1
     layout = {"pp": 2 if entry.pipeline else 1, "dp": 2 if entry.data_parallel else 1}
@@ -232,7 +257,7 @@ def _check_extras(job: TrainJob) -> None:
         check_rows(load_rows(job.data), job.batch, job.sequence_length(), job.layered.vocab_size, str(job.data))
         if job.padding != "none":
             raise ValueError("padding is simulated on synthetic tokens only; windows of real text are whole")
-    if job.checkpointing and job.pp > 1:
+    if job.activation_checkpointing and job.pp > 1:
         raise ValueError("activation checkpointing here runs with the data-parallel strategies (one stage per "
                          "rank); notebook 07 checkpoints pipeline stages")
     if job.offload not in (None, "cpu"):

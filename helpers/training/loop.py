@@ -22,7 +22,7 @@ from torch import nn
 from helpers.catalog import strategy as catalog_entry
 from helpers.sizing.ledger import (DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes,
                                    param_bytes)
-from helpers.checkpointing import checkpoint_in_place
+from helpers.activation_checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
 from helpers.models.text import batch_rows, load_rows
 from helpers.models.layered import Stage, boundary_shapes, microbatch_seed, owned_layers, with_seed
@@ -263,9 +263,9 @@ class _Rank:
         return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
 
     def _checkpoint(self, stage: Stage) -> Stage:
-        """With `job.checkpointing`, every layer between the embedding and the head (the blocks, the final norm)
+        """With `job.activation_checkpointing`, every layer between the embedding and the head (the blocks, the final norm)
         recomputes its activations in backward; applied before FSDP2 shards them."""
-        if self.job.checkpointing:
+        if self.job.activation_checkpointing:
             for layer in list(stage.layers)[1:-1]:
                 checkpoint_in_place(layer)
         return stage
