@@ -403,3 +403,30 @@ def test_the_scripts_and_the_planner_take_the_new_flag_and_the_old_one():
     from helpers.plan import _parser
     for flag, value in (("--activation-checkpointing", True), ("--no-checkpointing", False)):
         assert _parser().parse_args(["--train", "--model", "llama-2-7b", flag]).checkpointing is value
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_a_job_is_keyed_by_the_catalogs_strategy_name(name):
+    """TrainJob(model, name) fills the layout the catalog's entry implies, and the layout names it back: one job,
+    whether a learner names the strategy or spells out dp, pp, data_parallel and schedule."""
+    entry = catalog_entry(name)
+    m = 1 if name == "naive" else 4
+    job = TrainJob(CFG, name, microbatches=m, batch=8)
+    assert job.strategy == name
+    assert (job.pp > 1, job.dp > 1) == (entry.pipeline, entry.data_parallel)
+    spelled = TrainJob(CFG, dp=job.dp, pp=job.pp, data_parallel=job.data_parallel, schedule=job.schedule,
+                       microbatches=m, batch=8)
+    assert spelled == job and spelled.strategy == name
+    wrong = {"pp": 1} if entry.pipeline else {"pp": 2}
+    with pytest.raises(ValueError, match=f"strategy '{name}' runs on"):
+        TrainJob(CFG, name, microbatches=m, batch=8, **wrong)
+
+
+def test_a_job_refuses_a_layout_that_names_another_strategy():
+    with pytest.raises(ValueError, match="runs data_parallel='fsdp2', not 'ddp'"):
+        TrainJob(CFG, "fsdp2", data_parallel="ddp")
+    with pytest.raises(ValueError, match="runs schedule='1f1b', not 'gpipe'"):
+        TrainJob(CFG, "1f1b", schedule="gpipe", microbatches=2)
+    with pytest.raises(ValueError, match="one-device reference|runs on one device"):
+        TrainJob(CFG, "single")
+    assert TrainJob(CFG, "dp_x_pp", schedule="gpipe", microbatches=2).schedule == "gpipe"  # any schedule inside

@@ -48,15 +48,19 @@ def as_layered(model: LayeredModel | StackConfig) -> LayeredModel:
 
 @dataclass(frozen=True)
 class TrainJob:
-    """dp replicas x pp pipeline stages; rank = replica * pp + stage. Every rank rebuilds the same seeded data and
+    """One training run, keyed by the catalog's strategy name: `TrainJob(model, "1f1b", microbatches=4)`.
+    The strategy fills the layout it implies (helpers.catalog: 2 devices per dimension, pp and dp say more); a
+    job built from the layout alone (dp, pp, data_parallel, schedule) is given the catalog name of what it runs.
+    dp replicas x pp pipeline stages; rank = replica * pp + stage. Every rank rebuilds the same seeded data and
     materialises only what it owns: its stage, or (FSDP2) its shards."""
 
     model: LayeredModel | StackConfig
-    dp: int = 1
-    pp: int = 1
-    data_parallel: str = "ddp"  # with dp > 1: ddp | zero1 | zero2 | fsdp2 (dp x pp: ddp)
+    strategy: str | None = None  # a catalog name (helpers.catalog); None: the one the layout below runs
+    dp: int | None = None  # data-parallel replicas; default: 2 for a data-parallel strategy, else 1
+    pp: int | None = None  # pipeline devices; default: 2 for a pipeline strategy, else 1
+    data_parallel: str | None = None  # with dp > 1: ddp | zero1 | zero2 | fsdp2 (dp x pp: ddp)
     boundaries: tuple[int, ...] = ()  # where stages 1.. start; () = equal layers per stage
-    schedule: str = "gpipe"  # gpipe | 1f1b | zbh1; interleaved | zbv | dualpipev: 2 stages per device (pp x 2)
+    schedule: str | None = None  # gpipe | 1f1b | zbh1; interleaved | zbv | dualpipev: 2 stages per device (pp x 2)
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
     engine: str = "ours"  # pipeline engine: ours (the interpreter) | torch (torch.distributed.pipelining)
     wire: str = "auto"  # dtype on the link: pipeline boundaries, or (dp only) DDP's gradient buckets; auto: the
@@ -82,6 +86,18 @@ class TrainJob:
     offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
     checkpoint: CheckpointSpec | None = None  # save / resume training state with DCP (helpers.training.checkpoint)
 
+    def __post_init__(self):
+        """The strategy's layout filled in, or the layout's strategy named; a layout the strategy does not run is
+        refused in the catalog's words."""
+        if self.strategy is None:
+            layout = {"dp": self.dp or 1, "pp": self.pp or 1, "data_parallel": self.data_parallel or "ddp",
+                      "schedule": self.schedule or "gpipe"}
+            layout["strategy"] = _named(layout, self.microbatches)
+        else:
+            layout = _layout_of(catalog_entry(self.strategy), self)
+        for name, value in layout.items():
+            object.__setattr__(self, name, value)
+
     @property
     def checkpointing(self) -> bool:
         """Deprecated name of `activation_checkpointing`."""
@@ -101,14 +117,6 @@ class TrainJob:
     def world(self) -> int:
         return self.dp * self.pp
 
-    @property
-    def strategy(self) -> str:
-        """The name the support matrix and the bench use."""
-        if self.pp > 1 and self.dp > 1:
-            return "dp_x_pp"
-        if self.pp > 1:
-            return "naive" if self.microbatches == 1 and self.schedule == "gpipe" else self.schedule
-        return self.data_parallel
 
     @property
     def fully_sharded(self) -> bool:
@@ -146,6 +154,42 @@ class TrainJob:
         return cfg.seq_len
 
 
+def _named(layout: dict, microbatches: int) -> str:
+    """The catalog name of a layout: DP x PP, a pipeline (the naive split: GPipe with one micro-batch), or the
+    data-parallel strategy (a one-device job keeps its data_parallel's name)."""
+    if layout["pp"] > 1 and layout["dp"] > 1:
+        return "dp_x_pp"
+    if layout["pp"] > 1:
+        return "naive" if microbatches == 1 and layout["schedule"] == "gpipe" else layout["schedule"]
+    return layout["data_parallel"]
+
+
+def _layout_of(entry: Strategy, job: "TrainJob") -> dict:
+    """The layout a catalog strategy implies, with the job's own pp and dp where it gives them (a pipeline of 3
+    stages, 4 replicas); a field that names another strategy is refused."""
+    pp = job.pp if job.pp is not None else (2 if entry.pipeline else 1)
+    dp = job.dp if job.dp is not None else (2 if entry.data_parallel else 1)
+    if entry.kind == "single" or (pp > 1) != entry.pipeline or (dp > 1) != entry.data_parallel:
+        raise ValueError(f"strategy {entry.name!r} runs on {_devices(entry)}, not pp={pp} x dp={dp}")
+    data_parallel = entry.name if entry.kind == "data_parallel" else "ddp"
+    schedule = entry.schedule or "gpipe"
+    if entry.kind == "dp_x_pp" and job.schedule is not None:
+        schedule = job.schedule  # DP x PP runs any pipeline schedule inside its replicas
+    for name, value in (("data_parallel", data_parallel), ("schedule", schedule)):
+        given = getattr(job, name)
+        if given is not None and given != value:
+            raise ValueError(f"strategy {entry.name!r} runs {name}={value!r}, not {given!r}: give one or the other")
+    if entry.name == "naive" and job.microbatches != 1:
+        raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
+                         "for micro-batches")
+    return {"pp": pp, "dp": dp, "data_parallel": data_parallel, "schedule": schedule}
+
+
+def _devices(entry: Strategy) -> str:
+    return {"pipeline": "pipeline stages (pp >= 2, dp = 1)", "data_parallel": "replicas (dp >= 2, pp = 1)",
+            "dp_x_pp": "a dp x pp mesh (both >= 2)"}.get(entry.kind, "one device")
+
+
 def check_choice(strategy: str, engine: str) -> Strategy:
     """The catalog's entry of `strategy`, refused with the choices if it is unknown, the one-device reference, or
     not run by `engine`."""
@@ -165,11 +209,7 @@ def job_for(model: LayeredModel | StackConfig, strategy: str, engine: str = "pro
     fields = renamed(fields)
     if entry.name == "naive":
         fields["microbatches"] = 1
-    layout = {"pp": 2 if entry.pipeline else 1, "dp": 2 if entry.data_parallel else 1}
-    if entry.kind == "data_parallel":
-        layout["data_parallel"] = entry.name
-    return TrainJob(model, schedule=entry.schedule or "gpipe", engine="torch" if engine == "torch" else "ours",
-                    **layout, **fields)
+    return TrainJob(model, entry.name, engine="torch" if engine == "torch" else "ours", **fields)
 
 
 def _positive(job: TrainJob) -> None:
