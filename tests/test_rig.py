@@ -145,7 +145,7 @@ def test_every_thread_that_computes_as_a_device_has_one_intra_op_thread():
 
     from helpers.bench.blocks import bench_cut, make_pipeline_run
     from helpers.models import SyntheticTokens, StackConfig, build_stack
-    from helpers.simulate.calibrate import run_together
+    from helpers.runtime.rig import run_together
 
     omp_max, before, seen = _openmp_max_threads(), torch.get_num_threads(), []
 

@@ -9,9 +9,10 @@ import pytest
 
 from helpers.facts import load_data
 from helpers.sizing.shape import model_shape
-from helpers.inference.speed import (Device, Phase, SpeedRig, allreduce_over, breakeven_latency, crossover_table,
-                                     crossovers, layer_cost, op_counts, predict_speed, speed_data, speed_rig,
-                                     speed_rig_from_doctor, speed_rigs, speed_vs_batch, split_layers)
+from helpers.inference.speed import (Phase, breakeven_latency, crossover_table, crossovers, layer_cost, op_counts,
+                                     predict_speed, speed_vs_batch, split_layers)
+from helpers.inference.speed_rigs import (Device, SpeedRig, allreduce_over, speed_data, speed_rig, speed_rig_from_doctor,
+                                          speed_rigs)
 from helpers.plan import main as plan_main
 from helpers.hardware import FREE_LINK, Link, gpu_named
 
@@ -306,7 +307,8 @@ def test_cpu_rig_micro_benchmarks_and_the_comparison(tmp_path):
     import torch
     from transformers import LlamaConfig
 
-    from helpers.inference.speed_bench import DeviceCalibration, StageForwards, compare
+    from helpers.inference.speed_bench import compare
+    from helpers.inference.speed_calibration import DeviceCalibration, StageForwards
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
@@ -352,7 +354,8 @@ def test_the_calibration_refuses_a_gpu_rig_before_any_rank_starts():
     (the doctor) before it loads, measures or launches anything (the model given here does not even exist)."""
     import torch
 
-    from helpers.inference.speed_bench import calibrate_cpu_rig, measure_engines, tensor_parallel_sample
+    from helpers.inference.speed_bench import measure_engines
+    from helpers.inference.speed_calibration import calibrate_cpu_rig, tensor_parallel_sample
     from helpers.runtime.rig import Rig
 
     gpus = Rig("two_gpus", (torch.device("cuda", 0), torch.device("cuda", 1)), ("RTX 3090",) * 2, (24 << 30,) * 2,
@@ -367,7 +370,7 @@ def test_the_calibration_refuses_a_gpu_rig_before_any_rank_starts():
 def test_the_ranks_launches_are_priced_by_their_medians_field_by_field():
     """Several launches of the all-reduce timing (one before each measurement): each field's median, the waits point
     by point, still never shrinking with more work."""
-    from helpers.inference.speed_bench import median_sample
+    from helpers.inference.speed_calibration import median_sample
 
     def launch(latency: float, waits: tuple) -> dict:
         return {"latency_s": latency, "bandwidth": 1e9, "sharded_linear_s": ((1, latency / 10), (64, latency)),
@@ -437,8 +440,8 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
 def test_cpu_rig_calibration_and_measurement_run_end_to_end(tmp_path):
     """The measured rig: micro-benchmarks (two ranks for the all-reduce and DTensor), both engines measured at two
     batches, every measured row beside its prediction. Rates only checked to be rates: the machine is shared."""
-    from helpers.inference.speed_bench import (calibrate_cpu_rig, compare, error_summary, measure_engines,
-                                               save_model)
+    from helpers.inference.speed_bench import compare, error_summary, measure_engines, save_model
+    from helpers.inference.speed_calibration import calibrate_cpu_rig
     from helpers.runtime.rig import cpu_rig
 
     rig = cpu_rig(threads=1)

@@ -6,6 +6,8 @@ process) limited to one intra-op thread, so a 2-core laptop really behaves like 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence, TypeVar
 
@@ -166,6 +168,33 @@ def device_thread(fn: Callable[[], T], device: torch.device | None = None, index
         return fn()
 
     return run
+
+
+def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
+    """Each of `work` in a thread of its own, as CPU virtual devices, all released at once; the seconds each took
+    (what the simulator's and the speed bench's calibrations time on both devices at once)."""
+    return [wall for wall, _ in run_together_with_cpu(work)]
+
+
+def run_together_with_cpu(work: Sequence[Callable[[], object]]) -> list[tuple[float, float]]:
+    """`run_together`, each work's (wall seconds, its thread's CPU seconds): the difference is what the thread
+    waited (on the CPU rig, for the interpreter lock the device threads of one process share)."""
+    took = [(0.0, 0.0)] * len(work)
+    start = threading.Barrier(len(work))
+
+    def timed(i: int) -> None:
+        start.wait()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        work[i]()
+        took[i] = (time.perf_counter() - t0, time.thread_time() - c0)
+
+    cpu, n = torch.device("cpu"), len(work)
+    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i), cpu, i, n)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return took
 
 
 def _usable_core_ids() -> list[int]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from helpers.sizing.ledger import MemoryLedger, ledger_for
 from helpers.profile import Profile, profile_layers
-from helpers.runtime.rig import device_thread
+from helpers.runtime.rig import run_together
 from helpers.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.simulate.workload import Workload
 
@@ -315,35 +315,6 @@ def typical_slowdown(ratios: Sequence[float]) -> float:
     if not ratios:
         raise ValueError("no rounds measured")
     return statistics.median(ratios)
-
-
-def run_together(work: Sequence[Callable[[], object]]) -> list[float]:
-    """Each of `work` in a thread of its own, as CPU virtual devices (what the calibration's runs together time),
-    all released at once; the seconds each took."""
-    return [wall for wall, _ in run_together_with_cpu(work)]
-
-
-def run_together_with_cpu(work: Sequence[Callable[[], object]]) -> list[tuple[float, float]]:
-    """`run_together`, each work's (wall seconds, its thread's CPU seconds): the difference is what the thread
-    waited (on the CPU rig, for the interpreter lock the device threads of one process share)."""
-    import threading
-
-    took = [(0.0, 0.0)] * len(work)
-    start = threading.Barrier(len(work))
-
-    def timed(i: int) -> None:
-        start.wait()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        work[i]()
-        took[i] = (time.perf_counter() - t0, time.thread_time() - c0)
-
-    cpu, n = torch.device("cpu"), len(work)
-    threads = [threading.Thread(target=device_thread(lambda i=i: timed(i), cpu, i, n)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return took
 
 
 def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
