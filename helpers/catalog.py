@@ -103,6 +103,21 @@ def strategy(name: str) -> Strategy:
     return _BY_NAME[name]
 
 
+def devices(entry: Strategy, pp: int | None = None, dp: int | None = None, microbatches: int = 1) -> tuple[int, int]:
+    """The pipeline devices and data-parallel replicas `entry` runs on: 2 in each dimension it uses unless given, 1
+    in each it does not (anything else refused), and the naive split with one micro-batch."""
+    pp = pp if pp is not None else (2 if entry.pipeline else 1)
+    dp = dp if dp is not None else (2 if entry.data_parallel else 1)
+    for name, value, used in (("pp", pp, entry.pipeline), ("dp", dp, entry.data_parallel)):
+        if not used and value != 1:
+            raise ValueError(f"{entry.name} has no {'pipeline' if name == 'pp' else 'data parallelism'}: {name} "
+                             f"must be 1, got {value!r}")
+    if entry.name == "naive" and microbatches != 1:
+        raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' for "
+                         "micro-batches")
+    return pp, dp
+
+
 def names(kind: str | None = None, trained: bool | None = None, notebook: str | None = None) -> tuple[str, ...]:
     """Catalog names in catalog order, optionally of one kind, only those `train()` runs (`trained=True`), or those
     one notebook teaches."""

@@ -301,10 +301,6 @@ def hf_layers(model: nn.Module) -> HFLayers:
 
 # --- a saved model, loaded layer by layer -------------------------------------------------------------------------
 
-def _torch_dtype(value) -> torch.dtype | None:
-    return getattr(torch, value) if isinstance(value, str) else value
-
-
 def _checkpoint_index(path: Path) -> dict[str, str]:
     """Tensor name -> safetensors file, for one file or a sharded checkpoint (its index json)."""
     index = path / "model.safetensors.index.json"
@@ -423,7 +419,8 @@ class HFModel:
 
     @property
     def weights_dtype(self) -> torch.dtype:
-        return self.dtype or _torch_dtype(getattr(self.config, "dtype", None)) or torch.float32
+        stored = getattr(self.config, "dtype", None)  # a torch.dtype, or its name in an older config
+        return self.dtype or (getattr(torch, stored) if isinstance(stored, str) else stored) or torch.float32
 
     @property
     def vocab_size(self) -> int:
@@ -538,12 +535,10 @@ def save_hf_model(config, directory: str | Path, seed: int = 0, attn_implementat
 
 
 def enable_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each decoder layer's activations in backward, non-reentrant (what PyTorch recommends). transformers
-    renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable` (the old name warns, and goes in
-    v6): this calls the one the installed version has."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    """Recompute each decoder layer in backward, non-reentrant, by the name the installed transformers has
+    (`gradient_checkpointing_enable` warns from 5.x on and goes in v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -28,12 +28,11 @@ plus the peak of activations held by in-flight micro-batches, walked in the orde
 from __future__ import annotations
 
 import math
-import warnings
 
 from dataclasses import dataclass, field
 
 from helpers.sizing.ledger import DeviceMemory
-from helpers.catalog import CATALOG, strategy as catalog_entry
+from helpers.catalog import CATALOG, devices, strategy as catalog_entry
 from helpers.partition import optimal_split
 from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout_of, make_schedule,
                                        split_backwards)
@@ -77,21 +76,13 @@ class Job:
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
 
     def __post_init__(self):
-        entry = catalog_entry(self.strategy)  # refuses an unknown name
-        for name, used in (("pp", entry.pipeline), ("dp", entry.data_parallel)):
-            value = getattr(self, name)
-            if value is None:
-                object.__setattr__(self, name, 2 if used else 1)
-            elif not used and value != 1:
-                raise ValueError(f"{self.strategy} has no {'pipeline' if name == 'pp' else 'data parallelism'}: "
-                                 f"{name} must be 1, got {value!r}")
+        pp, dp = devices(catalog_entry(self.strategy), self.pp, self.dp, self.microbatches)
+        object.__setattr__(self, "pp", pp)
+        object.__setattr__(self, "dp", dp)
         for what, value in (("global batch", self.batch), ("micro-batch count", self.microbatches),
                             ("pipeline device count pp", self.pp), ("replica count dp", self.dp)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"the {what} must be a whole number >= 1, got {value!r}")
-        if self.strategy == "naive" and self.microbatches != 1:
-            raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
-                             "for micro-batches")
         recompute = self.activation_checkpointing
         if not isinstance(recompute, bool) and (not isinstance(recompute, tuple) or any(
                 not isinstance(i, int) or i < 0 for i in recompute)):
@@ -108,12 +99,6 @@ class Job:
             if self.dp > 1:
                 split = f"{self.dp} replicas x {split}"
             raise ValueError(f"global batch {self.batch} is not divisible by {split}")
-
-    @property
-    def checkpointing(self) -> bool | tuple[int, ...]:
-        """Deprecated name of `activation_checkpointing`."""
-        warnings.warn("Job.checkpointing is now Job.activation_checkpointing", DeprecationWarning, stacklevel=2)
-        return self.activation_checkpointing
 
     @property
     def entry(self):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from helpers.catalog import DATA_PARALLEL, TRAINED, Strategy, strategy as catalog_entry
+from helpers.catalog import DATA_PARALLEL, TRAINED, Strategy, devices, strategy as catalog_entry
 from helpers.sizing.state import training_state_bytes, zero_formula
 from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
@@ -167,8 +167,7 @@ def _named(layout: dict, microbatches: int) -> str:
 def _layout_of(entry: Strategy, job: "TrainJob") -> dict:
     """The layout a catalog strategy implies, with the job's own pp and dp where it gives them (a pipeline of 3
     stages, 4 replicas); a field that names another strategy is refused."""
-    pp = job.pp if job.pp is not None else (2 if entry.pipeline else 1)
-    dp = job.dp if job.dp is not None else (2 if entry.data_parallel else 1)
+    pp, dp = devices(entry, job.pp, job.dp, job.microbatches)
     if entry.kind == "single" or (pp > 1) != entry.pipeline or (dp > 1) != entry.data_parallel:
         raise ValueError(f"strategy {entry.name!r} runs on {_devices(entry)}, not pp={pp} x dp={dp}")
     data_parallel = entry.name if entry.kind == "data_parallel" else "ddp"
@@ -179,9 +178,6 @@ def _layout_of(entry: Strategy, job: "TrainJob") -> dict:
         given = getattr(job, name)
         if given is not None and given != value:
             raise ValueError(f"strategy {entry.name!r} runs {name}={value!r}, not {given!r}: give one or the other")
-    if entry.name == "naive" and job.microbatches != 1:
-        raise ValueError("the naive split runs the whole batch at once (microbatches=1); use 'gpipe' or '1f1b' "
-                         "for micro-batches")
     return {"pp": pp, "dp": dp, "data_parallel": data_parallel, "schedule": schedule}
 
 
