@@ -16,6 +16,12 @@ def _sync() -> None:
             torch.cuda.synchronize(i)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a GPU runs its kernels after the host moves on); a CPU has none."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Timings(dict):
     """Median seconds by name (a plain dict of medians), with every timed sample kept in `samples`: how much a
     median can be trusted is in the spread of what it was taken from (`relative_spread`)."""

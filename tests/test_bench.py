@@ -10,7 +10,8 @@ from helpers.bench.report import display_rows, misses, timeline_name
 from helpers.bench.rows import BenchRow, Progress, default_config
 from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
-from helpers.simulate.calibrate import RigModel, links_from_samples, typical_slowdown
+from helpers.simulate.calibrate import RigModel, links_from_samples
+from helpers.simulate.calibrate_model import typical_slowdown
 from helpers.hardware import Collectives
 
 F, B = 0.25, 0.5  # per sample and layer: binary fractions, so every sum below is exact
@@ -265,7 +266,7 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
 def test_a_pipelines_receive_posts_timed_in_its_own_launches_price_it():
     """What posting a receive cost inside a row's launches (`WholeModelTimer.add_receive_posts`, after the jobs) is
     what its prediction charges: their median, in place of the link calibration's one reading."""
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     timer = WholeModelTimer(torch.nn.Linear(2, 2), torch.zeros(4, 2), torch.zeros(4, 2), torch.nn.functional.mse_loss)
     pipe, other = ("gpipe", "ours", "gpipe", 2, True), ("ddp", "dp", "auto")
@@ -314,7 +315,7 @@ def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones()
 def test_a_rows_calibration_is_the_whole_model_timed_with_that_row():
     """Samples taken under a key calibrate that key's row alone; a key without samples falls back to all of them."""
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     cfg = StackConfig(hidden=32, n_blocks=1, seq_len=8, vocab=32)
     x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)
@@ -338,7 +339,7 @@ def test_the_calibration_and_the_baseline_count_activations_as_the_engines_do():
     from helpers.bench import one_device_step
     from helpers.sizing.ledger import ledger_for, measure_step_memory
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     cfg = StackConfig(hidden=32, n_blocks=2, seq_len=8, vocab=32)
     x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)
@@ -357,7 +358,7 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
     """Two copies timed at once under a key, over the same key's samples alone at that size, give that key's
     slowdown (never below 1); without them the rig's own figure stays."""
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     cfg = StackConfig(hidden=32, n_blocks=1, seq_len=8, vocab=32)
     x, y = SyntheticTokens(4, cfg.seq_len, cfg.vocab).batch(0, 4)

@@ -98,7 +98,7 @@ def test_a_split_backward_pays_its_measured_overhead_in_the_weight_pass():
     input needs a gradient costs that share of the stage's backward more; the first stage's weight pass (its whole
     backward, one autograd call) and every schedule without split backwards cost the same as before."""
     from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
-    from helpers.simulate.calibrate import split_backward_overhead
+    from helpers.simulate.calibrate_model import split_backward_overhead
 
     work = Workload.from_lists([F] * 4, [B] * 4, params=[1] * 4, output=[1.0] * 4)
     costly = replace(work, split_overhead=0.25)

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     config = default_config("quick" if ns.quick else "precise" if ns.precise else "default", rig)
     print(rig.describe(), flush=True)
     from helpers.models import SyntheticTokens, build_stack
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate import measure_rig
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     tx, ty = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     timer = WholeModelTimer(build_stack(config.cfg).to(rig.devices[0]), tx.to(rig.devices[0]), ty.to(rig.devices[0]),

@@ -47,7 +47,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
     from helpers.models import SyntheticTokens, build_stack, nonuniform_config
     from helpers.partition import compare_splits
     from helpers.profile import profile_layers
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("splits of a non-uniform model (notebook 02)")
@@ -96,7 +96,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
     variants = {"none": [], **{f"every {k}": every_kth(blocks, k) for k in (4, 2, 1)}}
     runs = [make_pipeline_run(name, checkpoint_layers(model, which), [len(model) // 2], rig.devices, rig.labels,
                               "gpipe", m) for name, which in variants.items()]
-    from helpers.simulate.calibrate import WholeModelTimer, measure_workload
+    from helpers.simulate.calibrate_model import WholeModelTimer, measure_workload
 
     timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
     calibration = calibration_samplers(timer, batch // m, rig)

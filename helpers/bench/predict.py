@@ -62,7 +62,7 @@ def calibrate(model: nn.Module, x, y, sizes: Sequence[int], progress: Progress, 
               timer=None) -> dict:
     """{micro-batch size: Calibrated} for `model` on this rig (helpers.simulate.calibrate.measure_workload), with
     the whole model's times from `timer` where it sampled that size (between the rows' measurements)."""
-    from helpers.simulate.calibrate import measure_workload
+    from helpers.simulate.calibrate_model import measure_workload
 
     out = {}
     bar = progress.bar(len(sizes), "profiles")

@@ -203,7 +203,7 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     """One device, without an optimizer and with Adam, timed in the same interleaved rounds as the threaded
     pipelines; its activation peak as its ledger counts it. Returns the timings, the two rows and a
     `LaunchReference` that times the same one-device step again just before and after each multi-process launch."""
-    from helpers.simulate.calibrate import optimizer_seconds
+    from helpers.simulate.calibrate_model import optimizer_seconds
 
     rec = Recorder(0, x.device)  # CUDA events on GPUs: kernel time, not launch time
     adam_model = copy.deepcopy(model)
@@ -232,7 +232,7 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
 def _caller_seconds(run: PipelineRun) -> float:
     """What `PipelineRun.step` does in the calling thread around the pipeline: zero_grad and the optimizer's step
     (SGD with lr=0 here), measured."""
-    from helpers.simulate.calibrate import optimizer_seconds
+    from helpers.simulate.calibrate_model import optimizer_seconds
 
     return optimizer_seconds(run.optimizer, zero_grad=True) + optimizer_seconds(run.optimizer)
 
@@ -450,7 +450,8 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
 
     from helpers.models import SyntheticTokens, build_stack
     from helpers.runtime.launch import rank_device
-    from helpers.simulate.calibrate import WholeModelTimer, receive_post_seconds
+    from helpers.simulate.calibrate import receive_post_seconds
+    from helpers.simulate.calibrate_model import WholeModelTimer
     from helpers.training.loop import train_workers
 
     results = train_workers(jobs)

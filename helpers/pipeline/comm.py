@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.dtypes import DTYPES, NAMES
+from helpers.measure import synchronize
 from helpers.runtime.strict import plain_backend
 
 SENDABLE = NAMES  # every floating format the course names can carry activations and gradients
@@ -93,11 +94,6 @@ def default_sizes(max_bytes: int = 64 * 2**20) -> list[int]:
     return sizes
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) -> None:
     """One message as the process engine sends it: one `batch_isend_irecv` on the rank's device (NCCL), or staged
     through host memory when the backend is gloo (the CPU rig; two ranks sharing one GPU)."""
@@ -107,7 +103,7 @@ def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) 
         work.wait()
     if not sending and wire is not buf:
         buf.copy_(wire)
-    _sync(device)
+    synchronize(device)
 
 
 def timed_across_ranks(fn, repeats: int, device: torch.device) -> float:
@@ -116,10 +112,10 @@ def timed_across_ranks(fn, repeats: int, device: torch.device) -> float:
     times = []
     for r in range(repeats + 1):
         dist.barrier()
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         if r:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)

@@ -1,320 +1,30 @@
 """Calibrate the simulator on the rig you have: every figure it needs, measured here and now.
 
-- `measure_workload(model, x, y, microbatch)`: the per-layer profile (`helpers.profile.profile_layers`) at the
-  micro-batch size a run will use, rescaled to the whole model's measured forward and backward time per
-  micro-batch (`Calibrated`: the workload, the profile it came from, and the factor between them).
+- the model's costs (`helpers.simulate.calibrate_model`: `measure_workload`, `WholeModelTimer`, `optimizer_seconds`,
+  `whole_model_seconds`; importable from here too);
 - `measure_rig(rig, ...)`: the links the engines use (`helpers.pipeline.comm.link_benchmark`: point-to-point and
   all-reduce, fitted as latency + bytes / bandwidth), the other collectives FSDP2 and ZeRO-1 use (all-gather,
   reduce-scatter, broadcast: on gloo they do not cost what the ring's formulas say), and on the CPU rig how much
   slower two virtual devices compute when both are busy, as threads of one process and as two processes
   (`SharedCores`).
-- `optimizer_seconds(optimizer)`: one optimizer step, measured.
-
-Why the rescale: the profile runs each layer alone, over and over, so the layer's weights stay in cache; a training
-step streams every layer's weights and gradients through memory once per micro-batch. At large micro-batches the two
-agree; at small ones the whole model is slower than the sum of its layers (measured by `measure_workload`, shown
-as `stream_factor`). The profile still gives the shape (which layers cost what, the bytes they save and send).
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from helpers.sizing.ledger import MemoryLedger, ledger_for
-from helpers.profile import Profile, profile_layers
-from helpers.runtime.rig import run_together
 from helpers.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
+from helpers.measure import synchronize
+from helpers.runtime.rig import run_together
+from helpers.simulate.calibrate_model import copy_seconds_per_byte, split_backward_overhead, typical_slowdown
+from helpers.simulate.calibrate_model import (WholeModelTimer, measure_workload, optimizer_seconds,  # noqa: F401
+                                              whole_model_seconds)  # what notebooks imported from here
 from helpers.simulate.workload import Workload
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:
-    times = []
-    for r in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-@dataclass(frozen=True)
-class Calibrated:
-    """A model's costs at one micro-batch size on this rig: `workload` (per sample, ready for `simulate`), the
-    per-layer `profile` it was shaped by, and the whole model's measured seconds per micro-batch."""
-
-    microbatch: int
-    workload: Workload
-    profile: Profile
-    forward_s: float  # whole model, one micro-batch, measured
-    backward_s: float
-
-    @property
-    def stream_factor(self) -> float:
-        """Whole-model time / sum of the per-layer profile: what streaming the weights costs at this size."""
-        return (self.forward_s + self.backward_s) / sum(self.profile.costs("time"))
-
-
-def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                        repeats: int = 4) -> tuple[float, float]:
-    """Median forward and backward seconds of one micro-batch (`x`, `y`) through the whole model, gradients
-    accumulating as in a training step with micro-batches."""
-    device = x.device
-    fwd, bwd = [], []
-    for r in range(1 + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        t2 = time.perf_counter()
-        if r:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    model.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
-
-
-class WholeModelTimer:
-    """The whole model's forward and backward at micro-batch sizes, timed one micro-batch at a time whenever asked:
-    between the measurements a calibration is for, so that both see the same machine (a shared or virtual machine's
-    speed drifts by several percent over minutes; measured on the course's CPU rig). A sample taken with a `key`
-    also counts for that key alone: e.g. the samples around one bench row's launches, which calibrate that row for
-    the minutes it ran (on the course's CPU rig the same forward and backward took a median 1.30 s over one
-    half-minute and 1.13 s a minute later). On the CPU rig it can also time two copies of the model at once, in two
-    threads (`sample_together`): how much slower the virtual devices compute while both are busy in those same
-    minutes (`slowdown`), as the compute speed is: measured once per run, minutes away from the rows, it read 1.06x
-    in a run whose threaded pipelines computed 10-24% slower than simulated. Each forward runs as the engines run
-    theirs, with a memory ledger counting what autograd saves (`_loss`)."""
-
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
-        self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
-        self.samples: dict[int, list[tuple[float, float]]] = {}
-        self.keyed: dict[tuple[Hashable, int], list[tuple[float, float]]] = {}
-        self.together: dict[tuple[Hashable, int], list[float]] = {}  # seconds per copy, both copies at once
-        self.twin: nn.Module | None = None  # the second copy, made on the first `sample_together`
-        self.ledgers: dict[int, MemoryLedger] = {}  # by id() of the copy it counts for
-        self.receive_posts: dict[Hashable, list[float]] = {}  # seconds a receive's post took, by key
-
-    def _microbatch(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 1 <= microbatch <= self.x.shape[0]:
-            raise ValueError(f"micro-batch {microbatch} must be between 1 and the {self.x.shape[0]} samples given")
-        return self.x[:microbatch], self.y[:microbatch]
-
-    def _loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The forward pass (and loss) of `model` (this timer's model or its twin) as every engine the bench times
-        runs it: inside its memory ledger's `track_activations`, whose hook handles each tensor autograd saves (205
-        per forward of the bench's model: 2.7 ms, 5% of its forward at micro-batch 4 on the course's CPU rig)."""
-        if id(model) not in self.ledgers:
-            self.ledgers[id(model)] = ledger_for([model], ["model"])
-        with self.ledgers[id(model)].track_activations("model"):
-            return self.loss_fn(model(x), y)
-
-    def sample(self, microbatch: int, key: Hashable | None = None, keys: Sequence[Hashable] = ()) -> None:
-        """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
-        with `key` (or `keys`: jobs of one launch at this size), also kept as one of that key's samples."""
-        xb, yb, device = *self._microbatch(microbatch), self.x.device
-        if microbatch not in self.samples:  # the first call at a size warms up, untimed
-            self.samples[microbatch] = []
-            self._loss(self.model, xb, yb).backward()
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = self._loss(self.model, xb, yb)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        timed = (t1 - t0, time.perf_counter() - t1)
-        self.samples[microbatch].append(timed)
-        for k in ([key] if key is not None else []) + list(keys):
-            self.keyed.setdefault((k, microbatch), []).append(timed)
-
-    def sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
-        return lambda: self.sample(microbatch, key)
-
-    def seconds(self, microbatch: int, key: Hashable | None = None) -> tuple[float, float] | None:
-        """Median forward and backward seconds at `microbatch` (of `key`'s samples, where it has any; otherwise
-        of all), or None before any sample."""
-        got = self.keyed.get((key, microbatch)) if key is not None else None
-        got = got or self.samples.get(microbatch)
-        if not got:
-            return None
-        return statistics.median(f for f, _ in got), statistics.median(b for _, b in got)
-
-    def sample_together(self, microbatch: int, key: Hashable | None = None) -> None:
-        """Time forward and backward of one micro-batch on this model and on a copy of it at once, in two threads
-        released together (as two virtual devices of the CPU rig compute side by side); kept under `key`."""
-        import copy
-
-        xb, yb = self._microbatch(microbatch)
-        if self.twin is None:
-            self.twin = copy.deepcopy(self.model)
-        work = [lambda m=m: self._loss(m, xb, yb).backward() for m in (self.model, self.twin)]
-        if (key, microbatch) not in self.together:  # the first call warms both copies up, untimed
-            self.together[(key, microbatch)] = []
-            run_together(work)
-        self.together[(key, microbatch)].extend(run_together(work))
-
-    def add_together(self, microbatch: int, seconds: Sequence[float], keys: Sequence[Hashable]) -> None:
-        """Seconds of one micro-batch's forward and backward, each timed with another copy computing at once
-        somewhere else (the bench's two ranks, inside the launch that ran `keys`), kept under each of `keys`."""
-        for key in keys:
-            self.together.setdefault((key, microbatch), []).extend(seconds)
-
-    def add_receive_posts(self, seconds: float, keys: Sequence[Hashable]) -> None:
-        """What posting a receive cost a rank while both ranks computed (`receive_post_seconds`), measured inside the
-        launch that ran `keys` (the bench's two ranks, after its jobs), kept under each of `keys`: like the compute's
-        speed, it moves from minute to minute, and ranks that have run jobs read it higher than fresh ones (on the
-        course's CPU rig, six bench runs: 1.54-2.03 ms in the pipelines' launches, 0.78-1.37 ms in the link
-        calibration's fresh processes beside them)."""
-        for key in keys:
-            self.receive_posts.setdefault(key, []).append(seconds)
-
-    def receive_post_s(self, key: Hashable) -> float | None:
-        """The median of `key`'s receive posts (`add_receive_posts`), or None where none was measured."""
-        got = self.receive_posts.get(key)
-        return statistics.median(got) if got else None
-
-    def together_sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
-        return lambda: self.sample_together(microbatch, key)
-
-    def slowdown(self, key: Hashable | None = None) -> float | None:
-        """How much slower one copy computed while both ran at once than alone, from the samples under `key`
-        (the median of each together-time over the median alone-time at its micro-batch size; at least 1), or None
-        without both kinds of samples."""
-        ratios = []
-        for (k, microbatch), together in self.together.items():
-            alone = self.seconds(microbatch, key) if k == key else None
-            ratios += [t / sum(alone) for t in together] if alone else []
-        return max(1.0, typical_slowdown(ratios)) if ratios else None
-
-
-def measure_workload(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, microbatch: int,
-                     repeats: int = 3, recipe: str = "fp32 + Adam", optimizer_s: float = 0.0,
-                     whole: tuple[float, float] | None = None) -> Calibrated:
-    """Profile `model` layer by layer at `microbatch` samples (the first rows of `x`, `y`) and rescale the profile
-    to the whole model's measured forward and backward at that size (`whole`: seconds measured already, e.g. by a
-    `WholeModelTimer` between the runs being predicted; otherwise measured now)."""
-    if not 1 <= microbatch <= x.shape[0]:
-        raise ValueError(f"micro-batch {microbatch} must be between 1 and the {x.shape[0]} samples given")
-    xb, yb = x[:microbatch], y[:microbatch]
-    profile = profile_layers(model, xb, repeats=repeats, loss_fn=loss_fn, target=yb)
-    model.zero_grad(set_to_none=True)
-    forward_s, backward_s = whole or whole_model_seconds(model, xb, yb, loss_fn, repeats + 1)
-    base = with_tensor_counts(Workload.from_profile(profile, recipe, optimizer_s), model)
-    return Calibrated(microbatch, base.rescaled(forward_s / microbatch, backward_s / microbatch), profile, forward_s,
-                      backward_s)
-
-
-def with_tensor_counts(workload: Workload, model: nn.Module) -> Workload:
-    """`workload` with each layer's count of parameter tensors taken from `model`'s layers (what is sent tensor by
-    tensor, as ZeRO-1 broadcasts parameters, pays one latency per tensor)."""
-    from helpers.pipeline.stages import as_layers
-
-    layers = as_layers(model)
-    if len(layers) != len(workload.layers):
-        raise ValueError(f"the model has {len(layers)} layers, the workload {len(workload.layers)}")
-    return replace(workload, layers=tuple(replace(cost, tensors=max(1, len(list(layer.parameters()))))
-                                          for cost, layer in zip(workload.layers, layers)))
-
-
-def optimizer_seconds(optimizer: torch.optim.Optimizer, repeats: int = 5, zero_grad: bool = False) -> float:
-    """Median seconds of `optimizer.step()` (or of `zero_grad(set_to_none=False)`) on its current gradients;
-    parameters without a gradient get zeros first, so the step does its full work."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    device = params[0].device
-    fn = (lambda: optimizer.zero_grad(set_to_none=False)) if zero_grad else optimizer.step
-    return _median_time(fn, repeats, device)
-
-
-def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """Seconds per byte of `dst.copy_(src)` on `device` (`nbytes` copied): the memory copies the data-parallel
-    engines make into and out of their communication buffers cost this much on the device's own compute."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return _median_time(lambda: dst.copy_(src), repeats, device) / nbytes
-
-
-def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                            rounds: int = 7) -> float:
-    """What splitting a backward costs beyond a plain one (`Workload.split_overhead`): on the second half of `model`'s
-    layers, a pipeline's last stage (its input, the first half's output, needs a gradient, as every stage's but the
-    first does), for one micro-batch (`x`, `y`), each round times (on a CPU in CPU seconds) a plain backward and
-    then the zero-bubble engines' input pass plus weight pass, each after its own forward (the split one run layer by
-    layer, as the engines run it: `helpers.pipeline.split_backward.forward_cut`); the median of the rounds' ratios,
-    minus 1, never below 0 (the two halves compute exactly a plain backward's FLOPs: what is left is the host work
-    of their autograd calls and each weight gradient reading its saved tensors a second time)."""
-    from helpers.pipeline.split_backward import backward_input_cut, forward_cut
-    from helpers.pipeline.stages import as_layers
-
-    layers = as_layers(model)
-    cut = max(1, len(layers) // 2)
-    rest = list(layers[cut:])
-    with torch.no_grad():
-        h = x
-        for layer in layers[:cut]:
-            h = layer(h)
-    pieces = [(layer, list(layer.parameters())) for layer in rest]
-    last, last_weights = pieces[-1]
-    pieces[-1] = (lambda t: loss_fn(last(t), y), last_weights)
-
-    def plain() -> Callable[[], object]:
-        out = h.detach().requires_grad_()
-        for layer in rest:
-            out = layer(out)
-        return loss_fn(out, y).backward
-
-    def split() -> Callable[[], object]:
-        cuts = forward_cut(pieces, h.detach().requires_grad_())
-        return lambda: backward_input_cut(cuts, torch.ones_like(cuts[-1].out))[1].run()
-
-    # on a CPU the work itself, in the thread's CPU seconds: what other processes on the cores take is not in it
-    clock = time.thread_time if x.device.type == "cpu" else time.perf_counter
-
-    def timed(forward: Callable[[], Callable[[], object]]) -> float:
-        backward = forward()
-        _sync(x.device)
-        t0 = clock()
-        backward()
-        _sync(x.device)
-        return clock() - t0
-
-    ratios = []
-    for r in range(1 + rounds):  # the first round warms both up
-        plain_s, split_s = timed(plain), timed(split)
-        if r and plain_s > 0:
-            ratios.append(split_s / plain_s)
-    model.zero_grad(set_to_none=True)
-    return max(0.0, statistics.median(ratios) - 1) if ratios else 0.0
-
-
-# --- the rig ---------------------------------------------------------------------------------------------------------
-
-def typical_slowdown(ratios: Sequence[float]) -> float:
-    """The busy-core slowdown from rounds of (together / alone) ratios: their median. Each ratio divides two noisy
-    times, and on a shared or virtual machine either can be disturbed: measured on the course's 2-core CPU rig,
-    single rounds ranged from 0.70 to 1.40 around a median of 1.05 (processes) and 0.92 to 1.20 around 1.13
-    (threads). The smallest ratio, used before, picks the round whose "alone" was slowed and made every
-    two-device prediction 5-25% too fast."""
-    if not ratios:
-        raise ValueError("no rounds measured")
-    return statistics.median(ratios)
 
 
 def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
@@ -451,7 +161,7 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
             dist.barrier()
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            synchronize(device)
             if r:
                 times[name].append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
@@ -498,7 +208,7 @@ def receive_post_seconds(model: nn.Module, x: torch.Tensor, posts: int = RECEIVE
         pending = works[:-1]
     for work in pending:
         work.wait()
-    _sync(device)
+    synchronize(device)
     mean = torch.tensor([total / posts], dtype=torch.float64, device=device)  # NCCL: cuda tensors only
     dist.all_reduce(mean)
     return float(mean) / dist.get_world_size()
@@ -524,10 +234,10 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def step() -> float:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         loss_fn(model(x), y).backward()
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - t0
 
     step()
