@@ -184,7 +184,7 @@ def receive_post_seconds(model: nn.Module, x: torch.Tensor, posts: int = RECEIVE
     seconds of the posts over both ranks. On the CPU rig gloo's post took 2.3-2.8 ms on average inside the bench's
     GPipe, 0.25 ms of it on the CPU, the rest blocked (likely on the connection's lock, which its transport thread
     holds while it reads and writes and which competes for the busy cores; not shown); NCCL only enqueues on the
-    stream. The mean moves from launch to launch: 0.24-1.82 ms in six launches of 40 posts (2026-12-06)."""
+    stream. The mean moves from launch to launch: 0.24-1.82 ms in six launches of 40 posts."""
     import torch.distributed as dist
 
     from helpers.runtime.strict import plain_backend
