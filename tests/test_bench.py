@@ -7,7 +7,8 @@ from helpers.bench import bench_cut
 from helpers.bench.cli import main as bench_main
 from helpers.bench.predict import microbatch_size, predict_row, simulation_job
 from helpers.bench.report import display_rows, misses, timeline_name
-from helpers.bench.rows import BenchRow, Progress, default_config
+from helpers.bench.jobs import default_config
+from helpers.bench.rows import BenchRow, Progress
 from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples
@@ -41,7 +42,7 @@ def test_prediction_of_a_pipeline_row_is_the_schedule_plus_the_callers_work():
 
 
 def test_every_schedule_past_1f1b_runs_as_many_passes_a_device_as_1f1b_and_fills_its_stages():
-    from helpers.bench.rows import default_config, schedule_microbatches
+    from helpers.bench.jobs import schedule_microbatches
     from helpers.catalog import BEYOND_1F1B
     from helpers.pipeline.schedules import chunks_of
     from helpers.runtime.rig import detect_rig
@@ -392,7 +393,7 @@ def test_the_busy_core_slowdown_is_timed_with_the_rows_it_predicts():
 def test_the_bench_leaves_out_what_the_rig_refuses():
     """On one GPU the bench queued torch's pipelining and FSDP2 unconditionally; the support check refused them
     there and the whole run stopped with nothing written. It now leaves them out, with the reason."""
-    from helpers.bench.rows import PROCESS_ROWS, bench_refusals
+    from helpers.bench.jobs import PROCESS_ROWS, bench_refusals
     from helpers.training.support import reference_rigs
 
     rigs = reference_rigs()
@@ -422,7 +423,8 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     always first; its timed steps, phases and CPU seconds pooled over the launches."""
     from types import SimpleNamespace
 
-    from helpers.bench.rows import dp_x_pp_rows, launch_groups, run_in_rounds, two_rank_jobs
+    from helpers.bench.jobs import two_rank_jobs
+    from helpers.bench.rows import dp_x_pp_rows, launch_groups, run_in_rounds
     from helpers.training.support import reference_rigs
 
     config = default_config("default", reference_rigs()["CPU (2 cores)"])

@@ -129,7 +129,7 @@ def test_every_strategy_the_cpu_rig_runs_reaches_the_doctor_and_the_bench():
     every strategy and engine the CPU rig supports has a parity check of the doctor and a row of the bench's
     --precise run (threads: a pipeline timed in the bench's process; processes and torch: a job). The lists are
     computed; nothing runs."""
-    from helpers.bench.rows import bench_engine, bench_jobs, default_config, threaded_pipelines
+    from helpers.bench.jobs import bench_engine, bench_jobs, default_config, threaded_pipelines
     from helpers.doctor.engines import plan_checks, strategy_checks
     from helpers.training.support import support
 

@@ -2,7 +2,8 @@
 
 What notebooks import is here (`blocks`); the command line `python -m helpers.bench` is apart:
 - `blocks`: a one-device step, pipelines ready to time, interleaved timing, table rows, the machine's load;
-- `rows`: what a bench run measures and how (threads in interleaved rounds, processes in interleaved launches);
+- `jobs`: what a bench run measures (its size by mode, its jobs derived from the catalog and the support matrix);
+- `rows`: how it measures them (threads in interleaved rounds, processes in interleaved launches);
 - `predict`: each row's simulated step, calibrated in the same run, and the errors;
 - `extras`: notebook 02's splits, notebook 03's checkpointing sweep, the split backward's cost;
 - `report`: the printed table, bench.json, the comparison with a previous run;

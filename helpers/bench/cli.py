@@ -9,85 +9,120 @@ from helpers.bench.records import command_line, keep, source_state
 from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
                                   compare_runs, describe_against, describe_launch_to_launch, display_rows,
                                   launch_to_launch, misses, row_dicts, write_results)
-from helpers.bench.rows import Progress, bench_refusals, default_config, run_bench
+from helpers.bench.jobs import bench_refusals, default_config
+from helpers.bench.rows import Progress, run_bench
 from helpers.models import lm_loss
 from helpers.timeline import PHASES
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser():
+    """The bench's flags."""
     import argparse
 
-    from helpers.report import table
-    from helpers.runtime.rig import detect_rig
-    from helpers.simulate.calibrate import measure_rig
-
-    parser = argparse.ArgumentParser(prog="python -m helpers.bench",
-                                     description="Every strategy side by side on this rig, in one run, each with the "
-                                                 "simulator's prediction calibrated in the same run. The default run: "
-                                                 "5 interleaved rounds of the threaded rows, every two-rank job in one "
-                                                 "launch per round (FSDP2 in one of its own), 2 rounds in opposite "
-                                                 "orders of 2 timed steps and the recorded step, timed too.")
-    parser.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
-    length = parser.add_mutually_exclusive_group()
+    out = argparse.ArgumentParser(prog="python -m helpers.bench",
+                                  description="Every strategy side by side on this rig, in one run, each with the "
+                                              "simulator's prediction calibrated in the same run. The default run: "
+                                              "5 interleaved rounds of the threaded rows, every two-rank job in one "
+                                              "launch per round (FSDP2 in one of its own), 2 rounds in opposite "
+                                              "orders of 2 timed steps and the recorded step, timed too.")
+    out.add_argument("--out", default="results", help="folder for bench.json and timeline PNGs")
+    length = out.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true",
                         help="smoke test: a smaller model (hidden 256, 4 blocks, batch 16), one micro-batch count, "
                              "3 repeats, 1 launch per job, a link sweep to 16 MiB; every kind of row still runs and "
                              "is predicted")
     length.add_argument("--precise", action="store_true",
-                        help="every row (the default run leaves out the threaded rows past 1F1B, the naive split on "
-                             "processes and torch's GPipe) and GPipe at m=2 and m=4, timed longer: 8 interleaved "
-                             "rounds of the threaded rows, 3 launches of 6 steps of each multi-process job, 6 repeats "
-                             "of the split comparison and checkpoint sweep")
-    parser.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
-    parser.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
-    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    parser.add_argument("--against", metavar="PATH",
-                        help="a previous run's bench.json: print each row's speed-up (and the extras' ratios) beside "
-                             "that run's, and whether all agree within 5%%")
-    parser.add_argument("--record", action="store_true",
-                        help="also keep this run's bench.json as a record in data/bench/ (docs/benchmarks.md is "
-                             "rendered from them: python -m helpers.bench.records)")
-    ns = parser.parse_args(argv)
+                        help="every row (the default run leaves out the threaded rows past 1F1B, the naive split, "
+                             "torch's GPipe, ZeRO-2 and DP x PP) and GPipe at m=2 and m=4, timed longer: 8 "
+                             "interleaved rounds of the threaded rows, 3 launches of 6 steps of each multi-process "
+                             "job, 6 repeats of the split comparison and checkpoint sweep")
+    out.add_argument("--cpu", action="store_true", help="force the CPU rig on a GPU machine")
+    out.add_argument("--skip-extras", action="store_true", help="skip the split comparison and checkpoint sweep")
+    out.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    out.add_argument("--against", metavar="PATH",
+                     help="a previous run's bench.json: print each row's speed-up (and the extras' ratios) beside "
+                          "that run's, and whether all agree within 5%%")
+    out.add_argument("--record", action="store_true",
+                     help="also keep this run's bench.json as a record in data/bench/ (docs/benchmarks.md is "
+                          "rendered from them: python -m helpers.bench.records)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure, predict, write bench.json and the timelines, print the tables (and the comparison with --against),
+    keep the record with --record."""
+    ns = parser().parse_args(argv)
     previous = read_previous(ns.against) if ns.against else None
     started = source_state() if ns.record else None  # the code that measures, whatever is committed meanwhile
     progress = Progress(not ns.no_progress)
     load = MachineLoad()
+    from helpers.runtime.rig import detect_rig
+
     rig = detect_rig(force_cpu=ns.cpu or None)
     config = default_config("quick" if ns.quick else "precise" if ns.precise else "default", rig)
     print(rig.describe(), flush=True)
+    rows, extras, rig_model, calibrated = measure(config, rig, progress, ns.quick, ns.skip_extras)
+    load.stop()
+    calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
+    now = row_dicts(rows, config.batch)
+    compared = compare_runs({"rows": now, **extras}, previous) if previous else None
+    calibration["launch_to_launch"] = launch_to_launch(now)
+    calibration["summary"] += run_summary(rows, extras)
+    dicts = write_results(rows, config, rig, ns.out, extras, calibration, compared)
+    print_tables(dicts, extras, calibration, rig)
+    if compared is not None:
+        print("\n" + describe_against(compared, previous, ns.against))
+    print("\n" + load.describe())
+    print(describe_launch_to_launch(calibration["launch_to_launch"]))
+    print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
+    print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
+    if ns.record:
+        print(f"kept as {keep(f'{ns.out}/bench.json', command_line('python -m helpers.bench', argv), started)}")
+
+
+def measure(config, rig, progress: Progress, quick: bool, skip_extras: bool) -> tuple:
+    """Every row, timed with the whole model beside it (`run_bench`); the rig calibrated (links, busy-core
+    slowdown) and each row predicted from it; the extras. Returns the rows, the extras, the rig's model and the
+    per-layer calibrations."""
     from helpers.models import SyntheticTokens, build_stack
     from helpers.simulate.calibrate import measure_rig
     from helpers.simulate.calibrate_model import WholeModelTimer
 
+    device = rig.devices[0]
     tx, ty = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
-    timer = WholeModelTimer(build_stack(config.cfg).to(rig.devices[0]), tx.to(rig.devices[0]), ty.to(rig.devices[0]),
-                            lm_loss)
+    timer = WholeModelTimer(build_stack(config.cfg).to(device), tx.to(device), ty.to(device), lm_loss)
     rows = run_bench(config, rig, progress, timer)
 
     progress.phase("calibrating: link benchmark (point-to-point, all-reduce) and busy-core slowdown")
-    probe = build_stack(config.cfg).to(rig.devices[0])
+    probe = build_stack(config.cfg).to(device)
     mb = min(microbatch_size(r, config.batch) for r in rows)
     px, py = SyntheticTokens(mb, config.cfg.seq_len, config.cfg.vocab).batch(0, mb)
-    rig_model = measure_rig(rig, probe, px.to(rig.devices[0]), py.to(rig.devices[0]), lm_loss, config.link_sizes)
+    rig_model = measure_rig(rig, probe, px.to(device), py.to(device), lm_loss, config.link_sizes)
     calibrated = predict_rows(rows, config, rig, rig_model, progress, timer)
     extras = {"split backward": split_backward_rows(rows)}
-    if not ns.skip_extras:
-        extras |= {"splits": split_comparison_rows(rig, ns.quick, rig_model, progress, config.extra_repeats),
-                   "checkpointing": checkpoint_sweep_rows(rig, ns.quick, rig_model, progress, config.extra_repeats)}
-    load.stop()
-    calibration = {**calibration_record(rig_model, calibrated), "machine_load": load.record()}
+    if not skip_extras:
+        extras |= {"splits": split_comparison_rows(rig, quick, rig_model, progress, config.extra_repeats),
+                   "checkpointing": checkpoint_sweep_rows(rig, quick, rig_model, progress, config.extra_repeats)}
+    return rows, extras, rig_model, calibrated
+
+
+def run_summary(rows, extras: dict) -> list[str]:
+    """The calibration summary's lines that this run's rows measured: the busy-core slowdowns (threads, with each
+    part of the run; processes, in their launches), the receive posts, the one-device step's drift."""
     timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
                   **{name: extra_rows[0].get("core_slowdown") for name, extra_rows in extras.items() if extra_rows}}
-    now = row_dicts(rows, config.batch)
-    compared = compare_runs({"rows": now, **extras}, previous) if previous else None
-    calibration["launch_to_launch"] = launch_to_launch(now)
-    calibration["summary"] += [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
-                               for name, s in timed_with.items() if s is not None]
-    calibration["summary"] += [launch_slowdowns(rows)] if any(r.runner == "processes" and r.core_slowdown
-                                                              for r in rows) else []
-    calibration["summary"] += [launch_receive_posts(rows)] if any(r.receive_post_s for r in rows) else []
-    calibration["summary"] += [one_device_drift(rows)] if any(r.reference_s for r in rows) else []
-    dicts = write_results(rows, config, rig, ns.out, extras, calibration, compared)
+    lines = [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
+             for name, s in timed_with.items() if s is not None]
+    lines += [launch_slowdowns(rows)] if any(r.runner == "processes" and r.core_slowdown for r in rows) else []
+    lines += [launch_receive_posts(rows)] if any(r.receive_post_s for r in rows) else []
+    return lines + ([one_device_drift(rows)] if any(r.reference_s for r in rows) else [])
+
+
+def print_tables(dicts: list[dict], extras: dict, calibration: dict, rig) -> None:
+    """The rows' table, each extra's, the calibration's summary, the predictions that missed, what the rig
+    refused."""
+    from helpers.report import table
+
     print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
         shown = [{**r, "predicted": r.get("predicted_samples_per_s"), "spread": _plus_minus(r.get("spread")),
@@ -102,14 +137,6 @@ def main(argv: list[str] | None = None) -> None:
     refused = bench_refusals(rig)
     if refused:
         print("\nnot run on this rig:\n" + "\n".join(f"  {s} ({e}): {why}" for (s, e), why in refused.items()))
-    if compared is not None:
-        print("\n" + describe_against(compared, previous, ns.against))
-    print("\n" + load.describe())
-    print(describe_launch_to_launch(calibration["launch_to_launch"]))
-    print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
-    print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
-    if ns.record:
-        print(f"kept as {keep(f'{ns.out}/bench.json', command_line('python -m helpers.bench', argv), started)}")
 
 
 def one_device_drift(rows) -> str:

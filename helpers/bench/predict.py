@@ -8,7 +8,8 @@ from typing import Sequence
 from torch import nn
 
 from helpers.bench.blocks import bench_cut
-from helpers.bench.rows import BenchConfig, BenchRow, Progress
+from helpers.bench.jobs import BenchConfig
+from helpers.bench.rows import BenchRow, Progress
 from helpers.catalog import strategy as catalog_entry
 from helpers.models import lm_loss
 from helpers.timeline import phase_seconds

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from helpers.bench.predict import TARGET
-from helpers.bench.rows import BenchConfig, BenchRow, bench_refusals
+from helpers.bench.jobs import BenchConfig, bench_refusals
+from helpers.bench.rows import BenchRow
 from helpers.timeline import PHASES, chrome_trace
 
 

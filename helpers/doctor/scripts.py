@@ -94,8 +94,9 @@ def bench_launch_check(rig: Rig) -> Check | str:
     then the whole model timed on both ranks at once and a receive's post timed, in the same processes): on GPUs
     the timer's model and micro-batches and the probe's buffers live on each rank's device, which no other check
     runs. The jobs are the bench's own (`two_rank_jobs` of its quick run), those this rig can run."""
-    from helpers.bench.rows import default_config, launch_jobs, two_rank_jobs
-    from helpers.simulate.calibrate import WholeModelTimer
+    from helpers.bench.jobs import default_config, two_rank_jobs
+    from helpers.bench.rows import launch_jobs
+    from helpers.simulate.calibrate_model import WholeModelTimer
 
     config = default_config("quick", rig)
     jobs = [job for job in two_rank_jobs(config, rig) if job.strategy in ("1f1b", "ddp") and job.engine == "ours"
