@@ -21,13 +21,13 @@ what to change without failing. Exit status 1 if anything FAILed. On the CPU rig
 runs it), its ranks device-strict (`helpers.runtime.strict`): a tensor that would be on the wrong device under NCCL
 fails there too.
 
-The package, by section: `report` (the rows and the printed table), `system` (the rig, the machine under it, the
+The package, by section: `checks` (the rows and the printed table), `system` (the rig, the machine under it, the
 links), `engines` (the parity checks, derived from the catalog), `scripts` (the take-home scripts, the bench's
 calibration and launch, the notebooks' GPU sizes), `cli` (the command line and `--gpu-suite`).
 """
 from helpers.doctor.cli import main, report
 from helpers.doctor.engines import plan_checks, schedule_label
-from helpers.doctor.report import Check, guarded, print_report
+from helpers.doctor.checks import Check, guarded, print_report
 from helpers.doctor.scripts import notebook_plan_checks
 from helpers.doctor.system import links, shm_verdict
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict
 
 from helpers.doctor.engines import parity_checks
-from helpers.doctor.report import Check, guarded, print_report
+from helpers.doctor.checks import Check, guarded, print_report
 from helpers.doctor.scripts import (BENCH_LAUNCH, bench_launch_check, calibration_check, notebook_plan_checks,
                                     script_checks)
 from helpers.doctor.system import links, system_checks, topology

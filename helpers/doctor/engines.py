@@ -14,7 +14,7 @@ import torch
 
 from helpers.catalog import CATALOG, Strategy
 from helpers.check import max_grad_diff
-from helpers.doctor.report import Check, guarded, run_check
+from helpers.doctor.checks import Check, guarded, run_check
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig

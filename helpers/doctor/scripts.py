@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from helpers.doctor.engines import BATCH, CFG
-from helpers.doctor.report import Check, guarded
+from helpers.doctor.checks import Check, guarded
 from helpers.models import SyntheticTokens, build_stack, lm_loss
 from helpers.runtime.launch import run_command
 from helpers.runtime.rig import FORCE_CPU_ENV, Rig

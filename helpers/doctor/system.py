@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from helpers.doctor.report import Check, guarded
+from helpers.doctor.checks import Check, guarded
 from helpers.runtime.rig import Rig
 
 NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_IB_DISABLE", "NCCL_SHM_DISABLE", "NCCL_DEBUG",
