@@ -174,7 +174,7 @@ def stream_checkpoint(model: torch.nn.Module, path: str, dtype: torch.dtype, ran
     from transformers import AutoModelForCausalLM
 
     from helpers.models.hf import load_module
-    from helpers.finetune.quant import release_host_memory
+    from helpers.runtime.launch import release_host_memory
     from helpers.training.strategies import fill_shards, host_threads
 
     # meta parameters, real buffers (rotary frequencies), on the host whatever the default device

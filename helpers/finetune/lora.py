@@ -30,6 +30,7 @@ from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
 from helpers.dtypes import DTYPES
 from helpers.training.api import Trained
+from helpers.runtime.launch import release_host_memory
 from helpers.training.job import renamed
 
 METHODS = ("lora", "qlora")

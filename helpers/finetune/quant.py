@@ -87,20 +87,6 @@ def dequantize(t: torch.Tensor) -> torch.Tensor:
     return t.get_original_weight() if is_nf4(t) else t
 
 
-def release_host_memory() -> None:
-    """Hand the memory freed by the layer just loaded back to the operating system (glibc's `malloc_trim`): the
-    allocator otherwise keeps freed blocks of a layer's temporaries (NF4 quantization's, above all) in its heap, and
-    a rank's resident memory grows layer after layer although nothing is alive (seen on the CPU rig: 10 to 45 MB more
-    per small layer). Elsewhere than glibc, nothing."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
 class NF4Linear(nn.Linear):
     """A frozen nn.Linear whose weight is an NF4Tensor: forward dequantizes it block by block (torchao's
     `linear_nf4`, which saves only the 4-bit weight for backward). An nn.Linear, so peft wraps it like any other."""

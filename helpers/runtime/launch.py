@@ -465,6 +465,20 @@ def ranks_peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def release_host_memory() -> None:
+    """Hand the memory freed by the layer just loaded back to the operating system (glibc's `malloc_trim`): the
+    allocator otherwise keeps freed blocks of a layer's temporaries (NF4 quantization's, above all) in its heap, and
+    a rank's resident memory grows layer after layer although nothing is alive (seen on the CPU rig: 10 to 45 MB more
+    per small layer). Elsewhere than glibc, nothing."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def run_command(cmd: list[str], timeout_s: float, grace_s: float = 30.0, **popen: Any
                 ) -> subprocess.CompletedProcess:
     """Run a command that starts ranks (torchrun and its workers), capturing its output. Past `timeout_s`, or if the

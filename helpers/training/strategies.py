@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.catalog import schedule_entry
-from helpers.finetune.quant import release_host_memory
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
@@ -32,6 +31,7 @@ from helpers.pipeline.stages import StageExecutor, stage_ranges
 from helpers.pipeline.transports import P2PTransport
 from helpers.dtypes import DTYPES
 from helpers.precision import Precision
+from helpers.runtime.launch import release_host_memory
 from helpers.timeline import Recorder
 
 PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
