@@ -18,6 +18,7 @@ returns the adapters' trained values (`TrainResult.state`), which `save_adapters
 from __future__ import annotations
 
 import copy
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -25,12 +26,12 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear, release_host_memory
+from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear
 from helpers.models.hf import HFModel
 from helpers.models.layered import layer_seed, seeded
 from helpers.dtypes import DTYPES
-from helpers.training.api import Trained
 from helpers.runtime.launch import release_host_memory
+from helpers.training.api import Trained
 from helpers.training.job import renamed
 
 METHODS = ("lora", "qlora")
@@ -196,6 +197,17 @@ class LoraModel:
             adapted = {i: self._adapt(layers[i], i, initialise=True) for i in owned}
         for i in owned:
             layers[i] = adapted[i].to(device)
+
+    def export_hf(self, layers: list[nn.Module], directory: str | Path, merge: bool = True) -> Path:
+        """What `helpers.training.export.export_hf` writes for this model: the adapters of `layers` (the whole
+        model) merged into the base (peft's `merge_and_unload`: a plain Hugging Face folder), or alone (`merge=False`:
+        adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained(base, folder)`)."""
+        directory, adapters = Path(directory), adapter_state(layers)
+        if not merge:
+            return save_adapters(self, adapters, directory)
+        with tempfile.TemporaryDirectory(prefix="lab-adapters-") as tmp:
+            merged_model(self, save_adapters(self, adapters, tmp)).save_pretrained(directory)
+        return directory
 
 
 def adapt_linears(layer: nn.Module, linears: Mapping[str, nn.Linear], config, quantize: bool, seed: int | None,

@@ -13,7 +13,6 @@ A LoRA model exports merged (peft's `merge_and_unload`: a plain model) or as the
 """
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -86,18 +85,12 @@ def layers_logits(model, layers: list[nn.Module], input_ids: torch.Tensor) -> to
 
 def export_hf(model, layers: list[nn.Module], directory: str | Path, merge: bool = True) -> Path:
     """Write `layers` (the whole model, e.g. `OnOne.layers`) as a Hugging Face folder that
-    `AutoModelForCausalLM.from_pretrained` loads. A LoRA model (`helpers.finetune.lora.LoraModel`): merged into its
-    base (`merge`), or the adapters alone (adapter_config.json + adapter_model.safetensors)."""
-    from helpers.finetune.lora import LoraModel, adapter_state, merged_model, save_adapters
+    `AutoModelForCausalLM.from_pretrained` loads. A model that knows its own export (a LoRA model,
+    `helpers.finetune.lora.LoraModel.export_hf`: merged into its base with `merge`, or the adapters alone) writes
+    itself: training sits below fine-tuning and names no adapter format. Any other is saved as trained."""
     from helpers.training.api import save_trained
 
-    directory = Path(directory)
-    if isinstance(model, LoraModel):
-        adapters = adapter_state(layers)
-        if not merge:
-            return save_adapters(model, adapters, directory)
-        with tempfile.TemporaryDirectory(prefix="lab-adapters-") as tmp:
-            merged_model(model, save_adapters(model, adapters, tmp)).save_pretrained(directory)
-        return directory
+    if hasattr(model, "export_hf"):
+        return model.export_hf(layers, directory, merge)
     state = {i: {n: t.detach().cpu().clone() for n, t in layer.state_dict().items()} for i, layer in enumerate(layers)}
     return save_trained(model, state, directory)
