@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 from helpers.inference.compare import CASES, accelerate_dtypes, compare_with_accelerate, comparison_table
-from helpers.inference.plan import (DoesNotFit, activation_workspace_bytes, evaluate, logits_workspace_bytes, plan,
-                                    plan_shape)
+from helpers.inference.plan import DoesNotFit, evaluate, logits_workspace_bytes, plan, plan_shape
+from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import Gpu, parse_gpus
 from helpers.sizing.shape import inference_data, known_models, meta_model, model_shape, weight_format
 from helpers.inference.widget import FitForm

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from helpers.finetune.training_request import TrainingRequest
-from helpers.inference.plan import activation_workspace_bytes
+from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import span
 from helpers.sizing.state import moment_bytes, training_data

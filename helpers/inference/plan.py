@@ -23,6 +23,7 @@ from typing import Literal, Sequence
 
 from helpers.dtypes import BYTES
 from helpers.facts import load_data
+from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
 from helpers.sizing.shape import Layer, ModelShape, WeightFormat, model_shape, reprice, span
 from helpers.units import fmt_bytes
@@ -41,24 +42,6 @@ def _check_workload(context: int, batch: int, logits: str) -> None:
 
 
 # --- workspace ----------------------------------------------------------------------------------------------------
-
-def activation_workspace_bytes(shape: ModelShape, context: int, batch: int) -> int:
-    """Transient memory of one decoder layer, the most any device needs while its layers run (an estimate read off
-    the Hugging Face Llama code, reserved on every GPU that holds any module):
-
-    - prefill of a `context`-token prompt: the residual stream and its normed copy (2 x hidden per token), plus the
-      larger of the MLP's gate, up and gated product (3 x intermediate) and attention's q, k, v, the rotated q and k
-      and the output (3 x heads x head_dim + 3 x kv_heads x head_dim), in the activation dtype. PyTorch SDPA's flash
-      or memory-efficient kernel is assumed: eager attention would add batch x heads x context^2 scores;
-    - decode: DynamicCache.update concatenates the new token onto a layer's K, then V (torch.cat copies), so half the
-      largest layer's KV cache is briefly held twice.
-    """
-    per_token = 2 * shape.hidden + max(3 * shape.intermediate,
-                                       3 * shape.heads * shape.head_dim + 3 * shape.kv_heads * shape.head_dim)
-    prefill = batch * context * per_token * shape.format.activation_bytes
-    cat_copy = max((layer.kv_bytes(context, batch) for layer in shape.decoder_layers), default=0) // 2
-    return max(prefill, cat_copy)
-
 
 def logits_workspace_bytes(shape: ModelShape, context: int, batch: int, logits: LogitsMode = "prompt") -> int:
     """Logits on the device that holds the head, in the activation dtype plus their fp32 copy.
