@@ -42,7 +42,7 @@ block stack (fp32) holds after its forward equals this ledger's count on meta to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -295,3 +295,38 @@ def training_step_peak(hidden: int, n_blocks: int, batch: int, seq: int, optimiz
     state). The CUDA context and the allocator's slack are not included: max_memory_allocated does not see them."""
     spec = StackConfig(vocab=vocab, seq_len=seq, hidden=hidden, n_blocks=n_blocks, heads=heads)
     return training_step(stage_bytes(spec, batch), optimizer)
+
+
+SMALL = dict(hidden=64, n_blocks=2, seq_len=16, heads=2)  # the CPU rig's sizes: the path, not the figures
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One whole-model training step of a notebook's plan, as the suite can rebuild it: the block stack's sizes, the
+    batch, the optimizer and whether it runs under bf16 autocast."""
+
+    model: StackConfig
+    batch: int
+    optimizer: str = "sgd"
+    autocast: bool = False
+
+    def as_dict(self) -> dict:
+        model = asdict(self.model)
+        model["ffn_widths"] = None if self.model.ffn_widths is None else list(self.model.ffn_widths)  # as JSON has it
+        return {"model": model, "batch": self.batch, "optimizer": self.optimizer, "autocast": self.autocast}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Replay":
+        widths = d["model"]["ffn_widths"]
+        model = StackConfig(**{**d["model"], "ffn_widths": None if widths is None else tuple(widths)})
+        return cls(model, d["batch"], d["optimizer"], d["autocast"])
+
+    def small(self) -> "Replay":
+        widths = None if self.model.ffn_widths is None else (4 * SMALL["hidden"],) * SMALL["n_blocks"]
+        return replace(self, model=replace(self.model, **SMALL, vocab=256, ffn_widths=widths), batch=2)
+
+    def planned(self) -> int:
+        """The plan of this step alone (weights, grads, optimizer state, activations, workspace), what
+        max_memory_allocated sees."""
+        stage = stage_bytes(self.model, self.batch, autocast=self.autocast)
+        return training_step(stage, self.optimizer, autocast=self.autocast).total

@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from helpers.catalog import strategy as catalog_entry
-from helpers.gpu_sizes.footprint import Footprint, ModelSpec, held, n_layers, stage_bytes, training_step
+from helpers.gpu_sizes.footprint import Footprint, ModelSpec, Replay, held, n_layers, stage_bytes, training_step
 from helpers.gpu_sizes.plans import NOTEBOOK, Part
-from helpers.gpu_sizes.suite import Replay
 from helpers.models.stack import StackConfig
 from helpers.pipeline.schedules import layout_for, make_schedule, peak_in_flight
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from helpers.facts import DATA_DIR
-from helpers.gpu_sizes.footprint import Footprint
-from helpers.gpu_sizes.suite import Replay
+from helpers.gpu_sizes.footprint import Footprint, Replay
 from helpers.sizing.gpus import gpu, runtime_reserve
 from helpers.units import GiB, fmt_bytes
 from helpers.runtime.rig import Rig

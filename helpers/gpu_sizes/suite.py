@@ -9,50 +9,17 @@ Sized for about 10 minutes of one GPU: a step of each distinct (model, batch, op
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from helpers.gpu_sizes.footprint import stage_bytes, training_step
+from helpers.gpu_sizes.footprint import Replay
+from helpers.gpu_sizes.plans import recorded_plans
 from helpers.models.data import SyntheticTokens, lm_loss
-from helpers.models.stack import StackConfig, build_stack
+from helpers.models.stack import build_stack
 
-SMALL = dict(hidden=64, n_blocks=2, seq_len=16, heads=2)  # the CPU rig's sizes: the path, not the figures
 OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.0), "none": lambda p: torch.optim.SGD(p, lr=0.0),
               "momentum": lambda p: torch.optim.SGD(p, lr=0.0, momentum=0.9),
               "adam": lambda p: torch.optim.Adam(p, lr=0.0)}
-
-
-@dataclass(frozen=True)
-class Replay:
-    """One whole-model training step of a notebook's plan, as the suite can rebuild it: the block stack's sizes, the
-    batch, the optimizer and whether it runs under bf16 autocast."""
-
-    model: StackConfig
-    batch: int
-    optimizer: str = "sgd"
-    autocast: bool = False
-
-    def as_dict(self) -> dict:
-        model = asdict(self.model)
-        model["ffn_widths"] = None if self.model.ffn_widths is None else list(self.model.ffn_widths)  # as JSON has it
-        return {"model": model, "batch": self.batch, "optimizer": self.optimizer, "autocast": self.autocast}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Replay":
-        widths = d["model"]["ffn_widths"]
-        model = StackConfig(**{**d["model"], "ffn_widths": None if widths is None else tuple(widths)})
-        return cls(model, d["batch"], d["optimizer"], d["autocast"])
-
-    def small(self) -> "Replay":
-        widths = None if self.model.ffn_widths is None else (4 * SMALL["hidden"],) * SMALL["n_blocks"]
-        return replace(self, model=replace(self.model, **SMALL, vocab=256, ffn_widths=widths), batch=2)
-
-    def planned(self) -> int:
-        """The plan of this step alone (weights, grads, optimizer state, activations, workspace), what
-        max_memory_allocated sees."""
-        stage = stage_bytes(self.model, self.batch, autocast=self.autocast)
-        return training_step(stage, self.optimizer, autocast=self.autocast).total
 
 
 def run_step(step: Replay, device: torch.device, steps: int = 3) -> int | None:
@@ -85,8 +52,6 @@ def run_step(step: Replay, device: torch.device, steps: int = 3) -> int | None:
 def gpu_suite(device: torch.device) -> list[dict]:
     """Every notebook's recorded whole-model steps on `device`: at their GPU sizes on a GPU, small on the host. One
     row per step: notebook, what, planned, measured (GPU) and measured / planned."""
-    from helpers.gpu_sizes.plans import recorded_plans
-
     rows = []
     for notebook, per_rig in recorded_plans().items():
         for what, step in per_rig["one_gpu"].steps:
