@@ -14,9 +14,10 @@ Subpackages (each `__init__` says in a line what it holds):
 - `simulate`: the cost model, the calibration and the step simulator behind the bench's predictions;
 - `bench`: strategies measured side by side (what notebooks import apart from the command line's rows and report).
 Modules: `catalog` (every strategy and schedule, named once: every list derives from it), `units` (MiB, GiB,
-`fmt_bytes`), `monitor` (the live memory panel), `timeline`, `profile`, `partition`, `checkpointing`, `precision`,
-`measure`, `check`, `report`, `course` (a notebook's setup); the command lines `bench`, `doctor`, `plan`
-(`python -m helpers.NAME`). Import what you need: `from helpers.runtime.rig import detect_rig`. The offline
+`fmt_bytes`), `dtypes` (format names and bytes per value), `facts` (data/'s JSON), `hardware` (links, collectives,
+rigs, the roofline's constants), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
+`activation_checkpointing`, `precision`, `measure`, `check`, `report`, `course` (a notebook's setup); the command
+lines `bench`, `doctor`, `plan` (`python -m helpers.NAME`). Which room may import which: `floors`. Import what you need: `from helpers.runtime.rig import detect_rig`. The offline
 installer for workshops is tooling, outside the library: `python -m tools.wheelhouse`.
 """
 import logging
