@@ -15,8 +15,8 @@ Views cost nothing. Each kernel then takes the longer of its two roofs on the ta
 and never less than one kernel launch (`launch_us`: the GPU waits for the CPU when kernels are shorter than it
 takes to issue them). The sustained matmul rates per GPU and dtype are measured (data/hardware.json `gpus`); the
 efficiency constants are named, each with its source or the one published figure it is fitted on
-(data/hardware.json `efficiency`, `helpers.hardware.efficiency()`). The optimizer step is memory-bound: it reads and writes each
-parameter's state once (`OPTIMIZER_BYTES_PER_PARAM`).
+(data/hardware.json `efficiency`, `helpers.hardware.efficiency()`). The optimizer step is memory-bound: it reads
+and writes each parameter's state once (`OPTIMIZER_BYTES_PER_PARAM`).
 """
 from __future__ import annotations
 
