@@ -74,8 +74,8 @@ def _speed(ns: argparse.Namespace) -> None:
         print("\n\n".join(p.describe() for p in predictions))
 
 
-TRAINING_FLAGS = ("method", "strategy", "offload", "checkpointing", "lora_rank", "lora_targets", "optimizer",
-                  "precision", "grad_accum", "host_ram")
+TRAINING_FLAGS = ("method", "strategy", "offload", "activation_checkpointing", "lora_rank", "lora_targets",
+                  "optimizer", "precision", "microbatches", "host_ram")
 
 
 def _training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,9 +85,9 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
         "optimizer state, activations, workspace and reserve (helpers.finetune.memory_plan)")
     train.add_argument("--train", action="store_true", help="plan a fine-tune instead of inference")
     train.add_argument("--method", help=f"{', '.join(METHODS)} (default qlora)")
-    train.add_argument("--strategy", help=f"{', '.join(PLAN_STRATEGIES)} (default fsdp2; pipeline: one stage per GPU)")
+    train.add_argument("--strategy", help=f"{', '.join(PLAN_STRATEGIES)} (default fsdp2; 1f1b: a pipeline of one stage per GPU)")
     train.add_argument("--offload", help="none or cpu (FSDP2's CPUOffloadPolicy; default none)")
-    train.add_argument("--activation-checkpointing", "--checkpointing", dest="checkpointing",
+    train.add_argument("--activation-checkpointing", "--checkpointing", dest="activation_checkpointing",
                        action=argparse.BooleanOptionalAction, default=None,
                        help="recompute every decoder layer's activations in backward (default on; --checkpointing: "
                             "its old name)")
@@ -96,8 +96,9 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
                                               "module names: q_proj,v_proj")
     train.add_argument("--optimizer", help=f"{', '.join(known_optimizers())} (default adamw: fp32 moments)")
     train.add_argument("--precision", help="mixed (fp32 optimizer, the default) or pure (all in bf16)")
-    train.add_argument("--grad-accum", type=int,
-                       help="micro-batches per optimizer step (default 1; pipeline: one per stage)")
+    train.add_argument("--microbatches", "--grad-accum", type=int, dest="microbatches",
+                       help="micro-batches per optimizer step (default 1; 1f1b: one per stage; --grad-accum: its old "
+                            "name)")
     train.add_argument("--host-ram",
                        help="host memory to check CPU offload against, e.g. 128GiB (default: report only)")
 

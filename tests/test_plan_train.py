@@ -124,7 +124,7 @@ def test_strategies_place_state_as_documented():
     torchao = plan_training(strategy="fsdp2", **{**common, "dtype": "nf4-torchao"}).devices[0]
     assert torchao.constants_bytes == 0, "torchao's NF4 keeps its scales in the tensor FSDP2 shards"
     offload = plan_training(strategy="fsdp2", offload="cpu", **common)
-    pipe = plan_training(strategy="pipeline", **common)
+    pipe = plan_training(strategy="1f1b", **common)
     d, f, o = ddp.devices[0], fsdp.devices[0], offload.devices[0]
     whole = d.constants_bytes + sum(u.buffer_bytes for u in ddp.shape.units)  # constants and rotary buffers
     assert d.constants_bytes > 0 and f.constants_bytes == o.constants_bytes == d.constants_bytes
@@ -137,22 +137,22 @@ def test_strategies_place_state_as_documented():
     assert "gathered layers" in f.workspace and "gathered layers" not in d.workspace
     first, last = pipe.devices
     assert first.frozen_bytes > 0 and last.frozen_bytes > 0 and "logits" in last.workspace
-    assert "logits" not in first.workspace and pipe.request.micro_batches == 2
+    assert "logits" not in first.workspace and pipe.request.microbatch_count == 2
     assert first.activations_full_bytes > last.activations_full_bytes  # 1F1B: two micro-batches in flight on stage 0
     assert d.activations_checkpointed_bytes < d.activations_full_bytes
     assert fsdp.shape.trainable_params == pipe.shape.trainable_params
 
 
 def test_suggestions_are_replanned_and_the_cheapest_comes_first():
-    plan = plan_training("llama-2-7b", "lora", context=2048, batch=8, strategy="ddp", checkpointing=False)
+    plan = plan_training("llama-2-7b", "lora", context=2048, batch=8, strategy="ddp", activation_checkpointing=False)
     assert not plan.fits
     first = plan.suggestions[0]
-    assert first.flags == "--checkpointing"
+    assert first.flags == "--activation-checkpointing"
     kinds = [s.flags.split()[0] for s in plan.suggestions]
     assert kinds.index("--batch") < kinds.index("--strategy") < kinds.index("--optimizer") < kinds.index("--method")
     for suggestion in plan.suggestions:  # each change, applied on its own, plans the same way again
         argv = ["--train", "--model", "llama-2-7b", "--method", "lora", "--context", "2048", "--batch", "8",
-                "--strategy", "ddp", "--no-checkpointing", *shlex.split(suggestion.flags)]
+                "--strategy", "ddp", "--no-activation-checkpointing", *shlex.split(suggestion.flags)]
         replanned = plan_training(**_kwargs(argv))
         assert replanned.fits == suggestion.fits
     batch = next(s for s in plan.suggestions if s.flags.startswith("--batch"))
@@ -309,3 +309,15 @@ def test_host_ram_is_checked_against_every_rank_loading_at_once():
     assert not plan.host_fits and "host RAM" in plan.describe()
     roomy = plan_training("llama-2-70b", method="qlora", offload="cpu", host_ram_bytes=plan.host_peak_bytes)
     assert roomy.host_fits
+
+
+def test_the_planner_speaks_the_jobs_words_and_its_old_ones_still_plan_the_same():
+    """strategy 1f1b (the catalog's name for its pipeline of one stage per GPU), microbatches and
+    activation_checkpointing, as train() says them; 'pipeline', grad_accum= and checkpointing= warn and plan alike."""
+    common = dict(model="llama-2-7b", method="qlora", context=1024, batch=2)
+    new = plan_training(strategy="1f1b", microbatches=4, activation_checkpointing=False, **common)
+    with pytest.warns(DeprecationWarning):
+        old = plan_training(strategy="pipeline", grad_accum=4, checkpointing=False, **common)
+    assert old.as_dict() == new.as_dict() and new.request.microbatch_count == 4
+    with pytest.raises(TypeError, match="unknown option"):
+        plan_training(gradient_accumulation=4, **common)

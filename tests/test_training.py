@@ -402,7 +402,7 @@ def test_the_scripts_and_the_planner_take_the_new_flag_and_the_old_one():
             sys.argv = argv
     from helpers.plan import _parser
     for flag, value in (("--activation-checkpointing", True), ("--no-checkpointing", False)):
-        assert _parser().parse_args(["--train", "--model", "llama-2-7b", flag]).checkpointing is value
+        assert _parser().parse_args(["--train", "--model", "llama-2-7b", flag]).activation_checkpointing is value
 
 
 @pytest.mark.parametrize("name", TRAINED)

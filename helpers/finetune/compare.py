@@ -72,7 +72,7 @@ def planned_parts(model, batch: int, seq_len: int, checkpointing: bool = True,
     path, method, base_dtype, rank, targets = _run_of(model)
     fmt = run_format(method, base_dtype)
     plan = plan_training(path, method, context=seq_len, batch=batch, gpus=f"{ranks}x RTX 3090", strategy="fsdp2",
-                         checkpointing=checkpointing, lora_rank=rank, lora_targets=targets, optimizer="adamw",
+                         activation_checkpointing=checkpointing, lora_rank=rank, lora_targets=targets, optimizer="adamw",
                          precision="pure" if method == "full" else "mixed", dtype=fmt)
     gpu, shape = plan.devices[0], plan.shape
     buffers = sum(u.buffer_bytes for u in shape.units)

@@ -159,7 +159,7 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
     return GpuTraining(device, request.gpus[device], held or span([u.name for u in mine]),
                        parts["frozen_weights"] + whole, sum(u.constants_bytes for u in mine),
                        parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
-                       checkpointed if request.checkpointing else full, checkpointed, full,
+                       checkpointed if request.activation_checkpointing else full, checkpointed, full,
                        _workspace(request, shape, size, mine, first_stage, last_stage),
                        parts["optimizer_step_temporaries"], host, loading)
 
@@ -232,7 +232,7 @@ def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: 
         space["gathered layers"] = per_layer * max(_gathered_bytes(u, a) for u in decoders)
         space["gathered root"] = sum(_gathered_bytes(u, a) for u in mine if u.kind != "decoder")
         space["gradient reduce-scatter"] = max(u.trainable_params for u in decoders) * (a + size.grad)
-    if request.strategy == "pipeline":
+    if request.pipelined:
         boundaries = (not first_stage) + (not last_stage)
         space["stage boundary"] = boundaries * 2 * tokens * b.hidden * a  # the activation and its gradient
     return space

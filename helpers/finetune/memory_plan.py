@@ -31,7 +31,7 @@ Strategies (N GPUs; the assumptions the figures rest on):
   the constants.
 - pipeline: one stage per GPU, decoder layers split evenly (earlier stages take the remainder), the embedding on the
   first stage and the final norm, head and loss on the last. `batch` is the micro-batch; under 1F1B stage j of p holds
-  the activations of min(m, p - j) micro-batches (m micro-batches per step, `grad_accum`).
+  the activations of min(m, p - j) micro-batches (m micro-batches per step, `microbatches`).
 
 Precision: compute in the base format's activation dtype (bf16 by default). "mixed" keeps the optimizer in fp32
 (FSDP2: fp32 shards with a bf16 all-gather; DDP and pipeline, full fine-tuning: bf16 weights and gradients, fp32
@@ -57,6 +57,7 @@ from helpers.finetune.training_request import PLAN_STRATEGIES, TrainingRequest, 
 from helpers.sizing.gpus import Gpu, check_gpus, describe_gpus, largest_fitting
 from helpers.sizing.shape import WeightFormat
 from helpers.sizing.training import LLAMA_LINEARS, TrainShape, training_shape
+from helpers.training.job import renamed
 from helpers.units import fmt_bytes
 
 # the planner's names, wherever they are defined (`python -m helpers.plan --train` and the notebooks import them here)
@@ -131,8 +132,8 @@ class TrainingPlan:
     def as_dict(self) -> dict:
         r, s = self.request, self.shape
         return {"fits": self.fits, "model": s.name, "method": s.method, "dtype": s.format.name,
-                "strategy": r.strategy, "offload": r.offload, "checkpointing": r.checkpointing,
-                "context": r.context, "batch": r.batch, "micro_batches": r.micro_batches,
+                "strategy": r.strategy, "offload": r.offload, "activation_checkpointing": r.activation_checkpointing,
+                "context": r.context, "batch": r.batch, "microbatches": r.microbatch_count,
                 "global_batch": r.global_batch, "lora_rank": s.lora_rank, "lora_targets": list(s.lora_targets),
                 "optimizer": r.optimizer, "precision": r.precision,
                 "params": {"total": s.total_params, "frozen": s.frozen_params, "trainable": s.trainable_params},
@@ -159,8 +160,8 @@ class TrainingPlan:
         lines = [f"{s.name}, {s.method} ({s.format.name} base{adapters}): {s.total_params:,} parameters, "
                  f"{s.trainable_params:,} trainable, {s.frozen_params:,} frozen",
                  f"{r.strategy}{' + CPU offload' if r.offload == 'cpu' else ''} on {describe_gpus(r.gpus)}; context "
-                 f"{r.context} x batch {r.batch} x {r.micro_batches} micro-batch(es) (global batch {r.global_batch}); "
-                 f"{r.optimizer}, {r.precision} precision, checkpointing {'on' if r.checkpointing else 'off'}: "
+                 f"{r.context} x batch {r.batch} x {r.microbatch_count} micro-batch(es) (global batch {r.global_batch}); "
+                 f"{r.optimizer}, {r.precision} precision, activation checkpointing {'on' if r.activation_checkpointing else 'off'}: "
                  f"{'fits' if self.fits else 'does NOT fit'}",
                  table(self.rows())]
         for d in self.devices:
@@ -196,7 +197,7 @@ def _check_fits_model(request: TrainingRequest, shape: TrainShape) -> None:
         raise ValueError(f"the activation model knows Llama-style decoder layers ({', '.join(LLAMA_LINEARS)}); "
                          f"{shape.name}'s layers have {', '.join(shape.decoder_linears)}")
     stages = len(request.gpus)
-    if request.strategy == "pipeline" and stages > len(shape.decoders):
+    if request.pipelined and stages > len(shape.decoders):
         raise ValueError(f"a pipeline of {stages} stages needs at least {stages} decoder layers; {shape.name} has "
                          f"{len(shape.decoders)}")
 
@@ -205,9 +206,9 @@ def _plan(request: TrainingRequest) -> TrainingPlan:
     shape = training_shape(request.model, request.method, request.dtype, request.lora_rank, request.lora_targets)
     _check_fits_model(request, shape)
     n = len(request.gpus)
-    if request.strategy == "pipeline":
+    if request.pipelined:
         groups = pipeline_stages(shape, n)
-        devices = [gpu_training(request, shape, j, g, min(request.micro_batches, n - j), j == 0, j == n - 1)
+        devices = [gpu_training(request, shape, j, g, min(request.microbatch_count, n - j), j == 0, j == n - 1)
                    for j, g in enumerate(groups)]
     else:
         everything = list(range(len(shape.units)))
@@ -217,17 +218,25 @@ def _plan(request: TrainingRequest) -> TrainingPlan:
 
 def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048, batch: int = 1,
                   gpus: Sequence[Gpu] | str | None = None, strategy: str = "fsdp2", offload: str = "none",
-                  checkpointing: bool = True, lora_rank: int | None = None, lora_targets: str = "all",
+                  activation_checkpointing: bool = True, lora_rank: int | None = None, lora_targets: str = "all",
                   optimizer: str = "adamw", precision: str = "mixed", dtype: str | WeightFormat | None = None,
-                  grad_accum: int | None = None, host_ram_bytes: int | None = None) -> TrainingPlan:
+                  microbatches: int | None = None, host_ram_bytes: int | None = None, **old) -> TrainingPlan:
     """Per-GPU memory of fine-tuning `model` (a bundled name, a Hugging Face id, a directory holding a config.json, or
     a transformers config) with `method` on `gpus` (default two RTX 3090s), and, when it does not fit, the changes
     that would (`TrainingPlan.suggestions`, each re-planned, cheapest first). `dtype`: a format's name, or a
-    `WeightFormat` (e.g. NF4 computing in fp32, as on the CPU rig)."""
+    `WeightFormat` (e.g. NF4 computing in fp32, as on the CPU rig). `strategy`: a catalog name (ddp, fsdp2, or
+    1f1b: a pipeline of one stage per GPU); `microbatches` per optimizer step (accumulated, or the pipeline's).
+    `old`: the deprecated `checkpointing=` and `grad_accum=` (helpers.training.job.RENAMED)."""
+    old = renamed(old)
+    if set(old) - {"activation_checkpointing", "microbatches"}:
+        raise TypeError(f"plan_training() got unknown option(s) {sorted(old)}")
+    activation_checkpointing = old.get("activation_checkpointing", activation_checkpointing)
+    microbatches = old.get("microbatches", microbatches)
     request = check_request(TrainingRequest(
         model=model if hasattr(model, "model_type") else str(model), method=method, context=context, batch=batch,
-        gpus=tuple(check_gpus(gpus)), strategy=strategy, offload=offload, checkpointing=checkpointing, lora_rank=lora_rank,
-        lora_targets=lora_targets, optimizer=optimizer, precision=precision, dtype=dtype, grad_accum=grad_accum,
+        gpus=tuple(check_gpus(gpus)), strategy=strategy, offload=offload,
+        activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, lora_targets=lora_targets,
+        optimizer=optimizer, precision=precision, dtype=dtype, microbatches=microbatches,
         host_ram_bytes=host_ram_bytes))
     plan = _plan(request)
     return plan if plan.fits else dataclasses.replace(plan, suggestions=suggestions(plan))
@@ -251,26 +260,25 @@ def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
     value that fits."""
     r = plan.request
     out = []
-    if not r.checkpointing:
-        out.append(("turn activation checkpointing on (about one more forward per step)", "--checkpointing",
-                    dataclasses.replace(r, checkpointing=True)))
+    if not r.activation_checkpointing:
+        out.append(("turn activation checkpointing on (about one more forward per step)",
+                    "--activation-checkpointing", dataclasses.replace(r, activation_checkpointing=True)))
     if r.batch > 1:
         smaller = [d for d in range(r.batch - 1, 0, -1) if r.batch % d == 0]
         best = next((d for d in smaller if _fits(dataclasses.replace(
-            r, batch=d, grad_accum=r.micro_batches * r.batch // d))), smaller[-1])
-        accum = r.micro_batches * r.batch // best
+            r, batch=d, microbatches=r.microbatch_count * r.batch // d))), smaller[-1])
+        accum = r.microbatch_count * r.batch // best
         out.append((f"micro-batch {best} with {accum} accumulation steps (global batch {r.global_batch} kept)",
-                    f"--batch {best} --grad-accum {accum}",
-                    dataclasses.replace(r, batch=best, grad_accum=accum)))
+                    f"--batch {best} --microbatches {accum}",
+                    dataclasses.replace(r, batch=best, microbatches=accum)))
     if r.strategy != "fsdp2":
         out.append(("shard weights, gradients and optimizer state with FSDP2", "--strategy fsdp2",
-                    dataclasses.replace(r, strategy="fsdp2", grad_accum=None if r.strategy == "pipeline"
-                                        else r.grad_accum)))
+                    dataclasses.replace(r, strategy="fsdp2", microbatches=None if r.pipelined else r.microbatches)))
     if r.offload == "none":
         out.append(("FSDP2 with CPU offload (shards, gradients and the optimizer step in host RAM)",
                     ("" if r.strategy == "fsdp2" else "--strategy fsdp2 ") + "--offload cpu",
                     dataclasses.replace(r, strategy="fsdp2", offload="cpu",
-                                        grad_accum=None if r.strategy == "pipeline" else r.grad_accum)))
+                                        microbatches=None if r.pipelined else r.microbatches)))
     if r.optimizer != "adamw-8bit":
         out.append(("8-bit AdamW (bitsandbytes)", "--optimizer adamw-8bit",
                     dataclasses.replace(r, optimizer="adamw-8bit")))

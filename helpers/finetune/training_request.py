@@ -3,6 +3,7 @@ anything is planned."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -11,7 +12,8 @@ from helpers.sizing.shape import WeightFormat
 from helpers.sizing.state import known_optimizers
 from helpers.sizing.training import check_method
 
-PLAN_STRATEGIES = ("ddp", "fsdp2", "pipeline")  # the catalog's ddp and fsdp2, and a pipeline of one stage per GPU
+PLAN_STRATEGIES = ("ddp", "fsdp2", "1f1b")  # catalog names: replicas, shards, or a 1F1B pipeline of a stage per GPU
+OLD_STRATEGIES = {"pipeline": "1f1b"}  # accepted with a warning for a release
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("mixed", "pure")
 
@@ -27,24 +29,28 @@ class TrainingRequest:
     gpus: tuple[Gpu, ...] = ()  # empty: two RTX 3090s
     strategy: str = "fsdp2"
     offload: str = "none"
-    checkpointing: bool = True
+    activation_checkpointing: bool = True
     lora_rank: int | None = None  # None: data/training_memory.json's default (64)
     lora_targets: str = "all"
     optimizer: str = "adamw"
     precision: str = "mixed"
     dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4-torchao (qlora)
-    grad_accum: int | None = None  # micro-batches per optimizer step; None: 1, or the number of stages (pipeline)
+    microbatches: int | None = None  # per optimizer step (accumulated, or a pipeline's); None: 1, or the stages (1f1b)
     host_ram_bytes: int | None = None  # None: host RAM is reported, not checked
 
     @property
-    def micro_batches(self) -> int:
-        return self.grad_accum or (len(self.gpus) if self.strategy == "pipeline" else 1)
+    def pipelined(self) -> bool:
+        return self.strategy == "1f1b"
+
+    @property
+    def microbatch_count(self) -> int:
+        return self.microbatches or (len(self.gpus) if self.pipelined else 1)
 
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step: each data-parallel replica runs `batch` x micro-batches."""
-        replicas = 1 if self.strategy == "pipeline" else len(self.gpus)
-        return self.batch * self.micro_batches * replicas
+        replicas = 1 if self.pipelined else len(self.gpus)
+        return self.batch * self.microbatch_count * replicas
 
 
 def _check_choice(what: str, value: str, choices: Sequence[str]) -> str:
@@ -57,7 +63,12 @@ def _check_choice(what: str, value: str, choices: Sequence[str]) -> str:
 def check_request(request: TrainingRequest) -> TrainingRequest:
     """The request with names normalised and the GPUs resolved; ValueError, in the user's terms, for bad input."""
     method = check_method(request.method)
-    strategy = _check_choice("strategy", request.strategy, PLAN_STRATEGIES)
+    strategy = str(request.strategy).strip().lower()
+    if strategy in OLD_STRATEGIES:
+        warnings.warn(f"strategy {strategy!r} is now {OLD_STRATEGIES[strategy]!r} (the catalog's name)",
+                      DeprecationWarning, stacklevel=3)
+        strategy = OLD_STRATEGIES[strategy]
+    strategy = _check_choice("strategy", strategy, PLAN_STRATEGIES)
     offload = _check_choice("offload", request.offload, OFFLOADS)
     optimizer = _check_choice("optimizer", request.optimizer, known_optimizers())
     precision = _check_choice("precision", request.precision, PRECISIONS)
@@ -66,10 +77,9 @@ def check_request(request: TrainingRequest) -> TrainingRequest:
     if offload == "cpu" and strategy != "fsdp2":
         raise ValueError(f"CPU offload keeps FSDP2's shards in host RAM: use --strategy fsdp2 with --offload cpu "
                          f"(not {strategy})")
-    if request.grad_accum is not None and (isinstance(request.grad_accum, bool) or
-                                           not isinstance(request.grad_accum, int) or request.grad_accum < 1):
-        raise ValueError(f"gradient accumulation must be a whole number of micro-batches, at least 1, got "
-                         f"{request.grad_accum!r}")
+    m = request.microbatches
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"micro-batches per step must be a whole number, at least 1, got {m!r}")
     if request.host_ram_bytes is not None and request.host_ram_bytes <= 0:
         raise ValueError(f"host RAM must be positive, got {request.host_ram_bytes!r}")
     return dataclasses.replace(request, method=method, strategy=strategy, offload=offload, optimizer=optimizer,

@@ -23,7 +23,8 @@ from helpers.training.support import support
 from helpers.units import fmt_bytes
 
 OPTIMIZERS = ("none", "sgd", "adam")
-RENAMED = {"checkpointing": "activation_checkpointing"}  # old keyword -> new, accepted with a warning for a release
+RENAMED = {"checkpointing": "activation_checkpointing",  # recomputation, not a training checkpoint
+           "grad_accum": "microbatches"}  # old keyword -> new, accepted with a warning for a release
 
 
 def renamed(options: dict) -> dict:
@@ -34,8 +35,7 @@ def renamed(options: dict) -> dict:
         if old in options:
             if new in options:
                 raise TypeError(f"give {new}= only ({old}= is its deprecated name)")
-            warnings.warn(f"{old}= is now {new}= (activation checkpointing, not a training checkpoint)",
-                          DeprecationWarning, stacklevel=3)
+            warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=3)
             options[new] = options.pop(old)
     return options
 PIPELINE_ENGINES = ("ours", "torch")
