@@ -17,8 +17,9 @@ Modules: `catalog` (every strategy and schedule, named once: every list derives 
 `fmt_bytes`), `dtypes` (format names and bytes per value), `facts` (data/'s JSON), `hardware` (links, collectives,
 rigs, the roofline's constants), `monitor` (the live memory panel), `timeline`, `profile`, `partition`,
 `activation_checkpointing`, `precision`, `measure`, `check`, `report`, `course` (a notebook's setup); the command
-lines `bench`, `doctor`, `plan` (`python -m helpers.NAME`). Which room may import which: `floors`. Import what you need: `from helpers.runtime.rig import detect_rig`. The offline
-installer for workshops is tooling, outside the library: `python -m tools.wheelhouse`.
+lines `bench`, `doctor`, `plan` (`python -m helpers.NAME`). Which room may import which: `floors`. Import what
+you need: `from helpers.runtime.rig import detect_rig`. The offline installer for workshops is tooling, outside
+the library: `python -m tools.wheelhouse`.
 """
 import logging
 

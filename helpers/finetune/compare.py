@@ -72,8 +72,8 @@ def planned_parts(model, batch: int, seq_len: int, checkpointing: bool = True,
     path, method, base_dtype, rank, targets = _run_of(model)
     fmt = run_format(method, base_dtype)
     plan = plan_training(path, method, context=seq_len, batch=batch, gpus=f"{ranks}x RTX 3090", strategy="fsdp2",
-                         activation_checkpointing=checkpointing, lora_rank=rank, lora_targets=targets, optimizer="adamw",
-                         precision="pure" if method == "full" else "mixed", dtype=fmt)
+                         activation_checkpointing=checkpointing, lora_rank=rank, lora_targets=targets,
+                         optimizer="adamw", precision="pure" if method == "full" else "mixed", dtype=fmt)
     gpu, shape = plan.devices[0], plan.shape
     buffers = sum(u.buffer_bytes for u in shape.units)
     adapters = fmt.activation_bytes if method == "full" else ADAPTER_BYTES

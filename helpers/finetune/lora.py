@@ -8,8 +8,8 @@ casts the input to the adapter's dtype and the result back) over a base kept in 
 `LoraModel(HFModel(dir), LoraSpec(...))` builds every layer on the meta device with its adapters; a rank
 materialises only the layers it owns: the base's tensors read from the `save_pretrained` checkpoint, quantized on
 the host (the same bytes on every rig), adapters initialised from a per-layer seed. So one device and two FSDP2 ranks
-hold exactly the same numbers, and `TrainJob(LoraModel(...), dp=2, data_parallel="fsdp2",
-activation_checkpointing=True, offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
+hold exactly the same numbers, and `TrainJob(LoraModel(...), "fsdp2", activation_checkpointing=True,
+offload="cpu")` runs through the one training loop: only the adapters get gradients and optimizer state; the loop
 returns the adapters' trained values (`TrainResult.state`), which `save_adapters` writes with peft's
 `save_pretrained`, `merged_model` merges with peft's `merge_and_unload`, and `finetune` (one method) and
 `finetune_each` (several, in one launch) train with `helpers.training.api.train_each` for notebook 12, returning its

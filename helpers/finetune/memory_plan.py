@@ -160,9 +160,9 @@ class TrainingPlan:
         lines = [f"{s.name}, {s.method} ({s.format.name} base{adapters}): {s.total_params:,} parameters, "
                  f"{s.trainable_params:,} trainable, {s.frozen_params:,} frozen",
                  f"{r.strategy}{' + CPU offload' if r.offload == 'cpu' else ''} on {describe_gpus(r.gpus)}; context "
-                 f"{r.context} x batch {r.batch} x {r.microbatch_count} micro-batch(es) (global batch {r.global_batch}); "
-                 f"{r.optimizer}, {r.precision} precision, activation checkpointing {'on' if r.activation_checkpointing else 'off'}: "
-                 f"{'fits' if self.fits else 'does NOT fit'}",
+                 f"{r.context} x batch {r.batch} x {r.microbatch_count} micro-batch(es) (global batch "
+                 f"{r.global_batch}); {r.optimizer}, {r.precision} precision, activation checkpointing "
+                 f"{'on' if r.activation_checkpointing else 'off'}: {'fits' if self.fits else 'does NOT fit'}",
                  table(self.rows())]
         for d in self.devices:
             estimates = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.workspace.items())
