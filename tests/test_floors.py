@@ -134,3 +134,22 @@ def test_the_checks_see_what_they_must():
     source = "import torch\n\ndef f():\n    from .speed import predict_speed\n    from .. import units\n"
     assert imports_in(source, "helpers.inference") == [("helpers.inference.speed", 4), ("helpers.units", 5)]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80  # issue 52: a file and a function a maintainer reads whole
+
+
+def test_no_module_over_600_lines_and_no_function_over_80():
+    """Every module of helpers/ (walked, not listed), and every function or method in it, docstring included."""
+    long_files, long_functions = [], []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
+    assert not long_files, f"modules over {MAX_FILE_LINES} lines: {long_files}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
