@@ -182,21 +182,22 @@ def test_progress_writes_lines_not_bars_when_not_a_terminal(capsys):
 def error_beyond_the_machine(row: dict) -> float:
     """How far a row's prediction error lies outside what the bench measured of the machine during that row: the
     range from 0 (the machine computing as calibrated) to how much longer its forward and backward passes took than
-    simulated. The README: "an error close to them is that speed; one well beyond them is in what else the step
-    does" (messages, collectives, the schedule), which is what the simulator must get right."""
+    simulated. docs/bench.md, the forward and backward columns: "an error close to them is that speed; one well
+    beyond them is in what else the step does" (messages, collectives, the schedule), which is what the simulator must
+    get right."""
     drift = [0.0] + [row[k] for k in ("forward_vs_predicted", "backward_vs_predicted") if row.get(k) is not None]
     return max(min(drift) - row["error"], row["error"] - max(drift), 0.0)
 
 
 def assert_predictions_within_target(data: dict, out: str) -> None:
-    """The README's promise, in the terms the bench reports it: every row outside the 15% target is starred and
+    """docs/bench.md's promise, in the terms the bench reports it: every row outside the 15% target is starred and
     listed with its error, every row inside it is not; and the typical row (the median of those held to the target)
     is within 15% of its prediction once the machine's own measured speed during that row is taken out. A row or
     two that the shared cores disturbed moves no median; a simulator that gets a schedule or a collective wrong
     moves every row of it."""
     from helpers.bench.predict import TARGET
 
-    assert TARGET == 0.15  # README: "The target is every row within 15% of what was measured"
+    assert TARGET == 0.15  # docs/bench.md: "The target: every row within 15% of what was measured"
     rows = data["rows"] + data["splits"] + data["checkpointing"]
     missed = [r for r in rows if r["excluded_from_target"] or abs(r["error"]) > TARGET]
     listed = out.split(f"predictions outside {TARGET:.0%} or excluded: ", 1)[1].split("\n\n", 1)[0]
