@@ -383,6 +383,11 @@ def test_activation_checkpointing_is_named_apart_from_training_checkpoints_and_t
         old = importlib.import_module("helpers.checkpointing")
     from helpers.activation_checkpointing import checkpoint_layers
     assert old.checkpoint_layers is checkpoint_layers
+    sys.modules.pop("helpers.simulate.hardware", None)  # moved a floor down, to helpers.hardware
+    with pytest.warns(DeprecationWarning, match="helpers.hardware"):
+        moved = importlib.import_module("helpers.simulate.hardware")
+    from helpers.hardware import Link
+    assert moved.Link is Link
 
 
 def test_the_scripts_and_the_planner_take_the_new_flag_and_the_old_one():
@@ -403,6 +408,8 @@ def test_the_scripts_and_the_planner_take_the_new_flag_and_the_old_one():
     from helpers.plan import _parser
     for flag, value in (("--activation-checkpointing", True), ("--no-checkpointing", False)):
         assert _parser().parse_args(["--train", "--model", "llama-2-7b", flag]).activation_checkpointing is value
+    for flag in ("--microbatches", "--grad-accum"):
+        assert _parser().parse_args(["--train", "--model", "llama-2-7b", flag, "3"]).microbatches == 3
 
 
 @pytest.mark.parametrize("name", TRAINED)
