@@ -378,6 +378,8 @@ def test_activation_checkpointing_is_named_apart_from_training_checkpoints_and_t
         job_fields({"checkpointing": True, "activation_checkpointing": False})
     with pytest.raises(TypeError, match="unknown option.*'lr'"):  # refused with the fields a job has
         job_fields({"learning_rate": 0.1})
+    with pytest.raises(TypeError, match="unknown option.*'max_chars'"):  # train's strategy argument sets it
+        job_fields({"strategy": "ddp"})
     sys.modules.pop("helpers.checkpointing", None)
     with pytest.warns(DeprecationWarning, match="helpers.activation_checkpointing"):
         old = importlib.import_module("helpers.checkpointing")

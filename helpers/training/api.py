@@ -16,6 +16,7 @@ computes what one device computes (helpers.training.support says where each runs
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, fields as dataclass_fields, replace
 from pathlib import Path
 from typing import Mapping
@@ -127,8 +128,8 @@ def save_trained(model: HFModel, state: dict[int, dict[str, torch.Tensor]], dire
 
 TRAIN_DEFAULTS = {"batch": 8, "seq_len": 32, "microbatches": 4, "optimizer": "adam"}  # train()'s job, where it
 # differs from TrainJob's defaults: a few Adam steps on a small batch in 4 micro-batches
-RUN_OPTIONS = ("timeout", "text", "data", "workdir", "checkpoint", "restarts", "rig")  # how it runs, not the job
-SET_BY_TRAIN = {"model", "dp", "pp", "data_parallel", "schedule", "engine", "timed_steps", "return_state"}
+SET_BY_TRAIN = {"model", "strategy", "engine", "dp", "pp", "data_parallel", "schedule",  # the strategy's layout
+                "timed_steps", "return_state"}  # and train_each's steps
 
 
 def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int = 10,
@@ -149,16 +150,24 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     return out
 
 
+def run_options() -> list[str]:
+    """train_each's own keywords, how a run goes rather than what it trains: read off its signature, so a new one
+    needs no second list."""
+    skip = {"models", "strategy", "engine", "steps", "save_to", "save", "fields"}
+    return [name for name in inspect.signature(train_each).parameters if name not in skip]
+
+
 def job_fields(fields: Mapping[str, object]) -> dict:
     """train()'s job fields: TRAIN_DEFAULTS under the caller's, deprecated names renamed, and a field the caller
     may not set refused with those it may (the strategy sets the layout, train_each the steps, data and
     checkpoint)."""
     fields = {**TRAIN_DEFAULTS, **renamed(fields)}
-    known = {f.name for f in dataclass_fields(TrainJob)} - set(RUN_OPTIONS) - SET_BY_TRAIN
+    run = run_options()
+    known = {f.name for f in dataclass_fields(TrainJob)} - set(run) - SET_BY_TRAIN
     unknown = sorted(set(fields) - known)
     if unknown:
         raise TypeError(f"train() got unknown option(s) {unknown}: a job's fields are {sorted(known)}, and how it "
-                        f"runs: {list(RUN_OPTIONS)}")
+                        f"runs: {run}")
     return fields
 
 
