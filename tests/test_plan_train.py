@@ -321,3 +321,6 @@ def test_the_planner_speaks_the_jobs_words_and_its_old_ones_still_plan_the_same(
     assert old.as_dict() == new.as_dict() and new.request.microbatch_count == 4
     with pytest.raises(TypeError, match="unknown option"):
         plan_training(gradient_accumulation=4, **common)
+    from helpers.catalog import strategy as catalog_entry
+    from helpers.finetune.training_request import PLAN_STRATEGIES
+    assert all(catalog_entry(name).trained for name in PLAN_STRATEGIES)  # the planner prices catalog strategies
