@@ -46,7 +46,7 @@ def shorter_run_leaves_out(strategy: str, engine: str) -> bool:
       baseline rather than a contender);
     - torch's GPipe: never torch's best pipeline;
     - FSDP2 without resharding after forward (ZeRO-2): FSDP2 with one knob turned, and like FSDP2 in a launch of
-      its own (`own_launch`);
+      its own (`launch_groups`);
     - DP x PP: 4 ranks, refused on two GPUs; on the CPU rig they share the 2 cores and the prediction is excluded
       from the target (27-34 s of the run)."""
     entry = catalog_entry(strategy)

@@ -5,6 +5,9 @@ run measures is `helpers.bench.jobs`'."""
 from __future__ import annotations
 
 import copy
+import statistics
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
@@ -106,17 +109,11 @@ class Progress:
     stdout at the end."""
 
     def __init__(self, enabled: bool = True):
-        import sys
-        import time
-
         self.enabled = enabled
         self.bars = enabled and sys.stderr.isatty()
         self.started = time.perf_counter()
 
     def phase(self, what: str) -> None:
-        import sys
-        import time
-
         if self.enabled:
             elapsed = int(time.perf_counter() - self.started)
             print(f"bench [{elapsed // 60}:{elapsed % 60:02d}]: {what}", file=sys.stderr, flush=True)
@@ -150,12 +147,12 @@ def _single_row(model: nn.Module, x, y, loss_fn, steps: int, extra_runs: Sequenc
     one_device()
     events, peak = rec.events(), ledger.device("device").activations
     zero_s, adam_s = optimizer_seconds(adam, zero_grad=True), optimizer_seconds(adam)
-    return times, [BenchRow("single", "none", "one thread", None, times["single"], events, [peak], caller_s=zero_s,
-                            spread=times.spread("single"), measured_phase_s=median_phases(phases["single"])),
-                   BenchRow("single_adam", "none", "one thread", None, times["single_adam"], events, [peak],
-                            optimizer="adam", reference="single_adam", caller_s=zero_s + adam_s, optimizer_s=adam_s,
-                            spread=times.spread("single_adam"), measured_phase_s=median_phases(phases["single_adam"]))
-                   ], LaunchReference(one_device, adam_s)
+    rows = [BenchRow(name, "none", "one thread", None, times[name], events, [peak], spread=times.spread(name),
+                     measured_phase_s=median_phases(phases[name]), **fields)
+            for name, fields in (("single", dict(caller_s=zero_s)),
+                                 ("single_adam", dict(optimizer="adam", reference="single_adam",
+                                                      caller_s=zero_s + adam_s, optimizer_s=adam_s)))]
+    return times, rows, LaunchReference(one_device, adam_s)
 
 
 def _caller_seconds(run: PipelineRun) -> float:
@@ -190,20 +187,13 @@ class LaunchReference:
         for key in keys:
             self.samples.setdefault(key, []).append(seconds)
 
-    def seconds(self, key: Hashable, adam: bool = False) -> float | None:
-        """Median one-device step timed beside the launches of `key` (plus Adam's step with `adam`); None if never
-        sampled."""
-        import statistics
-
-        got = self.samples.get(key)
-        return statistics.median(got) + (self.adam_s if adam else 0.0) if got else None
-
     def apply(self, row: BenchRow, key: Hashable, adam: bool = False) -> None:
-        """Give `row` (the job of `key`) this reference: the one-device step its speed-up is taken against, and the
-        samples that median comes from (bench.json keeps them beside the row's launches, so runs can be compared
-        step by step)."""
-        row.reference_s = self.seconds(key, adam=adam)
-        row.reference_samples = tuple(self.samples.get(key, ()))
+        """Give `row` (the job of `key`) this reference: the median one-device step timed beside the launches of
+        `key` (plus Adam's step with `adam`; None if never sampled), and the samples that median comes from
+        (bench.json keeps them beside the row's launches, so runs can be compared step by step)."""
+        got = self.samples.get(key, ())
+        row.reference_s = statistics.median(got) + (self.adam_s if adam else 0.0) if got else None
+        row.reference_samples = tuple(got)
 
     def around(self, sizes: Callable[[Sequence[Hashable]], None] | None) -> Callable:
         """The hook `run_in_rounds` calls with a launch's keys before and after it: this reference's step, then the
@@ -279,7 +269,7 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     (`receive_post_seconds`, a hidden state of the pipelines' micro-batch), for the same reason: one reading for the
     whole run, from a launch of its own, moved from run to run (0.59-2.24 ms), and the runs that read it low were
     over-predicted more. Timed after the last job, so that no job runs after it (a job's step can depend on what ran
-    before it in the same processes: `own_launch`)."""
+    before it in the same processes: `launch_groups`)."""
     import torch.distributed as dist
 
     from helpers.models import SyntheticTokens, build_stack
@@ -324,35 +314,50 @@ def launch_jobs(jobs: Sequence[TrainJob], config: BenchConfig, rig, timer=None) 
     return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
 
 
-def own_launch(job: TrainJob) -> bool:
-    """Whether `job` runs in a launch of its own: the strategies built on FSDP2's `fully_shard` (the
-    catalog's `fully_sharded`), whose step depends on what ran before it in the same processes: FSDP2 took 0.75-0.85
-    s a step in fresh processes, 0.93 s late in the bench's shared launch, and 1.07-1.25 s there once the earlier
-    jobs' process groups were destroyed as they ended (quiet machine; cause not found)."""
-    return job.fully_sharded
-
-
 def launch_groups(jobs: Sequence[TrainJob]) -> list[tuple[TrainJob, ...]]:
-    """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less those that
-    `own_launch` sets apart, each in a launch of its own."""
-    shared = tuple(k for k in jobs if not own_launch(k))
-    return [group for group in [shared, *((k,) for k in jobs if own_launch(k))] if group]
+    """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less the strategies
+    built on FSDP2's `fully_shard` (the catalog's `fully_sharded`), each in a launch of its own: their step depends
+    on what ran before it in the same processes (FSDP2 took 0.75-0.85 s a step in fresh processes, 0.93 s late in
+    the bench's shared launch, and 1.07-1.25 s there once the earlier jobs' process groups were destroyed as they
+    ended; quiet machine, cause not found)."""
+    shared = tuple(k for k in jobs if not k.fully_sharded)
+    return [group for group in [shared, *((k,) for k in jobs if k.fully_sharded)] if group]
 
 
 def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
                  reference: LaunchReference | None = None) -> list[BenchRow]:
     """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1; FSDP2's in launches of their own: `launch_groups`) in
     one launch per round, `config.rounds` rounds in alternating order (start-up paid once a round; each job's steps
-    come from launches minutes apart), then DP x PP (4 ranks). With `timer`, the whole model timed at each job's
-    micro-batch size just before and after the launch that ran it (`calibration_key`: the job's key), and on both
-    ranks at once inside that launch (`launch_jobs`); with `reference`, the one-device step too, each row's speed-up
-    then taken against its median there."""
-    jobs = two_rank_jobs(config, rig)
-    launches = {group: lambda group: launch_jobs(group, config, rig, timer) for group in launch_groups(jobs)}
-    results = run_in_rounds(launches, config.rounds, "multi-process jobs", progress,
-                            around=_around(reference, timer and (lambda group: sample_launch(timer, group))))
-    return [process_row(job, got, "processes", reference) for job, got in results.items()] + \
+    come from launches minutes apart), then DP x PP (`dp_x_pp_rows`). With `timer`, the whole model timed at each
+    job's micro-batch size just before and after the launch that ran it (`calibration_key`: the job's key), and on
+    both ranks at once inside that launch (`launch_jobs`); with `reference`, the one-device step too, each row's
+    speed-up then taken against its median there."""
+    launches = {group: lambda group: launch_jobs(group, config, rig, timer)
+                for group in launch_groups(two_rank_jobs(config, rig))}
+    return _rows_in_rounds(launches, config, "multi-process jobs", "processes", progress, timer, reference) + \
         dp_x_pp_rows(config, rig, progress, timer, reference)
+
+
+def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
+                 reference: LaunchReference | None = None) -> list[BenchRow]:
+    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores) on each engine the catalog lists for
+    it, each job in launches of its own, interleaved in rounds; with `timer`, the whole model timed at its
+    micro-batch size around them (and the one-device `reference`)."""
+    from helpers.training.loop import run_training
+
+    launches = {(job,): lambda group: [run_training(group[0], rig, oversubscribe=rig.is_cpu)]
+                for job in bench_jobs(config, rig) if job.world == 4}
+    return _rows_in_rounds(launches, config, "DP x PP", "processes (4 ranks)", progress, timer, reference)
+
+
+def _rows_in_rounds(launches: dict, config: BenchConfig, desc: str, runner: str, progress, timer,
+                    reference: LaunchReference | None) -> list[BenchRow]:
+    """`launches` run in `config.rounds` rounds (`run_in_rounds`), with the calibration samples (`timer`) and the
+    one-device `reference` beside each launch, whichever are given; a `process_row` per job."""
+    sizes = timer and (lambda group: sample_launch(timer, group))
+    results = run_in_rounds(launches, config.rounds, desc, progress,
+                            around=reference.around(sizes) if reference else sizes)
+    return [process_row(job, got, runner, reference) for job, got in results.items()]
 
 
 def process_row(job: TrainJob, got: Pooled, runner: str, reference: LaunchReference | None = None) -> BenchRow:
@@ -369,11 +374,6 @@ def process_row(job: TrainJob, got: Pooled, runner: str, reference: LaunchRefere
     if reference is not None:
         reference.apply(row, job, adam=job.optimizer == "adam")
     return row
-
-
-def _around(reference: LaunchReference | None, sample: Callable | None) -> Callable | None:
-    """What runs beside each launch: the one-device reference and the calibration samples, whichever are given."""
-    return reference.around(sample) if reference else sample
 
 
 @dataclass(frozen=True)
@@ -425,8 +425,6 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
 
 def pool(launched: Sequence) -> Pooled:
     """One job's `Pooled` from the `TrainResult` of each of its launches."""
-    import statistics
-
     steps = [t for got in launched for t in launch_samples(got)]
     cpu = [got.thread_cpu_s for got in launched]
     return Pooled(statistics.median(steps), relative_spread(steps),
@@ -440,17 +438,3 @@ def launch_samples(got) -> tuple[float, ...]:
     ordinary step whose timeline and peak memory are kept (timing it is free: the default run times two steps and
     takes three samples, one step less of every job in every launch)."""
     return (*got.step_times, *(() if got.recorded_step_s is None else (got.recorded_step_s,)))
-
-
-def dp_x_pp_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
-                 reference: LaunchReference | None = None) -> list[BenchRow]:
-    """DP x PP on a 2 x 2 mesh (4 ranks: on a 2-core CPU they share the cores) on each engine the catalog lists for
-    it, each job in launches of its own, interleaved in rounds; with `timer`, the whole model timed at its
-    micro-batch size around them (and the one-device `reference`)."""
-    from helpers.training.loop import run_training
-
-    jobs = [job for job in bench_jobs(config, rig) if job.world == 4]
-    sizes = timer and (lambda group: timer.sample(job_microbatch(group[0]), keys=group))
-    results = run_in_rounds({(job,): lambda group: [run_training(group[0], rig, oversubscribe=rig.is_cpu)]
-                             for job in jobs}, config.rounds, "DP x PP", progress, around=_around(reference, sizes))
-    return [process_row(job, got, "processes (4 ranks)", reference) for job, got in results.items()]
