@@ -47,27 +47,23 @@ class Message:
         return below if forward == sending else above
 
 
-def needs(action: Action, device: int, p: int | Layout) -> list[Message]:
+def needs(action: Action, device: int, p: int | Layout, arriving: bool = True) -> list[Message]:
     """What `action` must receive before it runs on `device` (of `p` devices, or a `Layout`): from another
-    device or, between two chunks of this one, from itself. A weight pass needs nothing."""
+    device or, between two chunks of this one, from itself. A weight pass needs nothing. `arriving=False`: what
+    it hands on once it has run (`makes`)."""
     layout = as_layout(p)
     stage = layout.stage(device, action.chunk)
-    if action.kind == "F":
-        return [Message("act", action.microbatch, stage - 1)] if stage > 0 else []
-    if action.kind == "B" and stage < layout.stages - 1:
-        return [Message("grad", action.microbatch, stage)]
-    return []
+    if action.kind == "W":
+        return []
+    forward = action.kind == "F"
+    boundary = stage - 1 if forward == arriving else stage  # activations cross from the stage before, gradients back
+    return [Message("act" if forward else "grad", action.microbatch, boundary)] \
+        if 0 <= boundary < layout.stages - 1 else []
 
 
 def makes(action: Action, device: int, p: int | Layout) -> list[Message]:
     """What `action` hands on once it has run on `device`."""
-    layout = as_layout(p)
-    stage = layout.stage(device, action.chunk)
-    if action.kind == "F":
-        return [Message("act", action.microbatch, stage)] if stage < layout.stages - 1 else []
-    if action.kind == "B" and stage > 0:
-        return [Message("grad", action.microbatch, stage - 1)]
-    return []
+    return needs(action, device, p, arriving=False)
 
 
 def on_wire(message: Message, device: int, layout: Layout, sending: bool) -> bool:

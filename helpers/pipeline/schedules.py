@@ -124,6 +124,15 @@ def gpipe(p: int, m: int) -> list[list[Action]]:
     return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
 
 
+def _alternate(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """1F1B's shape: `warmup` forwards, then one forward and one backward in turn, then the backwards left."""
+    warmup = min(warmup, len(forwards))
+    actions = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        actions += [f, b]
+    return actions + backwards[len(forwards) - warmup:]
+
+
 @generator("1f1b")
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021): stage s warms up with p-s-1 forwards, then alternates one
@@ -132,17 +141,8 @@ def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     if m < p:
         raise ValueError(f"1F1B needs at least as many micro-batches as stages: m={m} < p={p} "
                          f"(use m >= {p}, or GPipe)")
-    schedule = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        actions = [Action("F", i) for i in range(warmup)]
-        f, b = warmup, 0
-        while f < m:
-            actions += [Action("F", f), Action("B", b)]
-            f, b = f + 1, b + 1
-        actions += [Action("B", i) for i in range(b, m)]
-        schedule.append(actions)
-    return schedule
+    forwards, backwards = [Action("F", i) for i in range(m)], [Action("B", i) for i in range(m)]
+    return [_alternate(forwards, backwards, p - s - 1) for s in range(p)]
 
 
 @generator("interleaved")
@@ -162,15 +162,8 @@ def interleaved_1f1b(p: int, m: int, chunks: int = 2) -> Schedule:
     groups = range(m // p)
     forwards = [Action("F", g * p + i, c) for g in groups for c in range(chunks) for i in range(p)]
     backwards = [Action("B", g * p + i, c) for g in groups for c in reversed(range(chunks)) for i in range(p)]
-    schedule = []
-    for d in range(p):
-        warmup = min(2 * (p - d - 1) + (chunks - 1) * p, len(forwards))
-        actions = forwards[:warmup]
-        for f, b in zip(forwards[warmup:], backwards):
-            actions += [f, b]
-        actions += backwards[len(forwards) - warmup:]
-        schedule.append(actions)
-    return Schedule(schedule, Layout(p, chunks))
+    return Schedule([_alternate(forwards, backwards, 2 * (p - d - 1) + (chunks - 1) * p) for d in range(p)],
+                    Layout(p, chunks))
 
 
 @generator("zbh1")
@@ -183,20 +176,35 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     if m < p:
         raise ValueError(f"ZB-H1 needs at least as many micro-batches as stages: m={m} < p={p} (use m >= {p})")
     schedule = []
-    for d in range(p):
-        warmup = p - d - 1
-        actions = [Action("F", i) for i in range(warmup)]
-        weights = 0
-        for b in range(m):
-            if warmup + b < m:
-                actions.append(Action("F", warmup + b))
-            actions.append(Action("B", b))
-            if b >= d:  # the first d weight passes wait for the end
-                actions.append(Action("W", weights))
-                weights += 1
-        actions += [Action("W", i) for i in range(weights, m)]
-        schedule.append(actions)
+    for d, order in enumerate(one_f_one_b(p, m)):
+        actions = []
+        for a in order:
+            actions.append(a)
+            if a.kind == "B" and a.microbatch >= d:  # the first d weight passes wait for the end
+                actions.append(Action("W", a.microbatch - d))
+        schedule.append(actions + [Action("W", i) for i in range(m - d, m)])
     return Schedule(schedule, Layout(p))
+
+
+class _TwoChunks:
+    """One device's action list of a V-shaped schedule, built pass by pass: each (kind, chunk) numbers its
+    micro-batches in order; a split backward owes its W, paid later, oldest first."""
+
+    def __init__(self):
+        self.actions: list[Action] = []
+        self.count = {(k, c): 0 for k in KINDS for c in (0, 1)}
+        self.owed: list[Action] = []
+
+    def run(self, kind: str, chunk: int, split: bool = False) -> None:
+        mb = self.count[(kind, chunk)]
+        self.actions.append(Action(kind, mb, chunk))
+        self.count[(kind, chunk)] += 1
+        if split:
+            self.owed.append(Action("W", mb, chunk))
+
+    def pay(self) -> None:
+        if self.owed:
+            self.actions.append(self.owed.pop(0))
 
 
 @generator("zbv")
@@ -212,13 +220,8 @@ def zero_bubble_v(p: int, m: int) -> Schedule:
         raise ValueError(f"ZB-V needs at least 2p-1 = {2 * p - 1} micro-batches for {p} devices, got m={m}")
     schedule = []
     for d in range(p):
-        count = {(k, c): 0 for k in KINDS for c in (0, 1)}
-        actions: list[Action] = []
-
-        def run(kind: str, chunk: int) -> None:
-            actions.append(Action(kind, count[(kind, chunk)], chunk))
-            count[(kind, chunk)] += 1
-
+        dev = _TwoChunks()
+        run, count = dev.run, dev.count
         for _ in range(2 * (p - d) - 1):
             run("F", 0)
         for _ in range(d):
@@ -236,7 +239,7 @@ def zero_bubble_v(p: int, m: int) -> Schedule:
         for chunk in (1, 0):
             while count[("W", chunk)] < m:
                 run("W", chunk)
-        schedule.append(actions)
+        schedule.append(dev.actions)
     return Schedule(schedule, Layout(p, 2, "v"))
 
 
@@ -256,45 +259,29 @@ def dual_pipe_v(p: int, m: int) -> Schedule:
         raise ValueError(f"DualPipeV needs at least as many micro-batches as stages, 2p = {2 * p}, got m={m}")
     schedule = []
     for d in range(p):
-        forwards, backwards = [0, 0], [0, 0]
-        owed: list[Action] = []  # weight passes of split backwards, oldest first
-        actions: list[Action] = []
-
-        def forward(chunk: int) -> None:
-            actions.append(Action("F", forwards[chunk], chunk))
-            forwards[chunk] += 1
-
-        def backward(chunk: int, split: bool) -> None:
-            actions.append(Action("B", backwards[chunk], chunk))
-            if split:
-                owed.append(Action("W", backwards[chunk], chunk))
-            backwards[chunk] += 1
-
-        def pay() -> None:
-            if owed:
-                actions.append(owed.pop(0))
-
+        dev = _TwoChunks()
+        run, pay = dev.run, dev.pay
         for _ in range(2 * (p - d - 1)):
-            forward(0)
+            run("F", 0)
         for _ in range(d + 1):
-            forward(0), forward(1)
+            run("F", 0), run("F", 1)
         for _ in range(p - d - 1):
-            backward(1, split=True), pay(), forward(1)
+            run("B", 1, split=True), pay(), run("F", 1)
         for _ in range(m - 2 * p + d + 1):
-            forward(0), backward(1, split=False), forward(1), backward(0, split=False)
+            run("F", 0), run("B", 1), run("F", 1), run("B", 0)
         for _ in range(p - d - 1):
-            backward(1, split=False), forward(1), backward(0, split=False)
+            run("B", 1), run("F", 1), run("B", 0)
         split = False
         for i in range(d + 1):  # the backward pairs, split from the middle one on (chunk 1 first when d is odd)
             split |= i == (d + 1) // 2 and d % 2 == 1
-            backward(1, split)
+            run("B", 1, split)
             split |= i == (d + 1) // 2 and d % 2 == 0
-            backward(0, split)
+            run("B", 0, split)
         for _ in range(p - d - 1):
-            pay(), backward(0, split)
-        while owed:
+            pay(), run("B", 0, split)
+        while dev.owed:
             pay()
-        schedule.append(actions)
+        schedule.append(dev.actions)
     return Schedule(schedule, Layout(p, 2, "v"))
 
 
@@ -306,8 +293,7 @@ if set(SCHEDULES) != set(LAYOUTS):
 
 def make_schedule(name: str, p: int, m: int) -> Sequence[Sequence[Action]]:
     """The named schedule for `p` devices and `m` micro-batches (interleaved: 2 chunks per device)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    chunks_of(name)  # refuses an unknown name
     return SCHEDULES[name](p, m)
 
 
