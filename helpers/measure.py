@@ -9,8 +9,9 @@ from typing import Callable
 import torch
 
 
-def _sync() -> None:
-    """Wait for every GPU (synchronize() alone waits for the current device only)."""
+def sync_devices() -> None:
+    """Wait for every GPU's queued work, before reading a clock (synchronize() alone waits for the current device
+    only); nothing to wait for on the CPU."""
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             torch.cuda.synchronize(i)
@@ -51,9 +52,21 @@ def relative_spread(samples: list[float]) -> float | None:
     return (q3 - q1) / 2 / statistics.median(samples)
 
 
-def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of `fn()` in seconds (CUDA synchronised where present)."""
-    return interleaved_medians({"fn": fn}, repeats, warmup)["fn"]
+def median_time(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1,
+                before: Callable[[], object] | None = None) -> float:
+    """Median wall time of `fn()` in seconds, waiting for `device`'s queued work around each call; `before()` runs
+    before each call, untimed (a barrier that lines the ranks up for a collective)."""
+    times = []
+    for r in range(warmup + repeats):
+        if before is not None:
+            before()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        if r >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
@@ -74,10 +87,10 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 5, 
         rounds = tqdm(rounds, desc="timing", leave=False)
     for _ in rounds:
         for name, fn in fns.items():
-            _sync()
+            sync_devices()
             t0 = time.perf_counter()
             fn()
-            _sync()
+            sync_devices()
             times[name].append(time.perf_counter() - t0)
             if after and name in after:
                 after[name]()

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from helpers.measure import synchronize
 from helpers.sizing.ledger import ledger_for, param_bytes, tensor_bytes
 from helpers.report import table
 from helpers.pipeline.stages import as_layers
@@ -93,11 +94,6 @@ class _WithLoss(nn.Module):
         return self.loss_fn(self.layer(x), self.target)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _layer_name(i: int, layer: nn.Module) -> str:
     return f"{i}:{type(layer).__name__}"
 
@@ -125,14 +121,14 @@ def profile_layers(model: nn.Module | Sequence[nn.Module], sample: torch.Tensor,
         fwd, bwd = [], []
         for r in range(warmup + repeats):
             x = h.detach().requires_grad_() if h.is_floating_point() else h
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             out = layer(x)
-            _sync(device)
+            synchronize(device)
             t1 = time.perf_counter()
             grad = torch.ones_like(out) / out.numel()
             out.backward(grad)
-            _sync(device)
+            synchronize(device)
             t2 = time.perf_counter()
             if r >= warmup:
                 fwd.append(t1 - t0)

@@ -21,7 +21,6 @@ works for up to `MAX_SHARDS` ranks, the same on every rig, so one device and two
 from __future__ import annotations
 
 import importlib.util
-import logging
 import weakref
 
 import torch
@@ -44,14 +43,9 @@ def nf4_missing() -> str | None:
 
 
 def _nf4():
-    """torchao's NF4 module, imported quietly (it logs about optional GPU kernels it cannot load on a CPU)."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    finally:
-        logger.setLevel(level)
+    """torchao's NF4 module (imported quietly: `helpers` silences torchao's logs about GPU kernels a CPU lacks)."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
     return nf4_tensor
 
 
@@ -104,7 +98,6 @@ def quantize_linear(linear: nn.Linear) -> NF4Linear:
     q.weight = nn.Parameter(to_nf4(linear.weight), requires_grad=False)
     q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
     return q
-
 
 
 class _LiveBytes(TorchDispatchMode):

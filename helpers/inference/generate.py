@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from helpers.dtypes import NAMES
+from helpers.measure import sync_devices
 from helpers.models.hf import FAMILIES, HFModel
 from helpers.models.layered import Stage, call_layer
 from helpers.timeline import Event, Recorder
@@ -326,13 +327,6 @@ def quiet_transformers() -> Iterator[None]:
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
-
-
-def sync_devices() -> None:
-    """Wait for every GPU's queued work (before reading a clock); nothing to wait for on the CPU."""
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
 
 
 # --- one stage's work on one request -------------------------------------------------------------------------------

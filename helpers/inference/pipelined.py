@@ -39,6 +39,14 @@ def _get(box: queue.Queue, timeout_s: float):
     return item
 
 
+def _one_stage_per_device(specs: Sequence[StageSpec]) -> None:
+    used = [s.device for s in specs]
+    if len(specs) < 2 or len(set(used)) != len(used):
+        raise ValueError(f"a pipeline needs one contiguous stage per device, at least two; this split runs "
+                         f"{' -> '.join(f'device {d}' for d in used)} (a tied head placed with the embedding "
+                         "brings device 0 back at the end): give cuts instead, e.g. stages_from_cuts(model, [k])")
+
+
 class Pipelined(LayerSplit):
     """The layer split with one thread per stage and every request in flight: while the last stage computes request
     A's token, the first computes request B's. Stage s keeps a KV cache per request; tokens go from the last stage
@@ -53,20 +61,14 @@ class Pipelined(LayerSplit):
     def __init__(self, model: HFModel, stages: Sequence[StageSpec] | Mapping[str, int],
                  devices: Sequence[torch.device], timeout_s: float = 300.0):
         specs = stages_from_device_map(model, stages) if isinstance(stages, Mapping) else list(stages)
-        used = [s.device for s in specs]
-        if len(specs) < 2 or len(set(used)) != len(used):
-            raise ValueError(f"a pipeline needs one contiguous stage per device, at least two; this split runs "
-                             f"{' -> '.join(f'device {d}' for d in used)} (a tied head placed with the embedding "
-                             "brings device 0 back at the end): give cuts instead, e.g. stages_from_cuts(model, [k])")
+        _one_stage_per_device(specs)
         super().__init__(model, specs, devices)
         self._streams(timeout_s)
 
     @classmethod
     def from_split(cls, split: LayerSplit, timeout_s: float = 300.0) -> "Pipelined":
         """A pipeline over the very stages (weights) of a LayerSplit: no second copy of the model in memory."""
-        used = [s.device for s in split.specs]
-        if len(used) < 2 or len(set(used)) != len(used):
-            return cls(split.model, split.specs, split.devices, timeout_s)  # refuses, with the reason
+        _one_stage_per_device(split.specs)
         self = cls.__new__(cls)
         self.model, self.devices, self.specs, self.runners = split.model, split.devices, split.specs, split.runners
         self._streams(timeout_s)

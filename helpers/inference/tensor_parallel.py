@@ -18,16 +18,15 @@ where it cannot run.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from helpers.inference.generate import Generation, Request, Stopping, hf_generate, stopping_for
+from helpers.inference.generate import Generation, Request, Stopping, hf_generate, resolve_stopping
 from helpers.inference.throughput import Throughput
+from helpers.measure import median_time
 from helpers.models.hf import HFModel
 from helpers.timeline import Event, Recorder
 from helpers.training.support import Support
@@ -150,18 +149,7 @@ def _allreduce_probe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     import torch.distributed as dist
 
     buf = torch.zeros(shape, dtype=dtype, device=device)
-    times = []
-    for i in range(3 + ALLREDUCE_PROBES):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(lambda: dist.all_reduce(buf), ALLREDUCE_PROBES, device, warmup=3, before=dist.barrier)
 
 
 def _linear_probe(module: nn.Module, x: torch.Tensor) -> dict:
@@ -172,21 +160,9 @@ def _linear_probe(module: nn.Module, x: torch.Tensor) -> dict:
 
     weight = module.weight.to_local()
     bias = module.bias.to_local() if module.bias is not None else None
-    out = {}
     with torch.no_grad():
-        for name, fn in (("dtensor", lambda: module(x)), ("plain", lambda: F.linear(x, weight, bias))):
-            times = []
-            for i in range(5 + 4 * ALLREDUCE_PROBES):
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize(x.device)
-                t0 = time.perf_counter()
-                fn()
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize(x.device)
-                if i >= 5:
-                    times.append(time.perf_counter() - t0)
-            out[name] = statistics.median(times)
-    return out
+        return {name: median_time(fn, 4 * ALLREDUCE_PROBES, x.device, warmup=5)
+                for name, fn in (("dtensor", lambda: module(x)), ("plain", lambda: F.linear(x, weight, bias)))}
 
 
 def tensor_parallel_rank(path: str, attn: str, dtype: torch.dtype | None, requests: Sequence[Request],
@@ -307,7 +283,7 @@ def run_tensor_parallel(model: HFModel, requests: Sequence[Request], new_tokens:
     check_shardable(model.config, world)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    rule = stopping if stopping is not None else stopping_for(model, new_tokens)
+    rule = resolve_stopping(model, new_tokens, stopping)
     results = run(tensor_parallel_rank, model.path, model.attn_implementation, model.dtype, list(requests), rule,
                   repeats, warmup, nranks=world, rig=rig, timeout=timeout, oversubscribe=bool(support.reason))
     r0 = results[0]
