@@ -82,33 +82,24 @@ def _threads(rig: Rig, schedule: str, m: int, reference, precision: Precision = 
         f"; timeline {sorted(kinds)}"
 
 
-def _processes(rig: Rig, reference, compare_as: Precision | None = None, **fields) -> str:
-    """`fields` as a TrainJob on processes against one device's `reference`, to the job's precision's tolerance
-    (or `compare_as`'s: DDP's gradients sent in bf16 round them as bf16 autocast would)."""
+def _processes(rig: Rig, reference, *jobs: dict, compare_as: Precision | None = None) -> str:
+    """`jobs` (their fields) as TrainJobs on processes against one device's `reference` (`_run_jobs`)."""
     from helpers.training.job import TrainJob
 
-    return _run_job(rig, reference, TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields),
-                    compare_as)
+    return _run_jobs(rig, reference, [TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields)
+                                      for fields in jobs], compare_as)
 
 
-def _run_job(rig: Rig, reference, job, compare_as: Precision | None = None) -> str:
-    """A `TrainJob` on processes against one device's `reference` (see `_processes`)."""
-    from helpers.training.loop import run_training
-
-    res = run_training(job, rig, oversubscribe=rig.is_cpu)
-    return _compare(reference, res.loss, res.grads, compare_as or job.precision) + f"; step {res.step_s * 1e3:.1f} ms"
-
-
-def _processes_together(rig: Rig, reference, jobs: list[dict]) -> str:
-    """Several TrainJobs (`jobs`: their fields) in one launch, one after the other on the same ranks, as the bench
-    runs them: each job's process groups are destroyed when it ends and the next job makes its own (on GPUs, NCCL
-    communicators torn down and made again in the same processes); each against one device's `reference`."""
-    from helpers.training.job import TrainJob
+def _run_jobs(rig: Rig, reference, jobs: list, compare_as: Precision | None = None) -> str:
+    """`TrainJob`s on processes against one device's `reference`, each to its precision's tolerance (or
+    `compare_as`'s: DDP's gradients sent in bf16 round them as bf16 autocast would). Several run in one launch, one
+    after the other on the same ranks, as the bench runs them: each job's process groups are destroyed when it ends
+    and the next job makes its own (on GPUs, NCCL communicators torn down and made again in the same processes)."""
     from helpers.training.loop import run_trainings
 
-    made = [TrainJob(CFG, batch=BATCH, timed_steps=1, return_grads=True, **fields) for fields in jobs]
-    results = run_trainings(made, rig, oversubscribe=rig.is_cpu)
-    return "; ".join(_compare(reference, res.loss, res.grads, job.precision) for job, res in zip(made, results))
+    results = run_trainings(jobs, rig, oversubscribe=rig.is_cpu)
+    return "; ".join(_compare(reference, res.loss, res.grads, compare_as or job.precision) +
+                     f"; step {res.step_s * 1e3:.1f} ms" for job, res in zip(jobs, results))
 
 
 def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
@@ -215,7 +206,7 @@ def strategy_checks(rig: Rig, reference: Reference) -> list[tuple[str, str, str,
         for engine in entry.engines:
             job = strategy_job(entry, engine)
             run = (lambda job=job: _threads(rig, job.schedule, job.microbatches, reference())) \
-                if engine == "threads" else (lambda job=job: _run_job(rig, reference(), job))
+                if engine == "threads" else (lambda job=job: _run_jobs(rig, reference(), [job]))
             out.append((strategy_check_name(job, engine), entry.name, engine, run))
     return out
 
@@ -230,21 +221,21 @@ def variant_checks(rig: Rig, reference: Reference, workdir: str) -> list[tuple[s
     onefoneb = dict(schedule="1f1b", microbatches=4, **pipe)
     return [
         ("processes: GPipe m=4, blocking sends", "gpipe", "processes",
-         lambda: _processes(rig, reference(), microbatches=4, overlap=False, **pipe)),
+         lambda: _processes(rig, reference(), dict(microbatches=4, overlap=False, **pipe))),
         ("processes: 1F1B, DDP, 1F1B in one launch (each job's groups destroyed as it ends)", "1f1b", "processes",
-         lambda: _processes_together(rig, reference(), [onefoneb, dict(dp=2, data_parallel="ddp"), onefoneb])),
+         lambda: _processes(rig, reference(), onefoneb, dict(dp=2, data_parallel="ddp"), onefoneb)),
         ("threads: 1F1B m=4, bf16 weights", "1f1b", "threads",
          lambda: _threads(rig, "1f1b", 4, reference(bf16_weights), bf16_weights)),
         ("processes: 1F1B m=4, bf16 autocast", "1f1b", "processes",
-         lambda: _processes(rig, reference(bf16), autocast="bf16", **onefoneb)),
+         lambda: _processes(rig, reference(bf16), dict(autocast="bf16", **onefoneb))),
         ("processes: 1F1B m=4, fp16 autocast + loss scaling", "1f1b", "processes",
-         lambda: _processes(rig, reference(fp16), autocast="fp16", **onefoneb)),
+         lambda: _processes(rig, reference(fp16), dict(autocast="fp16", **onefoneb))),
         ("processes: ddp, gradients sent in bf16", "ddp", "processes",
-         lambda: _processes(rig, reference(), bf16, dp=2, wire="bf16", optimizer="adam")),
+         lambda: _processes(rig, reference(), dict(dp=2, wire="bf16", optimizer="adam"), compare_as=bf16)),
         ("processes: ddp, fp16 autocast + loss scaling", "ddp", "processes",
-         lambda: _processes(rig, reference(fp16), dp=2, autocast="fp16", optimizer="adam")),
+         lambda: _processes(rig, reference(fp16), dict(dp=2, autocast="fp16", optimizer="adam"))),
         ("processes: fsdp2, bf16 MixedPrecisionPolicy", "fsdp2", "processes",
-         lambda: _processes(rig, reference(bf16), dp=2, data_parallel="fsdp2", autocast="bf16")),
+         lambda: _processes(rig, reference(bf16), dict(dp=2, data_parallel="fsdp2", autocast="bf16"))),
         *[(f"Hugging Face tied GPT-2, padded: {strategy} on {engine}", strategy, engine,
            (lambda strategy=strategy, engine=engine: _hf(rig, strategy, engine, workdir)))
           for strategy, engine in (("1f1b", "threads"), ("1f1b", "processes"), ("gpipe", "torch"),
