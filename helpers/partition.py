@@ -1,7 +1,7 @@
 """Split a cost vector into k contiguous stages, optimally: minimise the most expensive stage (the pipeline's
 bottleneck), subject to each device's memory.
 
-`optimal_split` is exact (dynamic programming over prefix sums, O(k n^2); for k = 2 a single prefix-sum scan).
+`optimal_split` is exact (dynamic programming over prefix sums, O(k n^2)).
 The baselines are what popular tools do: equal layer count (Megatron, picotron), equal parameters (DeepSpeed's
 default), and a greedy in-order fill against an equal memory budget (Hugging Face accelerate's "balanced").
 """
@@ -115,16 +115,6 @@ def optimal_split(costs: Sequence[float], k: int, memory: Sequence[float] | None
     def fits(a: int, b: int, j: int) -> bool:
         return mprefix is None or mprefix[b] - mprefix[a] <= caps[j] * (1 + 1e-12)
 
-    if k == 2:  # one scan over the cut point
-        best = None
-        for t in range(1, n):
-            if fits(0, t, 0) and fits(t, n, 1):
-                value = max(prefix[t], prefix[n] - prefix[t])
-                if best is None or value < best[0]:
-                    best = (value, t)
-        if best is None:
-            explain_infeasible(memory, caps, device_names)
-        return Split((best[1],), _stage_costs(prefix, [best[1]]))
     inf = math.inf
     # dp[j][i]: best bottleneck for layers[:i] in j+1 stages; cut[j][i]: where stage j starts
     dp = [[inf] * (n + 1) for _ in range(k)]

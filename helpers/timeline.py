@@ -5,6 +5,7 @@ it) or, on GPUs, with CUDA events resolved after a synchronise. One function dra
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -165,17 +166,10 @@ def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -
     span = makespan(events)
     out: dict[int, float] = {}
     for dev in sorted({e.device for e in events}):
-        spans = sorted((e.start, e.end) for e in events if e.device == dev and e.kind in busy_kinds)
-        busy, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            busy += cur_e - cur_s
+        busy, reached = 0.0, -math.inf  # overlapping spans count once: only what lies past the spans before
+        for s, e in sorted((e.start, e.end) for e in events if e.device == dev and e.kind in busy_kinds):
+            busy += max(0.0, e - max(s, reached))
+            reached = max(reached, e)
         out[dev] = busy / span if span > 0 else 0.0
     return out
 
