@@ -111,33 +111,12 @@ class LoraModel:
             object.__setattr__(self, "base", replace(self.base, dtype=DTYPES[self.spec.base_dtype]))
         self._check_adaptable()
 
-    # --- what every LayeredModel offers, from the base ---
-    @property
-    def config(self):
-        return self.base.config
-
-    @property
-    def vocab_size(self) -> int:
-        return self.base.vocab_size
-
-    @property
-    def path(self) -> str:
-        """The base's folder: its config and the tokenizer saved beside it."""
-        return self.base.path
-
-    @property
-    def n_layers(self) -> int:
-        return self.base.n_layers
-
-    @property
-    def weights_dtype(self) -> torch.dtype:
-        return self.base.weights_dtype
-
-    def tied_parameters(self):
-        return self.base.tied_parameters()
-
-    def context(self, input_ids, attention_mask=None, cache=None, position_ids=None):
-        return self.base.context(input_ids, attention_mask, cache, position_ids)
+    def __getattr__(self, name: str):
+        """The rest of what a LayeredModel offers is the base's: config, vocab_size, path (its folder: config and
+        tokenizer), n_layers, weights_dtype, tied_parameters, context."""
+        if name.startswith("_") or name in ("base", "spec"):  # not set yet (unpickling, copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     # --- the adapters ---
     def targets(self) -> list[str]:
