@@ -9,6 +9,7 @@ their spans are measured on their own streams) and copies between GPUs run on si
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -89,10 +90,7 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
             if compute[s] is not None:
                 torch.cuda.set_device(devices[s])
                 compute[s].wait_stream(callers[s])  # the inputs and zeroed grads exist
-                with torch.cuda.stream(compute[s]):
-                    loss = run_stage(ex, schedule[s], transport, microbatches, layout, normalizer, loss_scale,
-                                     plan[s])
-            else:
+            with torch.cuda.stream(compute[s]) if compute[s] is not None else nullcontext():
                 loss = run_stage(ex, schedule[s], transport, microbatches, layout, normalizer, loss_scale, plan[s])
             if loss is not None:
                 losses.append(loss)

@@ -71,9 +71,7 @@ def check_importable(fn: Callable) -> None:
             "fresh and can only run functions they can import. Move it into a module of helpers/ (or any .py "
             "file on the path) and import it from there.")
     try:
-        obj = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
+        _import(module, qualname)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"worker {where} cannot be imported by a fresh process: {exc}") from None
 
@@ -503,12 +501,9 @@ def run_command(cmd: list[str], timeout_s: float, grace_s: float = 30.0, **popen
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _resolve(target: str) -> Callable:
-    module, _, name = target.partition(":")
-    if not name:
-        raise SystemExit(f"expected MODULE:FUNCTION, got {target!r}")
+def _import(module: str, qualname: str) -> Any:
     obj: Any = importlib.import_module(module)
-    for part in name.split("."):
+    for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
 
@@ -525,7 +520,10 @@ def main(argv: list[str] | None = None) -> None:
     args, kwargs = json.loads(ns.args), json.loads(ns.kwargs)
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise SystemExit("--args must be a JSON list and --kwargs a JSON object")
-    fn = _resolve(ns.target)
+    module, _, name = ns.target.partition(":")
+    if not name:
+        raise SystemExit(f"expected MODULE:FUNCTION, got {ns.target!r}")
+    fn = _import(module, name)
     init_rank()
     try:
         result = fn(*args, **kwargs)

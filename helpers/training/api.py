@@ -33,6 +33,7 @@ from helpers.runtime.scratch import scratch_dir
 from helpers.training.checkpoint import CheckpointSpec, as_checkpoint_spec
 from helpers.training.job import TrainJob, check_choice, check_job, job_for, renamed
 from helpers.training.loop import global_batch, run_trainings
+from helpers.training.strategies import step_optimizer
 
 
 @dataclass
@@ -90,11 +91,7 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
         optimizer.zero_grad(set_to_none=False)
         seeds = [microbatch_seed(job.data_seed, step, k) for k in range(job.microbatches)]
         loss = pipe.step(x, y, mask, loss_scale=scaler.get_scale() if scaler else 1.0, seeds=seeds)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        step_optimizer(optimizer, scaler)
         losses.append(loss.item())
     offsets = [0, *job.cut()]
     state = {offsets[s] + k: {n: t.detach().cpu().clone() for n, t in layer.state_dict().items()}

@@ -26,6 +26,7 @@ from helpers.activation_checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
 from helpers.models.text import batch_rows, load_rows
 from helpers.models.layered import Stage, boundary_shapes, microbatch_seed, owned_layers, with_seed
+from helpers.measure import synchronize
 from helpers.pipeline.comm import Wire
 from helpers.pipeline.interpreter import MicroBatch
 from helpers.pipeline.stages import stage_ranges
@@ -36,8 +37,8 @@ from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.checkpoint import rank_checkpointer
 from helpers.training.job import TrainJob, check_job
-from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, sum_replica_grads,
-                                         tied_copies, weights_in)
+from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, step_optimizer,
+                                         sum_replica_grads, tied_copies, weights_in)
 
 
 @dataclass
@@ -73,9 +74,7 @@ def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe:
     """Check `job` against `rig`, run it on dp x pp ranks, and combine what the ranks return. `restarts`: start all
     ranks again after a rank fails, up to this many times (with `job.checkpoint`, they resume from the latest
     checkpoint)."""
-    check_job(job, rig, oversubscribe)
-    return combine_ranks(run(train_worker, job, nranks=job.world, rig=rig, timeout=timeout,
-                             oversubscribe=oversubscribe, restarts=restarts))
+    return run_trainings([job], rig, timeout, oversubscribe, restarts)[0]
 
 
 def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
@@ -115,11 +114,6 @@ def combine_ranks(parts: list[dict]) -> TrainResult:
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 @dataclass
 class _Batch:
@@ -341,11 +335,7 @@ class _Rank:
         if self.optimizer is None:  # gradients only (parity checks, timing forward and backward)
             return
         with self.rec.span("optimizer"):
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # skipped on every rank alike when any rank overflowed
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            step_optimizer(self.optimizer, self.scaler)
 
 
 def train_worker(job: TrainJob) -> dict:
@@ -368,13 +358,13 @@ def train_worker(job: TrainJob) -> dict:
                 torch.cuda.reset_peak_memory_stats(r.device)
         r.module.zero_grad(set_to_none=False)
         dist.barrier()
-        _synchronize(r.device)
+        synchronize(r.device)
         c0, t0 = _cpu_seconds(), time.perf_counter()
         token_loss = r.step_fn(i)
         if i == 0 and job.return_grads:
             grads = _first_grads(r.module, r.owned, r.loss_scale)
         r.optimizer_step()
-        _synchronize(r.device)
+        synchronize(r.device)
         seconds = time.perf_counter() - t0
         if 0 < i <= job.timed_steps:
             times.append(seconds)

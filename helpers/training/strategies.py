@@ -203,6 +203,15 @@ def make_optimizer(name: str, params, lr: float, zero1: bool = False):
     return cls(params, lr=lr)
 
 
+def step_optimizer(optimizer, scaler) -> None:
+    """One optimizer step; with a gradient scaler, skipped on every rank alike when any rank overflowed."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+
+
 class TiedCopies:
     """The copies of tied weights (embedding and head) that live on this rank when they sit on different pipeline
     stages, as Megatron keeps them: identical at the start, and after every backward each copy's gradient becomes
@@ -297,23 +306,17 @@ def _instrument_stage(pstage, rec: Recorder, wrapper: _ChunkContexts, stage: int
     through forward_one_chunk / backward_one_chunk (and, for zero-bubble schedules, backward_weight_one_chunk), so
     wrapping those methods records every span (the library's sends and receives happen outside them and stay
     invisible), and tells the stage which context is current."""
-    forward, backward, weight = pstage.forward_one_chunk, pstage.backward_one_chunk, pstage.backward_weight_one_chunk
+    def recorded(method, span: str):
+        def run(chunk_id: int, *args, **kwargs):
+            if span == "forward":
+                wrapper.current = chunk_id
+            with rec.span(span, chunk_id, stage):
+                return method(chunk_id, *args, **kwargs)
+        return run
 
-    def forward_one_chunk(fwd_chunk_id: int, *args, **kwargs):
-        wrapper.current = fwd_chunk_id
-        with rec.span("forward", fwd_chunk_id, stage):
-            return forward(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(bwd_chunk_id: int, *args, **kwargs):
-        with rec.span("backward", bwd_chunk_id, stage):
-            return backward(bwd_chunk_id, *args, **kwargs)
-
-    def backward_weight_one_chunk(bwd_chunk_id: int, *args, **kwargs):
-        with rec.span("weight", bwd_chunk_id, stage):
-            return weight(bwd_chunk_id, *args, **kwargs)
-
-    pstage.forward_one_chunk, pstage.backward_one_chunk = forward_one_chunk, backward_one_chunk
-    pstage.backward_weight_one_chunk = backward_weight_one_chunk
+    for name, span in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                       ("backward_weight_one_chunk", "weight")):
+        setattr(pstage, name, recorded(getattr(pstage, name), span))
 
 
 def _torch_pipeline(chunks: Sequence[Stage], device_index: int, layout: Layout, schedule: str, m: int, device,
