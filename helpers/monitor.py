@@ -155,7 +155,7 @@ class MemoryMonitor:
 
     # --- readings -----------------------------------------------------------------------------------------------
 
-    def _local(self) -> list[tuple[object, Reading, int]]:
+    def _local(self) -> list[tuple[object, Reading, int, int | None]]:
         out = []
         for i, label in enumerate(self.labels):
             parts = _ordered(self.source.parts(label)) if self.source is not None else {}
@@ -165,7 +165,7 @@ class MemoryMonitor:
             if idx is not None:
                 r.allocated = torch.cuda.memory_allocated(idx)
                 r.reserved = torch.cuda.memory_reserved(idx)
-            out.append((("local", label), r, sum(peak.values())))
+            out.append((("local", label), r, sum(peak.values()), idx))
         return out
 
     def _rank_label(self, report: live.RankReport) -> str:
@@ -173,7 +173,7 @@ class MemoryMonitor:
         where = labels[report.rank] if report.rank < len(labels) else f"rank {report.rank}"
         return f"{report.title or f'run {report.run}'} · {where}"
 
-    def _rank_readings(self) -> list[tuple[object, Reading, int]]:
+    def _rank_readings(self) -> list[tuple[object, Reading, int, int | None]]:
         if self._folder is not None:
             for report in live.read_reports(self._folder):
                 self._reports[report.key] = report
@@ -190,22 +190,17 @@ class MemoryMonitor:
             if rep.cuda:
                 r.allocated, r.reserved = rep.cuda["allocated"], rep.cuda["reserved"]
                 known = max(known, rep.cuda["max_allocated"])
-            out.append((("rank", key), r, known))
+            out.append((("rank", key), r, known, rep.cuda["index"] if rep.cuda else None))
         return out
 
-    def _nvml(self, rows: list[tuple[object, Reading, int]]) -> None:
+    @staticmethod
+    def _nvml(rows: list[tuple[object, Reading, int, int | None]]) -> None:
         """NVML's reading of each row's GPU (one query for all of them)."""
-        index = {}
-        for (kind, key), r, _ in rows:
-            if kind == "local":
-                index[id(r)] = self.cuda_index[self.labels.index(key)]
-            elif self._reports[key].cuda:
-                index[id(r)] = self._reports[key].cuda["index"]
-        gpus = sorted({i for i in index.values() if i is not None})
+        gpus = sorted({gpu for *_, gpu in rows if gpu is not None})
         used = dict(zip(gpus, nvml_used(gpus))) if gpus else {}
-        for _, r, _ in rows:
-            if index.get(id(r)) is not None:
-                r.nvml = used.get(index[id(r)])
+        for _, r, _, gpu in rows:
+            if gpu is not None:
+                r.nvml = used.get(gpu)
 
     def readings(self) -> list[Reading]:
         """Every row now; also updates the peaks and the drawing scale."""
@@ -213,11 +208,11 @@ class MemoryMonitor:
             rows = self._local() + (self._rank_readings() if self.ranks else [])
             if self.rig.is_cuda:
                 self._nvml(rows)
-            for key, r, known in rows:  # the source sees every peak, the panel only its own moments
+            for key, r, known, _ in rows:  # the source sees every peak, the panel only its own moments
                 self._peaks[key] = max(self._peaks.get(key, 0), r.total, known)
-            self.peak = [self._peaks[key] for key, _, _ in rows]
+            self.peak = [self._peaks[key] for key, *_ in rows]
             self.scale = max([self.scale, *self.peak])
-            return [r for _, r, _ in rows]
+            return [r for _, r, *_ in rows]
 
     # --- drawing ------------------------------------------------------------------------------------------------
 
