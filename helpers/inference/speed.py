@@ -96,10 +96,6 @@ def op_counts(model_type: str) -> OpCounts:
     return OpCounts(counts[1] - counts[0], 2 * counts[0] - counts[1])
 
 
-def ops_per_layer(model_type: str) -> int:
-    return op_counts(model_type).per_layer
-
-
 # --- one layer, one phase -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

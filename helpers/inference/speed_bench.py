@@ -1,18 +1,7 @@
-"""Predicted beside measured: the speed model of `helpers.inference.speed` calibrated on the rig you have, and the
-engines timed on the same model, batches and contexts.
-
-- `helpers.inference.speed_calibration.calibrate_cpu_rig(model, rig, rows)`: what the model needs of this rig,
-  measured with micro-benchmarks, never with the engines themselves (see that module).
-- `measure_engines(model, rig, batches, prompts, new_tokens)`: the layer split, the pipelined split (2 requests in
-  flight) and tensor parallelism (the command line: two launches of its ranks per case, pooled), prefill and decode
-  tokens per second (medians of interleaved repeats); the command line takes a round of the calibration (and one
-  launch of the ranks' all-reduce timing) before each batch and prompt length and one after the last, so both see
-  the same minutes.
-- `compare(measured, speed_rig, shape)`: each measured row beside its prediction, with the error (the command line
-  prices with the medians of the whole run's rounds); `compare_by_case`: each case (batch, prompt) priced by the
-  rounds just before and after it, which the command line prints beside, to show whether the machine's speed moved.
-- `rig_as_dict` / `rig_from_dict`, `replay(path)`: a run's calibration saved beside its rows (`--json`) and its rows
-  predicted again from it (`--replay`): the model's next version checked against stored measurements in seconds.
+"""Predicted beside measured: the speed model of `helpers.inference.speed` calibrated on the rig you have
+(`helpers.inference.speed_calibration`: micro-benchmarks, never the engines themselves), and the engines timed on
+the same model, batches and contexts (`measure_engines`); `compare` and `compare_by_case` put each measured row
+beside its prediction; `replay` prices a saved run's rows again from the calibration saved beside them.
 
 The command line, for a quiet machine: `python -m helpers.inference.speed_bench` (see --help). Wall-clock figures
 mean something only on a machine nothing else is using; tests never assert on them.
@@ -27,7 +16,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from helpers.hardware import Link
-from helpers.inference.speed import SPLITS, Phase, layer_split, op_counts, pipelined, tensor_parallel
+from helpers.inference.speed import PHASES, SPLITS, Phase, layer_split, op_counts, pipelined, tensor_parallel
 from helpers.inference.speed_calibration import (DeviceCalibration, calibrate_cpu_rig, model_shape_of,
                                                  tensor_parallel_sample)
 from helpers.inference.speed_rigs import Device, SpeedRig
@@ -72,11 +61,9 @@ def measure_engines(model: HFModel, rig, batches: Sequence[int], prompts: Sequen
             results = measure({"layer split": lambda: split.generate(requests[:1], new_tokens),
                                "pipelined": lambda: pipe.generate(requests, new_tokens)}, repeats=repeats)
             results["tensor parallel"] = Throughput.pooled([first] + [tensor_parallel() for _ in range(launches - 1)])
-            for engine, t in results.items():
-                rows += [{"engine": engine, "phase": "prefill", "batch": batch, "prompt": prompt,
-                          "new_tokens": new_tokens, "tok/s": t.prefill_tok_s, "measured": True},
-                         {"engine": engine, "phase": "decode", "batch": batch, "prompt": prompt,
-                          "new_tokens": new_tokens, "tok/s": t.decode_tok_s, "measured": True}]
+            rows += [{"engine": engine, "phase": phase, "batch": batch, "prompt": prompt, "new_tokens": new_tokens,
+                      "tok/s": getattr(t, f"{phase}_tok_s"), "measured": True}
+                     for engine, t in results.items() for phase in PHASES]
     return rows
 
 
@@ -189,7 +176,7 @@ def error_summary(rows: Sequence[dict]) -> list[dict]:
     """Per engine and phase: the largest and the median absolute error."""
     out = []
     for engine in SPLITS:
-        for phase in ("prefill", "decode"):
+        for phase in PHASES:
             errs = [abs(r["error"]) for r in rows if r["engine"] == engine and r["phase"] == phase]
             if errs:
                 out.append({"engine": engine, "phase": phase, "median |error|": statistics.median(errs),

@@ -1,13 +1,8 @@
 """The speed model's figures of the CPU rig, measured for one model with micro-benchmarks, never with the engines
 themselves: what `helpers.inference.speed_bench` prices its measured engines with.
 
-- `DeviceCalibration` (in rounds): the rate one virtual device streams the model's weights at (alone, and while the
-  other device streams too), its matmul rate at the row counts the workload multiplies (through the whole working
-  set, out of the cache; both devices as threads with one intra-op thread each; one row: the streaming sweep's own
-  rate, not a second reading of it), the host time per dispatched op (a tiny model of the same family, per layer,
-  divided by the ops it dispatches), with a stage-sized model decoding and prefilling (`StageForwards`) what each op
-  waits for the interpreter lock while both devices' threads decode in one process and what a decoder layer
-  computes beyond its weights' matmuls and its dispatch, at decode's and prefill's row counts;
+- `DeviceCalibration` (in rounds): one virtual device's weight streaming, matmul rates, host time per op, the
+  interpreter lock's wait and a decoder layer's work beyond its matmuls (`StageForwards`);
 - `tensor_parallel_sample`: in two ranks, the all-reduce at hidden-state sizes issued back to back as tensor
   parallelism issues them (`lockstep_allreduce_link`) and DTensor's host time per sharded linear;
 - `calibrate_cpu_rig(model, rig, rows)`: both, as the `SpeedRig` the speed model prices.
@@ -24,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.hardware import FREE_LINK, Link
-from helpers.inference.speed import COLLECTIVES_PER_LAYER, Phase, model_seconds, op_counts, ops_per_layer, tiny_model
+from helpers.inference.speed import COLLECTIVES_PER_LAYER, Phase, model_seconds, op_counts, tiny_model
 from helpers.inference.speed_rigs import Device, SpeedRig
 from helpers.models.hf import HFModel
 from helpers.runtime.rig import run_together, run_together_with_cpu
@@ -66,11 +61,6 @@ def _sweep(mats: Sequence[torch.Tensor], rows: int, dtype: torch.dtype):
     return lambda: [F.linear(inputs[w.shape[1]], w) for w in mats]
 
 
-def _together(work) -> float:
-    """Seconds until the last of `work` finished, each in a thread of its own, as a virtual device, all at once."""
-    return max(run_together(work))
-
-
 class DeviceCalibration:
     """The CPU virtual device's micro-benchmarks for one model, sampled in rounds: `sample()` times each once,
     `device()` is the medians of the rounds so far. The speed bench takes a round before each of the engines'
@@ -103,7 +93,7 @@ class DeviceCalibration:
         self.forwards = StageForwards(shape.config, dtype, prefills=prefills)
         for work in self.works.values():  # warm-up: the matrices' pages touched, the threads' pools started
             work[0]()
-            _together(work)
+            max(run_together(work))
         self.alone: dict = {r: [] for r in self.works}
         self.together: dict = {r: [] for r in self.works}
         self.host: list[float] = []
@@ -118,7 +108,7 @@ class DeviceCalibration:
             t0 = time.perf_counter()
             work[0]()
             self.alone[r].append(time.perf_counter() - t0)
-            self.together[r].append(_together(work))
+            self.together[r].append(max(run_together(work)))  # until the last finished
         self.host.append(host_seconds_per_op(self.shape.config.model_type))
         wait, steps, prefills = self.forwards.sample()
         self.waits.append(wait)
@@ -186,19 +176,28 @@ def _mean_by_rows(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float
     return tuple((rows, statistics.mean(values)) for rows, values in sorted(by_rows.items()))
 
 
+def decode_steps(model: torch.nn.Module, batch: int, context: int, steps: int):
+    """A function running `steps` decode steps of `model` (a Hugging Face causal LM) for `batch` rows after a prompt
+    of `context` tokens, the cache cropped back after each so that every call decodes at the same position."""
+    ids = torch.ones(batch, context, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+
+    def run() -> None:
+        with torch.no_grad():  # grad mode belongs to the thread
+            for _ in range(steps):
+                model(ids[:, :1], cache=cache, use_cache=True)
+                cache.crop(-1)
+    return run
+
+
 def host_seconds_per_op(model_type: str, repeats: int = 20) -> float:
     """Host time of one dispatched op: a decode step of a tiny model of the family (hidden 64, where the arithmetic
     is nothing) with 4 layers against 1, per layer, divided by the ops a layer dispatches."""
-    ids = torch.ones(1, 8, dtype=torch.long)
-
     def step(layers: int):
-        model = tiny_model(model_type, layers)
-        cache = model(ids, use_cache=True).cache
-        return lambda: (model(ids[:, :1], cache=cache, use_cache=True), cache.crop(-1))
+        return decode_steps(tiny_model(model_type, layers), 1, 8, 1)
 
-    with torch.no_grad():
-        extra = _extra_seconds(step(4), step(1), repeats)
-    return max(extra, 0.0) / 3 / ops_per_layer(model_type)
+    return max(_extra_seconds(step(4), step(1), repeats), 0.0) / 3 / op_counts(model_type).per_layer
 
 
 class StageForwards:
@@ -218,22 +217,9 @@ class StageForwards:
         torch.manual_seed(0)
         stages = [AutoModelForCausalLM.from_config(config).to(dtype).eval() for _ in range(2)]
         self.layers, self.batches, self.prefills = config.num_hidden_layers, tuple(batches), tuple(prefills)
-        self.works = [[self._decoding(stage, b) for stage in stages] for b in batches]
+        self.works = [[decode_steps(stage, b, CONTEXT, DECODE_STEPS) for stage in stages] for b in batches]
         self.prefill_works = [self._prefilling(stages[0], b, p) for b, p in self.prefills]
         self.sample()  # warm-up
-
-    @staticmethod
-    def _decoding(stage: torch.nn.Module, batch: int):
-        ids = torch.ones(batch, CONTEXT, dtype=torch.long)
-        with torch.no_grad():
-            cache = stage(ids, use_cache=True).cache
-
-        def steps() -> None:
-            with torch.no_grad():  # grad mode belongs to the thread
-                for _ in range(DECODE_STEPS):
-                    stage(ids[:, :1], cache=cache, use_cache=True)
-                    cache.crop(-1)
-        return steps
 
     @staticmethod
     def _prefilling(stage: torch.nn.Module, batch: int, prompt: int):

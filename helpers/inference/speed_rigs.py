@@ -31,17 +31,19 @@ def speed_data() -> dict:
 
 # --- devices and rigs ---------------------------------------------------------------------------------------------
 
-def interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
-    """The measured (x, y) `points` at `x`: linear between the two around it, the nearest point's y outside them
-    (never extrapolated: a trend fitted on a few short points overcharged the long ones), 0 with no points."""
+def interpolated(points: Sequence[tuple[float, float]], x: float, log: bool = False) -> float:
+    """The measured (x, y) `points` at `x`: linear between the two around it (in log(x) with `log`), the nearest
+    point's y outside them (never extrapolated: a trend fitted on a few short points overcharged the long ones), 0
+    with no points."""
     points = sorted(points)
     if not points:
         return 0.0
     if x <= points[0][0]:
         return points[0][1]
+    scale = math.log if log else float
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x <= x1:
-            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+            return y0 + (scale(x) - scale(x0)) / (scale(x1) - scale(x0)) * (y1 - y0)
     return points[-1][1]
 
 
@@ -81,14 +83,7 @@ class Device:
         the measured points, constant beyond them."""
         if busy and not self.busy_flops:
             return self.rate(rows) / self.busy_slowdown
-        points = sorted(self.busy_flops if busy else self.flops)
-        if rows <= points[0][0]:
-            return points[0][1]
-        for (r0, f0), (r1, f1) in zip(points, points[1:]):
-            if rows <= r1:
-                t = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return f0 + t * (f1 - f0)
-        return points[-1][1]
+        return interpolated(self.busy_flops if busy else self.flops, rows, log=True)
 
     def activation_seconds(self, rows: int, prefill: bool = False) -> float:
         """`activation_s` (a `prefill`: `prefill_activation_s` where measured) at `rows`: interpolated between the

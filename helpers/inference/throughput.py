@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from helpers.inference.generate import PHASES, Generation, Rates
+from helpers.measure import interleaved_medians
+
 
 @dataclass(frozen=True)
 class Throughput(Rates):
@@ -25,14 +27,11 @@ class Throughput(Rates):
     repeats: int
     last: Generation = field(repr=False)
 
-
     @classmethod
     def of(cls, engine: str, runs: Sequence[Generation]) -> "Throughput":
         if not runs:
             raise ValueError(f"no runs of {engine} to take medians of")
-        last = runs[-1]
-        return cls(engine, statistics.median(g.prefill_s for g in runs), statistics.median(g.decode_s for g in runs),
-                   last.prompt_tokens, last.decode_tokens, len(runs), last)
+        return cls._medians(engine, runs, len(runs), runs[-1])
 
     @classmethod
     def pooled(cls, parts: Sequence["Throughput"]) -> "Throughput":
@@ -41,31 +40,23 @@ class Throughput(Rates):
         prefill 369-451 tok/s and decode 15.6-21.4), the repeats of all, the last launch's last run."""
         if not parts:
             raise ValueError("no launches to pool")
-        last = parts[-1]
-        return cls(last.engine, statistics.median(t.prefill_s for t in parts),
-                   statistics.median(t.decode_s for t in parts), last.prompt_tokens, last.decode_tokens,
-                   sum(t.repeats for t in parts), last.last)
+        return cls._medians(parts[-1].engine, parts, sum(t.repeats for t in parts), parts[-1].last)
+
+    @classmethod
+    def _medians(cls, engine: str, timed: Sequence, repeats: int, last: Generation) -> "Throughput":
+        return cls(engine, statistics.median(t.prefill_s for t in timed), statistics.median(t.decode_s for t in timed),
+                   last.prompt_tokens, last.decode_tokens, repeats, last)
 
 
 def measure(runs: Mapping[str, Callable[[], Generation]], repeats: int = 3, warmup: int = 1,
             progress: bool = False) -> dict[str, Throughput]:
     """Time each run (a function returning a Generation) in interleaved rounds, a, b, c, a, b, c, ..., after
-    `warmup` untimed rounds, so a slow moment of a shared machine hurts every engine alike; medians per phase."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    for _ in range(warmup):
-        for fn in runs.values():
-            fn()
+    `warmup` untimed calls of each, so a slow moment of a shared machine hurts every engine alike
+    (`helpers.measure.interleaved_medians`); medians per phase of the Generations' own timings."""
     done: dict[str, list[Generation]] = {name: [] for name in runs}
-    rounds = range(repeats)
-    if progress:
-        from tqdm.auto import tqdm
-
-        rounds = tqdm(rounds, desc="timing", leave=False)
-    for _ in rounds:
-        for name, fn in runs.items():
-            done[name].append(fn())
-    return {name: Throughput.of(name, gens) for name, gens in done.items()}
+    interleaved_medians({name: lambda name=name, fn=fn: done[name].append(fn()) for name, fn in runs.items()},
+                        repeats, warmup, progress)
+    return {name: Throughput.of(name, gens[warmup:]) for name, gens in done.items()}
 
 
 def throughput_rows(results: Mapping[str, Throughput], baseline: str | None = None) -> list[dict]:

@@ -27,40 +27,28 @@ from helpers.simulate.calibrate_model import (WholeModelTimer, measure_workload,
 from helpers.simulate.workload import Workload
 
 
-def _corun(work: Sequence[Callable[[], object]], rounds: int) -> float:
-    """Threads: each of `work` timed alone, then all at once in threads; the typical ratio (together / alone) of
-    the rounds (see `typical_slowdown`)."""
-    ratios = []
-    for _ in range(rounds):
-        alone = []
-        for fn in work:
-            t0 = time.perf_counter()
-            fn()
-            alone.append(time.perf_counter() - t0)
-        ratios.append(sum(run_together(work)) / sum(alone))
-    return typical_slowdown(ratios)
-
-
 def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int = 7) -> float:
     """How much slower forward + backward of (`x`, `y`) runs on two threads of this process at once (each on its
-    own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators."""
+    own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators. Each
+    copy timed alone, then both at once in threads; the typical ratio (together / alone) of the rounds (see
+    `typical_slowdown`)."""
     import copy
 
     models = [model, copy.deepcopy(model)]
-
-    def work(m: nn.Module) -> Callable[[], None]:
-        def step() -> None:
-            loss_fn(m(x), y).backward()
-
-        return step
-
-    fns = [work(m) for m in models]
+    fns = [lambda m=m: loss_fn(m(x), y).backward() for m in models]
     for fn in fns:
         fn()  # warm-up
-    ratio = _corun(fns, rounds)
+    ratios = []
+    for _ in range(rounds):
+        alone = 0.0
+        for fn in fns:
+            t0 = time.perf_counter()
+            fn()
+            alone += time.perf_counter() - t0
+        ratios.append(sum(run_together(fns)) / alone)
     for m in models:
         m.zero_grad(set_to_none=True)
-    return max(1.0, ratio)
+    return max(1.0, typical_slowdown(ratios))
 
 
 def broadcast_message_seconds(device: torch.device, repeats: int, nbytes: int = 4 * 2**20,
@@ -369,13 +357,13 @@ def links_from_samples(samples: Sequence) -> tuple[Link, Link, Link]:
     def pick(prefix: str) -> list:
         return next((v for k, v in by_path.items() if k.startswith(prefix)), [])
 
+    def fit(path: list) -> Link:
+        return fit_link([s.bytes for s in path], [s.seconds for s in path], path[0].path)
+
     p2p, allreduce, copy = pick("processes: point-to-point"), pick("processes: all-reduce"), pick("threads:")
     if not p2p or not allreduce:
         raise ValueError("the link benchmark has no point-to-point or all-reduce samples to fit")
-    return (fit_link([s.bytes for s in p2p], [s.seconds for s in p2p], p2p[0].path),
-            fit_link([s.bytes for s in allreduce], [s.seconds for s in allreduce], allreduce[0].path),
-            fit_link([s.bytes for s in copy], [s.seconds for s in copy], copy[0].path) if copy else
-            replace(FREE_LINK, name="in-memory hand-over (no copy)"))
+    return fit(p2p), fit(allreduce), fit(copy) if copy else replace(FREE_LINK, name="in-memory hand-over (no copy)")
 
 
 def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,

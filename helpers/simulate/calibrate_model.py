@@ -22,23 +22,28 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from helpers.measure import synchronize
+from helpers.measure import median_time, synchronize
 from helpers.profile import Profile, profile_layers
 from helpers.runtime.rig import run_together
 from helpers.simulate.workload import Workload
 from helpers.sizing.ledger import MemoryLedger, ledger_for
 
 
-def _median_time(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:
-    times = []
-    for r in range(warmup + repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _forward_backward(loss: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """Seconds of `loss()` (a forward and its loss) and of its backward, `device`'s queued work waited for."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = loss()
+    synchronize(device)
+    t1 = time.perf_counter()
+    out.backward()
+    synchronize(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _medians(timed: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Median forward and median backward seconds of (forward, backward) samples."""
+    return statistics.median(f for f, _ in timed), statistics.median(b for _, b in timed)
 
 
 @dataclass(frozen=True)
@@ -62,22 +67,9 @@ def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
                         repeats: int = 4) -> tuple[float, float]:
     """Median forward and backward seconds of one micro-batch (`x`, `y`) through the whole model, gradients
     accumulating as in a training step with micro-batches."""
-    device = x.device
-    fwd, bwd = [], []
-    for r in range(1 + repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
-        synchronize(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
-        t2 = time.perf_counter()
-        if r:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+    timed = [_forward_backward(lambda: loss_fn(model(x), y), x.device) for _ in range(1 + repeats)][1:]
     model.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+    return _medians(timed)
 
 
 class WholeModelTimer:
@@ -118,18 +110,11 @@ class WholeModelTimer:
     def sample(self, microbatch: int, key: Hashable | None = None, keys: Sequence[Hashable] = ()) -> None:
         """Time one micro-batch of `microbatch` samples (gradients accumulate, as in a step with micro-batches);
         with `key` (or `keys`: jobs of one launch at this size), also kept as one of that key's samples."""
-        xb, yb, device = *self._microbatch(microbatch), self.x.device
+        xb, yb = self._microbatch(microbatch)
         if microbatch not in self.samples:  # the first call at a size warms up, untimed
             self.samples[microbatch] = []
             self._loss(self.model, xb, yb).backward()
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = self._loss(self.model, xb, yb)
-        synchronize(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
-        timed = (t1 - t0, time.perf_counter() - t1)
+        timed = _forward_backward(lambda: self._loss(self.model, xb, yb), self.x.device)
         self.samples[microbatch].append(timed)
         for k in ([key] if key is not None else []) + list(keys):
             self.keyed.setdefault((k, microbatch), []).append(timed)
@@ -142,9 +127,7 @@ class WholeModelTimer:
         of all), or None before any sample."""
         got = self.keyed.get((key, microbatch)) if key is not None else None
         got = got or self.samples.get(microbatch)
-        if not got:
-            return None
-        return statistics.median(f for f, _ in got), statistics.median(b for _, b in got)
+        return _medians(got) if got else None
 
     def sample_together(self, microbatch: int, key: Hashable | None = None) -> None:
         """Time forward and backward of one micro-batch on this model and on a copy of it at once, in two threads
@@ -232,7 +215,7 @@ def optimizer_seconds(optimizer: torch.optim.Optimizer, repeats: int = 5, zero_g
             p.grad = torch.zeros_like(p)
     device = params[0].device
     fn = (lambda: optimizer.zero_grad(set_to_none=False)) if zero_grad else optimizer.step
-    return _median_time(fn, repeats, device)
+    return median_time(fn, repeats, device)
 
 
 def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
@@ -240,7 +223,7 @@ def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeat
     engines make into and out of their communication buffers cost this much on the device's own compute."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return _median_time(lambda: dst.copy_(src), repeats, device) / nbytes
+    return median_time(lambda: dst.copy_(src), repeats, device) / nbytes
 
 
 def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
