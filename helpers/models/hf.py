@@ -274,22 +274,17 @@ class HFLayers(Stage):
         return hf_context(self.config, input_ids, attention_mask, cache, position_ids, self.layers[0].tok.weight.dtype)
 
 
-def _causal_lm_parts(model: nn.Module) -> tuple[_Parts, nn.Module]:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "lm_head"):
-        raise TypeError(f"cannot list the layers of {type(model).__name__}: expected a Hugging Face causal LM "
-                        "(a ...ForCausalLM or GPT2LMHeadModel, with a config and an lm_head)")
-    parts = _check_family(config.model_type)
-    return parts, getattr(model, parts.base)
-
-
 def hf_layers(model: nn.Module) -> HFLayers:
     """An in-memory Hugging Face causal LM as its layer list (see `HFLayers`), sharing the model's parameters:
     cutting the list cuts the model. With tied embeddings the embedding and the head share one Parameter, as in
     the model (both on one device: nothing extra to do). For a model saved on disk, `HFModel` builds the same
     layers on the meta device and loads only the ones a device owns."""
-    parts, base = _causal_lm_parts(model)
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "lm_head"):
+        raise TypeError(f"cannot list the layers of {type(model).__name__}: expected a Hugging Face causal LM "
+                        "(a ...ForCausalLM or GPT2LMHeadModel, with a config and an lm_head)")
+    parts = _check_family(config.model_type)
+    base = getattr(model, parts.base)
     rotary = getattr(base, parts.rotary) if parts.rotary else None
     embedding = HFEmbedding(config, getattr(base, parts.embed),
                             getattr(base, parts.positions) if parts.positions else None,
@@ -439,10 +434,12 @@ class HFModel:
         checkpoint: the embedding and the head when the embeddings are tied."""
         return [((0, "tok.weight"), (self.n_layers - 1, "weight"))] if self.tied else []
 
-    def _skeleton(self, real_buffers: bool) -> nn.Module:
-        """The model with parameters on the meta device; buffers (rotary frequencies, Gemma's scale: not in the
-        checkpoint) on the meta device too, or really computed on the host, from where `materialize` moves them to
-        the layer's device. Built untied: ties are the checkpoint's."""
+    def skeleton(self, real_buffers: bool = True, tied: bool = True) -> nn.Module:
+        """The whole Hugging Face model with its parameters on the meta device; its buffers (rotary frequencies,
+        Gemma's scale: not in the checkpoint) really computed on the host, from where `materialize` moves them to the
+        layer's device, or (`real_buffers=False`) on the meta device too. `tied`: tied as the checkpoint is, for
+        engines that shard the original module (tensor parallelism) and then load each parameter's own part with
+        `read_tensors`; the layer view is built untied, ties being the checkpoint's."""
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -450,20 +447,14 @@ class HFModel:
         config.tie_word_embeddings = False
         with init_empty_weights(include_buffers=False) if real_buffers else nullcontext(), \
                 torch.device("cpu" if real_buffers else "meta"):
-            return AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
-                                                    dtype=self.weights_dtype)
-
-    def skeleton(self) -> nn.Module:
-        """The whole Hugging Face model with its parameters on the meta device and its buffers computed on the host,
-        tied as the checkpoint is: for engines that shard the original module (tensor parallelism) and then load
-        each parameter's own part with `read_tensors`."""
-        model = self._skeleton(real_buffers=True)
-        if self.tied:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
+                                                     dtype=self.weights_dtype)
+        if tied and self.tied:
             model.lm_head.weight = model.get_input_embeddings().weight
         return model
 
     def meta_layers(self) -> list[nn.Module]:
-        return list(hf_layers(self._skeleton(real_buffers=False)))
+        return list(hf_layers(self.skeleton(real_buffers=False, tied=False)))
 
     def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
                 position_ids: torch.Tensor | None = None) -> HFContext:
@@ -483,11 +474,11 @@ class HFModel:
         owned = sorted(set(indices))
         if any(not 0 <= i < len(layers) for i in owned):
             raise ValueError(f"layer indices {owned} are outside the model's {len(layers)} layers")
-        model = self._skeleton(real_buffers=True)
+        model = self.skeleton(tied=False)
         skeleton = hf_layers(model)
         head = len(skeleton) - 1
         share = self.tied and 0 in owned and head in owned
-        wanted = self._checkpoint_names(model, skeleton, owned)
+        wanted = self.checkpoint_names(owned, model)
         if share:
             del wanted[head]["weight"]
         tensors = read_tensors(self.path, {name for names in wanted.values() for name in names.values()})
@@ -499,18 +490,15 @@ class HFModel:
             layer.load_state_dict(state, assign=True)
             layers[i] = layer.to(device)
 
-    def checkpoint_names(self, indices: Iterable[int]) -> dict[int, dict[str, str]]:
-        """For the layers at `indices`: each state name -> the checkpoint tensor it is saved as (how trained layers
-        go back into a `save_pretrained` directory; a tied head maps to the embedding's one tensor)."""
-        model = self._skeleton(real_buffers=False)
-        return self._checkpoint_names(model, hf_layers(model), sorted(set(indices)))
-
-    def _checkpoint_names(self, model: nn.Module, skeleton: HFLayers, owned: list[int]) -> dict[int, dict[str, str]]:
-        """For each owned layer, its state names -> the checkpoint's tensor names. When tied, the head's weight is
-        the embedding's tensor: a tied checkpoint stores only that one."""
+    def checkpoint_names(self, indices: Iterable[int], model: nn.Module | None = None) -> dict[int, dict[str, str]]:
+        """For the layers at `indices` (of `model`, default a meta skeleton): each state name -> the checkpoint tensor
+        it is saved as (how trained layers go back into a `save_pretrained` directory). When tied, the head's weight
+        is the embedding's tensor: a tied checkpoint stores only that one."""
+        model = model if model is not None else self.skeleton(real_buffers=False, tied=False)
+        skeleton = hf_layers(model)
         full = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
         names = {i: {local: full[id(t)] for local, t in skeleton[i].state_dict(keep_vars=True).items()}
-                 for i in owned}
+                 for i in sorted(set(indices))}
         head = len(skeleton) - 1
         if self.tied and head in names:
             names[head]["weight"] = full[id(skeleton[0].tok.weight)]
