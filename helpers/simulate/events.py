@@ -61,70 +61,22 @@ class TaskGraph:
 
     def run(self, sharing=None) -> float:
         """Give every task its start and end; return the makespan. With `sharing` (a `SharedCores`), the tasks of
-        its kinds share its cores."""
-        if sharing is not None:
-            return self._run_shared(sharing)
+        `sharing.kinds` share `sharing.cores` cores: each running task of those kinds occupies one core per device it
+        runs on; while `users` such occupants want cores, each progresses at min(1, cores / users) of its own speed,
+        divided by `sharing.slowdown` while more than one core is busy. Other tasks (links, copy engines), and every
+        task without `sharing`, keep their own speed."""
         n = len(self.tasks)
-        waiting = [len(t.after) for t in self.tasks]
-        dependants: list[list[int]] = [[] for _ in range(n)]
-        for i, t in enumerate(self.tasks):
-            for d in t.after:
-                dependants[d].append(i)
-        ready = [(0.0, i) for i in range(n) if waiting[i] == 0]
-        heapq.heapify(ready)
-        running: list[tuple[float, int]] = []
-        link_free: dict[Hashable, float] = {}
-        now, finished = 0.0, 0
-        while ready or running:
-            while running and running[0][0] <= now:
-                end, i = heapq.heappop(running)
-                finished += 1
-                for j in dependants[i]:
-                    waiting[j] -= 1
-                    if waiting[j] == 0:
-                        heapq.heappush(ready, (end, j))
-            blocked, claimed = [], set()
-            while ready:
-                ready_at, i = heapq.heappop(ready)
-                task = self.tasks[i]
-                if any(link_free.get(lk, 0.0) > now or lk in claimed for lk in task.links):
-                    blocked.append((ready_at, i))
-                    claimed.update(task.links)  # first come, first served: later messages queue behind it
-                    continue
-                task.start, task.end = now, now + task.duration
-                for lk in task.links:
-                    link_free[lk] = task.end
-                heapq.heappush(running, (task.end, i))
-            for item in blocked:
-                heapq.heappush(ready, item)
-            if running and running[0][0] > now:
-                now = running[0][0]
-        if finished != n:
-            stuck = [f"{t.kind} (devices {list(t.devices)})" for t, w in zip(self.tasks, waiting) if w > 0][:5]
-            raise ValueError(f"the task graph deadlocks: {', '.join(stuck)} wait for tasks that never end")
-        return max((t.end for t in self.tasks), default=0.0)
-
-    def _dependants(self) -> tuple[list[int], list[list[int]]]:
         waiting = [len(t.after) for t in self.tasks]
         dependants: list[list[int]] = [[] for _ in self.tasks]
         for i, t in enumerate(self.tasks):
             for d in t.after:
                 dependants[d].append(i)
-        return waiting, dependants
-
-    def _run_shared(self, sharing) -> float:
-        """`run` with the tasks of `sharing.kinds` sharing `sharing.cores` cores: each running task of those kinds
-        occupies one core per device it runs on; while `users` such occupants want cores, each progresses at
-        min(1, cores / users) of its own speed, divided by `sharing.slowdown` while more than one core is busy.
-        Other tasks (links, copy engines) keep their own speed."""
-        n = len(self.tasks)
-        waiting, dependants = self._dependants()
         ready = [(0.0, i) for i in range(n) if waiting[i] == 0]
         heapq.heapify(ready)
         remaining: dict[int, float] = {}
         holder: dict[Hashable, int] = {}
         now, finished = 0.0, 0
-        weight = [len(t.devices) if t.kind in sharing.kinds else 0 for t in self.tasks]
+        weight = [len(t.devices) if sharing is not None and t.kind in sharing.kinds else 0 for t in self.tasks]
         while ready or remaining:
             blocked, claimed = [], set()
             while ready:
@@ -132,7 +84,7 @@ class TaskGraph:
                 task = self.tasks[i]
                 if any(lk in holder or lk in claimed for lk in task.links):
                     blocked.append((ready_at, i))
-                    claimed.update(task.links)
+                    claimed.update(task.links)  # first come, first served: later messages queue behind it
                     continue
                 task.start = now
                 remaining[i] = task.duration

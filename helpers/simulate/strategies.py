@@ -41,7 +41,7 @@ from helpers.hardware import FREE_LINK, Collectives, Link, SharedCores, collecti
 from helpers.dtypes import BYTES
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
-from helpers.units import MiB, fmt_bytes
+from helpers.units import MiB
 
 LABELS = {e.name: e.label for e in CATALOG}
 
@@ -141,7 +141,12 @@ class Job:
     @property
     def layout(self):
         """Which device holds each model stage of the pipeline (`helpers.pipeline.schedules.Layout`)."""
-        return layout_for(self.schedule if self.strategy == "dp_x_pp" else self.entry.schedule or "gpipe", self.pp)
+        return layout_for(self.pipeline_schedule, self.pp)
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule the pipeline runs (`schedule` inside DP x PP, else the catalog's)."""
+        return self.schedule if self.strategy == "dp_x_pp" else self.entry.schedule or "gpipe"
 
     def checkpoints(self, layer: int) -> bool:
         """Whether `layer` recomputes its activations in backward."""
@@ -173,11 +178,6 @@ class Simulation:
     def peak_bytes(self) -> int:
         """The fullest device's peak: what must fit."""
         return max(m.total for m in self.memory.values())
-
-    def summary(self) -> str:
-        busy = ", ".join(f"{b:.0%}" for b in self.busy.values())
-        return (f"{self.job.label()}: step {self.step_s * 1e3:.1f} ms, {self.samples_per_s:.3g} samples/s, "
-                f"busy {busy}, bubble {self.bubble:.0%}, peak memory {fmt_bytes(self.peak_bytes)} per device")
 
     def trace(self, path=None) -> dict:
         """The simulated timeline as a Chrome / Perfetto trace, written to `path` if given: the same function as
@@ -255,11 +255,15 @@ class _Builder:
         return int(self._sum(a, b, "params"))
 
     # --- tasks --------------------------------------------------------------------------------------------------
+    def compute(self, dev: int, seconds: float, kind: str, after=(), mb: int | None = None,
+                stage: int | None = None) -> int:
+        """A task on `dev`'s compute stream (the device's own work, in the order it is added)."""
+        return self.graph.add(seconds, [("compute", dev)], kind, [dev], after, microbatch=mb, stage=stage)
+
     def forward(self, dev: int, a: int, b: int, mb: int, after, stage: int | None = None) -> int:
         """Forward of layers [a, b) (pipeline `stage`: the device's trace counts each stage's micro-batches)."""
         self.traces[dev].forward(self.held(a, b), mb if stage is None else (stage, mb))
-        return self.graph.add(self.size * self._sum(a, b, "forward_s"), [("compute", dev)], "forward", [dev],
-                              after, microbatch=mb, stage=stage)
+        return self.compute(dev, self.size * self._sum(a, b, "forward_s"), "forward", after, mb, stage)
 
     def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True, extra_s: float = 0.0,
                  stage: int | None = None, weights_later: bool = False) -> int:
@@ -273,11 +277,9 @@ class _Builder:
             trace.backward(self.held(a, b), self.transient(a, b), mb if stage is None else (stage, mb), last)
         recompute = self.recompute_s(a, b)
         if recompute:
-            after = [self.graph.add(recompute, [("compute", dev)], "recompute", [dev], after, microbatch=mb,
-                                    stage=stage)]
+            after = [self.compute(dev, recompute, "recompute", after, mb, stage)]
         seconds = self.size * self._sum(a, b, "backward_s") - (self.weight_s(a, b) if weights_later else 0.0)
-        return self.graph.add(seconds + extra_s, [("compute", dev)], "backward", [dev], after, microbatch=mb,
-                              stage=stage)
+        return self.compute(dev, seconds + extra_s, "backward", after, mb, stage)
 
     def weight_s(self, a: int, b: int) -> float:
         """The weight-gradient part of layers [a, b)'s backward; all of it for a stage whose input needs no
@@ -290,8 +292,7 @@ class _Builder:
         costs the workload's `split_overhead` of the backward beyond it, paid in the weight pass."""
         self.traces[dev].backward(self.held(a, b), 0.0, (stage, mb), True)
         overhead = self.w.split_overhead * self.size * self._sum(a, b, "backward_s") if a > 0 else 0.0
-        return self.graph.add(self.weight_s(a, b) + overhead, [("compute", dev)], "weight", [dev], after,
-                              microbatch=mb, stage=stage)
+        return self.compute(dev, self.weight_s(a, b) + overhead, "weight", after, mb, stage)
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
@@ -299,10 +300,10 @@ class _Builder:
 
     def copy(self, dev: int, nbytes: float, after) -> int:
         """A memory copy the engine does on the device's own compute (into or out of a communication buffer)."""
-        return self.graph.add(self.copy_s(nbytes), [("compute", dev)], "copy", [dev], after)
+        return self.compute(dev, self.copy_s(nbytes), "copy", after)
 
     def optimizer(self, dev: int, share: float, after) -> int:
-        return self.graph.add(self.w.optimizer_s * share, [("compute", dev)], "optimizer", [dev], after)
+        return self.compute(dev, self.w.optimizer_s * share, "optimizer", after)
 
     def send(self, src: int, dst: int, nbytes: float, mb: int, after: int) -> int:
         return self.graph.add(self.link.seconds(nbytes), [("send", src, dst)], "send", [src], [after],
@@ -311,7 +312,7 @@ class _Builder:
     def post_receive(self, dev: int, mb: int, stage: int | None = None) -> int:
         """The device's thread posting a receive (`Link.receive_s`), in its own order on its compute stream: it
         waits, off the cores, before it can wait for the message."""
-        return self.graph.add(self.link.receive_s, [("compute", dev)], "recv", [dev], microbatch=mb, stage=stage)
+        return self.compute(dev, self.link.receive_s, "recv", (), mb, stage)
 
     def collective(self, kind: str, group: list[int], seconds: float, stream: str, after,
                    holds_compute: bool = False) -> int:
@@ -382,16 +383,6 @@ class _Builder:
     def device_params(self, ranges, device: int) -> int:
         """Parameters of the model stages the pipeline's `device` holds."""
         return sum(self.params(*ranges[k]) for k in self.job.layout.stages_of(device))
-
-    def run_pipeline(self, schedule: str) -> None:
-        ranges = self.ranges()
-        devices = list(range(self.job.pp))
-        last = self.pipeline(schedule, self.job.microbatches, devices, ranges)
-        n = self.w.n_params or 1
-        for dev, task in zip(devices, last):
-            params = self.device_params(ranges, dev)
-            self.optimizer(dev, params / n, [task])
-            self.state[dev] = self.state_for(params)
 
     def run_single(self) -> None:
         n = len(self.layers)
@@ -536,20 +527,21 @@ class _Builder:
             self.state[d] = DeviceMemory(int(w * (total / r + gathered)), int(g * (total / r + max(sizes))),
                                          int(o * total / r))
 
-    def run_dp_x_pp(self) -> None:
+    def run_pipelines(self) -> None:
+        """A pipeline per replica; with several replicas, then one flat all-reduce per stage across them."""
         p, r = self.job.pp, self.job.dp
         ranges = self.ranges()
-        last = [self.pipeline(self.job.schedule, self.job.microbatches, [rep * p + s for s in range(p)], ranges)
-                for rep in range(r)]
+        last = [self.pipeline(self.job.pipeline_schedule, self.job.microbatches, [rep * p + s for s in range(p)],
+                              ranges) for rep in range(r)]
         n = self.w.n_params or 1
-        grad_bytes = self.w.bytes_per_param[1]
         for s in range(p):
             params = self.device_params(ranges, s)
-            group = [rep * p + s for rep in range(r)]
-            seconds = collective_s(self.coll, "allreduce", grad_bytes * params, r)
-            reduced = self.collective("allreduce", group, seconds, "comm", [last[rep][s] for rep in range(r)])
+            group, after = [rep * p + s for rep in range(r)], [last[rep][s] for rep in range(r)]
+            if r > 1:
+                seconds = collective_s(self.coll, "allreduce", self.w.bytes_per_param[1] * params, r)
+                after = [self.collective("allreduce", group, seconds, "comm", after)]
             for dev in group:
-                self.optimizer(dev, params / n, [reduced])
+                self.optimizer(dev, params / n, after)
                 self.state[dev] = self.state_for(params)
 
     def memory(self) -> dict[int, DeviceMemory]:
@@ -557,17 +549,15 @@ class _Builder:
                 for d, s in sorted(self.state.items())}
 
     def build(self) -> None:
-        strategy = self.job.strategy
-        if strategy == "single":
-            self.run_single()
-        elif self.job.entry.kind == "pipeline":
-            self.run_pipeline(self.job.entry.schedule)
-        elif self.job.entry.bucketed:
-            self.run_ddp(zero1=strategy == "zero1")
-        elif self.job.entry.fully_sharded:
+        entry = self.job.entry
+        if entry.pipeline:
+            self.run_pipelines()
+        elif entry.bucketed:
+            self.run_ddp(zero1=entry.name == "zero1")
+        elif entry.fully_sharded:
             self.run_fsdp2()
         else:
-            self.run_dp_x_pp()
+            self.run_single()
 
 
 def simulate_memory(workload: Workload, job: Job) -> dict[int, DeviceMemory]:
