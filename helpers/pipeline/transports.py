@@ -24,44 +24,34 @@ class PipelineAborted(RuntimeError):
     """Another stage failed; this one stopped waiting."""
 
 
-class Mailbox:
-    """Transfers addressed by message (kind, micro-batch, boundary), handed from one device's thread to another."""
-
-    def __init__(self, abort: threading.Event):
-        self._items: dict[Message, Transfer] = {}
-        self._cond = threading.Condition()
-        self._abort = abort
-
-    def put(self, msg: Message, item: Transfer) -> None:
-        with self._cond:
-            self._items[msg] = item
-            self._cond.notify_all()
-
-    def get(self, msg: Message, timeout_s: float) -> Transfer:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: msg in self._items or self._abort.is_set(), timeout_s)
-            if self._abort.is_set():
-                raise PipelineAborted("another stage failed")
-            if not ok:
-                raise TimeoutError(f"waited {timeout_s:.0f} s for {msg}")
-            return self._items.pop(msg)
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-
 class Mailboxes:
-    """Every device's incoming activations and gradients, and the flag that stops all waits when a stage fails."""
+    """Every device's incoming activations and gradients (transfers addressed by message: kind, micro-batch,
+    boundary), handed from one device's thread to another, and the flag that stops all waits when a stage fails."""
 
     def __init__(self, p: int):
         self.abort = threading.Event()
-        self.boxes = {d: Mailbox(self.abort) for d in range(p)}
+        self._items: dict[int, dict[Message, Transfer]] = {d: {} for d in range(p)}
+        self._cond = threading.Condition()
+
+    def put(self, device: int, msg: Message, item: Transfer) -> None:
+        with self._cond:
+            self._items[device][msg] = item
+            self._cond.notify_all()
+
+    def get(self, device: int, msg: Message, timeout_s: float) -> Transfer:
+        items = self._items[device]
+        with self._cond:
+            ok = self._cond.wait_for(lambda: msg in items or self.abort.is_set(), timeout_s)
+            if self.abort.is_set():
+                raise PipelineAborted("another stage failed")
+            if not ok:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {msg}")
+            return items.pop(msg)
 
     def fail(self) -> None:
-        self.abort.set()
-        for box in self.boxes.values():
-            box.wake()
+        with self._cond:
+            self.abort.set()
+            self._cond.notify_all()
 
 
 class MailboxTransport:
@@ -79,13 +69,13 @@ class MailboxTransport:
             dst = msg.peer(self.stage, True, self.layout)
             transfer = send_to(self.wire.pack(t), self.devices[dst], self.streams)
             transfer.dtype = t.dtype  # in one process the receiver restores exactly what the sender computed
-            self.boxes.boxes[dst].put(msg, transfer)
+            self.boxes.put(dst, msg, transfer)
 
     def receive(self, messages: list[Message]) -> list[torch.Tensor]:
         out = []
         for msg in messages:
             with self.rec.span("recv", msg.microbatch):
-                transfer = self.boxes.boxes[self.stage].get(msg, self.timeout_s)
+                transfer = self.boxes.get(self.stage, msg, self.timeout_s)
                 arrived = transfer.get()
             out.append(self.wire.unpack(arrived, transfer.dtype))
         return out

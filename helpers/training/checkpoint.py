@@ -85,17 +85,16 @@ def step_folder(folder: str | Path, step: int) -> Path:
     return Path(folder) / f"step-{step:08d}"
 
 
+def _step_folders(folder: str | Path) -> dict[int, Path]:
+    """Every step's folder in `folder`, complete or not, by its step."""
+    folder = Path(folder)
+    found = ((_STEP_FOLDER.match(child.name), child) for child in folder.iterdir()) if folder.is_dir() else ()
+    return {int(match.group(1)): child for match, child in found if match}
+
+
 def complete_steps(folder: str | Path) -> list[int]:
     """The steps of the complete checkpoints in `folder` (those whose mark was written), oldest first."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    steps = []
-    for child in folder.iterdir():
-        match = _STEP_FOLDER.match(child.name)
-        if match and (child / MARK).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(step for step, path in _step_folders(folder).items() if (path / MARK).is_file())
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -258,36 +257,35 @@ class Checkpointer:
 
     def save(self, step: int) -> float:
         """Save the state after `step` optimizer steps; return (and record) the seconds the caller was blocked."""
+        import torch.distributed.checkpoint as dcp
+
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time: the previous one finishes (and is marked) first
+        path = step_folder(self.spec.folder, step)
         with _host_default():
-            self._save(step)
+            if self.rank == 0 and path.exists():  # a half-written save of this step, from a killed attempt
+                shutil.rmtree(path)
+            if self.distributed:
+                dist.barrier()
+            state = self.state(step)
+            if not self.spec.async_save:
+                dcp.save(state, checkpoint_id=str(path), no_dist=not self.distributed)
+                self._finish(path, step)
+            else:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                      use_async_staging=False, use_non_blocking_copy=cuda))
+                future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_group,
+                                        async_stager=stager, no_dist=not self.distributed)
+                # the mark is written as soon as the write ends, not at the next save: a crash keeps it
+                marked = threading.Event()
+                future.add_done_callback(lambda f: self._finish_async(f, path, step, stager, marked))
+                self._pending = (future, marked)
         seconds = time.perf_counter() - t0
         self.blocked.append(seconds)
         return seconds
-
-    def _save(self, step: int) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        path = step_folder(self.spec.folder, step)
-        if self.rank == 0 and path.exists():  # a half-written save of this step, from a killed attempt
-            shutil.rmtree(path)
-        self._barrier()
-        state = self.state(step)
-        if self.spec.async_save:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                  use_async_staging=False, use_non_blocking_copy=cuda))
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_group,
-                                    async_stager=stager, no_dist=not self.distributed)
-            marked = threading.Event()  # the mark is written as soon as the write ends, not at the next save: a
-            future.add_done_callback(lambda f: self._finish_async(f, path, step, stager, marked))  # crash keeps it
-            self._pending = (future, marked)
-        else:
-            dcp.save(state, checkpoint_id=str(path), no_dist=not self.distributed)
-            self._finish(path, step)
 
     def wait(self) -> None:
         """Wait for the save in flight (async) to be written and marked; its error, if it failed, is raised here."""
@@ -324,16 +322,10 @@ class Checkpointer:
         self.saved.append(step)
 
     def _prune(self, newest: int) -> None:
-        folder = Path(self.spec.folder)
-        keep = set(complete_steps(folder)[-self.spec.keep:])
-        for child in folder.iterdir():
-            match = _STEP_FOLDER.match(child.name)
-            if match and int(match.group(1)) not in keep and int(match.group(1)) <= newest:
-                shutil.rmtree(child, ignore_errors=True)
-
-    def _barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
+        keep = set(complete_steps(self.spec.folder)[-self.spec.keep:])
+        for step, path in _step_folders(self.spec.folder).items():
+            if step not in keep and step <= newest:
+                shutil.rmtree(path, ignore_errors=True)
 
     # --- resuming ---
     def resume(self) -> int:
@@ -346,35 +338,33 @@ class Checkpointer:
     def load(self, path: str | Path) -> int:
         """Load the checkpoint at `path` into the model, optimizers, scheduler, scaler and RNG; return its step.
         Refused, naming the file and what differs, when it is incomplete, damaged, or another run's."""
-        with _host_default():
-            return self._load(Path(path))
-
-    def _load(self, path: Path) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        mark = verify_files(path)
-        self._check_mark(path, mark)
-        state = self.state(0)
-        try:
-            saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        except Exception as exc:  # noqa: BLE001 - DCP's own error for an unreadable .metadata
-            raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}") from None
-        rng_key = f"rank{self.rank}"
-        if f"rng.{rng_key}.cpu" not in saved:  # saved by another number of ranks: this rank's RNG was not among them
-            del state["rng"]
-        self._check_tensors(path, state, saved)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
-        set_state_dict(self.model, list(self.optimizers), model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}), options=self._options(strict=False))
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if "rng" in state:
-            _set_rng_state(state["rng"][rng_key])
-        return int(state["progress"]["step"])
+        path = Path(path)
+        with _host_default():
+            mark = verify_files(path)
+            self._check_mark(path, mark)
+            state = self.state(0)
+            try:
+                saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            except Exception as exc:  # noqa: BLE001 - DCP's own error for an unreadable .metadata
+                raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}") from None
+            rng_key = f"rank{self.rank}"
+            if f"rng.{rng_key}.cpu" not in saved:  # saved by another number of ranks: not this rank's RNG
+                del state["rng"]
+            self._check_tensors(path, state, saved)
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
+            set_state_dict(self.model, list(self.optimizers), model_state_dict=state["model"],
+                           optim_state_dict=state.get("optim", {}), options=self._options(strict=False))
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None:
+                self.scaler.load_state_dict(state["scaler"])
+            if "rng" in state:
+                _set_rng_state(state["rng"][rng_key])
+            return int(state["progress"]["step"])
 
     def _check_mark(self, path: Path, mark: dict) -> None:
         mine = self._mark()

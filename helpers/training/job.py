@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from helpers.catalog import DATA_PARALLEL, TRAINED, Strategy, devices, strategy as catalog_entry
+from helpers.catalog import DATA_PARALLEL, Strategy, devices, strategy as catalog_entry
 from helpers.sizing.state import training_state_bytes, zero_formula
 from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
@@ -19,10 +19,11 @@ from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
 from helpers.runtime.rig import Rig
 from helpers.training.checkpoint import CheckpointSpec, check_spec
-from helpers.training.support import support
+from helpers.training.support import engines_for, support
 from helpers.units import fmt_bytes
 
 OPTIMIZERS = ("none", "sgd", "adam")
+PIPELINE_ENGINES = ("ours", "torch")
 RENAMED = {"checkpointing": "activation_checkpointing",  # recomputation, not a training checkpoint
            "grad_accum": "microbatches"}  # old keyword -> new, accepted with a warning for a release
 
@@ -38,7 +39,6 @@ def renamed(options: dict) -> dict:
             warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=3)
             options[new] = options.pop(old)
     return options
-PIPELINE_ENGINES = ("ours", "torch")
 
 
 def as_layered(model: LayeredModel | StackConfig) -> LayeredModel:
@@ -117,7 +117,6 @@ class TrainJob:
     def world(self) -> int:
         return self.dp * self.pp
 
-
     @property
     def fully_sharded(self) -> bool:
         """Replicas shard with FSDP2's fully_shard (zero2, fsdp2: helpers.catalog)."""
@@ -189,12 +188,8 @@ def _devices(entry: Strategy) -> str:
 def check_choice(strategy: str, engine: str) -> Strategy:
     """The catalog's entry of `strategy`, refused with the choices if it is unknown, the one-device reference, or
     not run by `engine`."""
-    entry = catalog_entry(strategy)
-    if not entry.trained:
-        raise ValueError(f"{strategy!r} is the one-device reference; choose one of {TRAINED}")
-    if engine not in entry.engines:
-        raise ValueError(f"{strategy} runs with engine {' or '.join(entry.engines)}, not {engine!r}")
-    return entry
+    engines_for(strategy, engine)
+    return catalog_entry(strategy)
 
 
 def job_for(model: LayeredModel | StackConfig, strategy: str, engine: str = "processes", **fields) -> TrainJob:

@@ -35,11 +35,13 @@ class Support:
             raise ValueError(f"{what} cannot run here: {self.reason}")
 
 
-def engines_for(strategy: str) -> tuple[str, ...]:
-    """The engines a strategy can run with (helpers.catalog)."""
+def engines_for(strategy: str, engine: str | None = None) -> tuple[str, ...]:
+    """The engines a strategy can run with (helpers.catalog); `engine`, if given, refused unless it is one."""
     found = catalog_entry(strategy)
     if not found.trained:
         raise ValueError(f"{strategy!r} is the one-device reference, not a strategy; choose one of {TRAINED}")
+    if engine is not None and engine not in found.engines:
+        raise ValueError(f"{strategy} runs with engine {' or '.join(found.engines)}, not {engine!r}")
     return found.engines
 
 
