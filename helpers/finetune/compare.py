@@ -18,7 +18,7 @@ from helpers.sizing.training import saved_activation_bytes
 from helpers.sizing.state import training_data
 from helpers.sizing.gpus import runtime_reserve
 from helpers.sizing.shape import WeightFormat, weight_format
-from helpers.sizing.ledger import DeviceMemory
+from helpers.sizing.ledger import DeviceMemory, stacked_bars
 from helpers.units import GiB, fmt_bytes
 from helpers.dtypes import BYTES, DTYPES, NAMES
 
@@ -113,27 +113,19 @@ def plot_plans(plans: Mapping[str, TrainingPlan], ax=None, title: str = "fullest
     state, activations, workspace and the runtime reserve (the optimizer step's temporaries are drawn inside the
     activations' and workspace's room when they are smaller, as the peak counts them); a black line at the GPU's
     capacity, so a plan that does not fit rises above it."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 3.6))
     names = list(plans)
     gpus = [fullest(plans[n]) for n in names]
-    bottom = [0.0] * len(names)
+    parts = []
     for label, attr, color in PLAN_PARTS:
         values = [getattr(g, attr) / GiB for g in gpus]
         if attr == "activation_bytes":  # the peak takes the larger of (activations + workspace) and the step's
             values = [max(v, g.step_bytes / GiB - g.workspace_bytes / GiB) for v, g in zip(values, gpus)]
-        ax.bar(names, values, bottom=bottom, label=label, color=color)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    for i, g in enumerate(gpus):
-        ax.hlines(g.gpu.capacity_bytes / GiB, i - 0.45, i + 0.45, color="black", linewidth=2,
-                  label="capacity" if i == 0 else None)
-        ax.text(i, bottom[i], "fits" if plans[names[i]].fits else "does NOT fit", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(title, fontsize=10)
+        parts.append((label, values, {"color": color}))
+    capacities = [g.gpu.capacity_bytes / GiB for g in gpus]
+    ax, tops = stacked_bars(names, parts, ax, (9, 3.6), "GiB per GPU", title, capacities, True, 10)
+    for i, name in enumerate(names):
+        ax.text(i, tops[i], "fits" if plans[name].fits else "does NOT fit", ha="center", va="bottom", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 

@@ -9,19 +9,17 @@ from typing import Sequence
 
 from helpers.finetune.training_request import TrainingRequest
 from helpers.sizing.activations import activation_workspace_bytes
-from helpers.sizing.gpus import Gpu
+from helpers.sizing.gpus import GpuShare
 from helpers.sizing.shape import span
 from helpers.sizing.state import moment_bytes, training_data
 from helpers.sizing.training import FP32, TORCHAO_NF4, TrainShape, Unit, saved_activation_bytes
 
 
 @dataclass(frozen=True)
-class GpuTraining:
+class GpuTraining(GpuShare):
     """What one GPU holds during a training step, by part. `peak_bytes` is the most it needs at once: the state
     plus, during forward and backward, activations and workspace, or, during the optimizer step, its temporaries."""
 
-    device: int
-    gpu: Gpu
     layers: str
     frozen_bytes: int  # frozen weights (quantization constants included) and buffers
     constants_bytes: int  # of which quantization constants
@@ -54,21 +52,16 @@ class GpuTraining:
         return sum(self.workspace.values())
 
     @property
-    def reserve_bytes(self) -> int:
-        return self.gpu.reserve_bytes
-
-    @property
     def state_bytes(self) -> int:
         return self.frozen_bytes + self.trainable_bytes + self.gradient_bytes + self.optimizer_bytes
 
     @property
-    def peak_bytes(self) -> int:
-        return self.state_bytes + max(self.activation_bytes + self.workspace_bytes, self.step_bytes) \
-            + self.reserve_bytes
+    def used_bytes(self) -> int:
+        return self.state_bytes + max(self.activation_bytes + self.workspace_bytes, self.step_bytes)
 
     @property
-    def free_bytes(self) -> int:
-        return self.gpu.capacity_bytes - self.peak_bytes
+    def peak_bytes(self) -> int:
+        return self.used_bytes + self.reserve_bytes
 
     def as_dict(self) -> dict:
         return {"name": self.label, "gpu": self.gpu.name, "capacity_bytes": self.gpu.capacity_bytes,

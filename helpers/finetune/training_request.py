@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
 
-from helpers.sizing.gpus import Gpu, check_gpus, check_workload
+from helpers.sizing.gpus import Gpu, check_choice, check_gpus, check_workload
 from helpers.sizing.shape import WeightFormat
 from helpers.sizing.state import known_optimizers
 from helpers.sizing.training import check_method
@@ -53,13 +52,6 @@ class TrainingRequest:
         return self.batch * self.microbatch_count * replicas
 
 
-def _check_choice(what: str, value: str, choices: Sequence[str]) -> str:
-    key = str(value).strip().lower()
-    if key not in choices:
-        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
-    return key
-
-
 def check_request(request: TrainingRequest) -> TrainingRequest:
     """The request with names normalised and the GPUs resolved; ValueError, in the user's terms, for bad input."""
     method = check_method(request.method)
@@ -68,10 +60,10 @@ def check_request(request: TrainingRequest) -> TrainingRequest:
         warnings.warn(f"strategy {strategy!r} is now {OLD_STRATEGIES[strategy]!r} (the catalog's name)",
                       DeprecationWarning, stacklevel=3)
         strategy = OLD_STRATEGIES[strategy]
-    strategy = _check_choice("strategy", strategy, PLAN_STRATEGIES)
-    offload = _check_choice("offload", request.offload, OFFLOADS)
-    optimizer = _check_choice("optimizer", request.optimizer, known_optimizers())
-    precision = _check_choice("precision", request.precision, PRECISIONS)
+    strategy = check_choice("strategy", strategy, PLAN_STRATEGIES)
+    offload = check_choice("offload", request.offload, OFFLOADS)
+    optimizer = check_choice("optimizer", request.optimizer, known_optimizers())
+    precision = check_choice("precision", request.precision, PRECISIONS)
     check_workload(request.context, request.batch)
     gpus = tuple(check_gpus(list(request.gpus) or None))
     if offload == "cpu" and strategy != "fsdp2":

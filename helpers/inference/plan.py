@@ -24,7 +24,7 @@ from typing import Literal, Sequence
 from helpers.dtypes import BYTES
 from helpers.facts import load_data
 from helpers.sizing.activations import activation_workspace_bytes
-from helpers.sizing.gpus import Gpu, check_gpus, check_workload, describe_gpus, largest_fitting
+from helpers.sizing.gpus import Gpu, GpuShare, check_gpus, check_workload, describe_gpus, largest_fitting
 from helpers.sizing.shape import Layer, ModelShape, WeightFormat, model_shape, reprice, span
 from helpers.units import fmt_bytes
 from helpers.partition import NoFeasibleSplit, Split, optimal_split
@@ -57,11 +57,9 @@ def logits_workspace_bytes(shape: ModelShape, context: int, batch: int, logits: 
 # --- placements: what a device_map puts on each GPU -----------------------------------------------------------------
 
 @dataclass(frozen=True)
-class DeviceUse:
+class DeviceUse(GpuShare):
     """What one GPU holds under a device_map, by kind, and the bytes it reads per decoded token."""
 
-    device: int
-    gpu: Gpu
     layers: tuple[str, ...]
     weights_bytes: int
     kv_cache_bytes: int
@@ -69,20 +67,8 @@ class DeviceUse:
     read_bytes: int
 
     @property
-    def label(self) -> str:
-        """"cuda:1 RTX 3090" for a GPU; a device already named by the rig (a CPU virtual device) keeps its name."""
-        named = self.gpu.name.startswith(("cpu", "cuda"))
-        return self.gpu.name if named else f"cuda:{self.device} {self.gpu.name}"
-
-    @property
-    def reserve_bytes(self) -> int:
-        return self.gpu.reserve_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        """Capacity left after everything; negative when the device is over-full."""
-        return self.gpu.capacity_bytes - self.weights_bytes - self.kv_cache_bytes - self.workspace_bytes \
-            - self.reserve_bytes
+    def used_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.workspace_bytes
 
     @property
     def kv_room_bytes(self) -> int:

@@ -8,6 +8,7 @@ LAB_STATIC_WIDGETS=1) it prints and draws once.
 from __future__ import annotations
 
 from helpers.inference.plan import DoesNotFit, Placement, plan
+from helpers.sizing.ledger import stacked_bars
 from helpers.sizing.shape import known_formats, known_models, weight_format
 from helpers.units import GiB
 from helpers.monitor import frontend_attached
@@ -20,27 +21,14 @@ PARTS = (("weights", "weights_bytes", "tab:blue"), ("KV cache", "kv_cache_bytes"
 def plot_placement(placement: Placement, ax=None, title: str | None = None):
     """One stacked bar per GPU in GiB: weights, KV cache, workspace, reserve, then what is free; a black line marks
     each GPU's capacity, so an over-full GPU's bar rises above it."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 3.4))
-    labels = [d.label for d in placement.devices]
-    bottom = [0.0] * len(labels)
-    for name, attr, color in PARTS:
-        values = [getattr(d, attr) / GiB for d in placement.devices]
-        ax.bar(labels, values, bottom=bottom, label=name, color=color)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    free = [max(d.free_bytes, 0) / GiB for d in placement.devices]
-    ax.bar(labels, free, bottom=bottom, label="free", color="white", edgecolor="tab:gray", hatch="//")
-    for i, d in enumerate(placement.devices):
-        ax.hlines(d.gpu.capacity_bytes / GiB, i - 0.45, i + 0.45, color="black", linewidth=2,
-                  label="capacity" if i == 0 else None)
-    s = placement.shape
-    ax.set_ylabel("GiB")
-    ax.set_title(title or f"{s.name} {s.format.name}, {placement.context} tokens x {placement.batch}: "
-                          f"{'fits' if placement.fits else 'does NOT fit'}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return ax
+    devices, s = placement.devices, placement.shape
+    parts = [(name, [getattr(d, attr) / GiB for d in devices], {"color": color}) for name, attr, color in PARTS]
+    parts.append(("free", [max(d.free_bytes, 0) / GiB for d in devices],
+                  {"color": "white", "edgecolor": "tab:gray", "hatch": "//"}))
+    return stacked_bars([d.label for d in devices], parts, ax, (6.5, 3.4), "GiB", title or (
+        f"{s.name} {s.format.name}, {placement.context} tokens x {placement.batch}: "
+        f"{'fits' if placement.fits else 'does NOT fit'}"), [d.gpu.capacity_bytes / GiB for d in devices],
+        legend_outside=True, title_size=10)[0]
 
 
 class FitForm:

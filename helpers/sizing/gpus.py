@@ -44,6 +44,34 @@ class Gpu:
         return self.matmul_flops[dtype]
 
 
+@dataclass(frozen=True)
+class GpuShare:
+    """One GPU's share of a plan (the inference planner's `DeviceUse`, the training planner's `GpuTraining`): what
+    the plan puts there (`used_bytes`), the card's runtime reserve beside it, and what is left."""
+
+    device: int
+    gpu: Gpu
+
+    @property
+    def used_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.gpu.reserve_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Capacity left after everything; negative when the device is over-full."""
+        return self.gpu.capacity_bytes - self.used_bytes - self.reserve_bytes
+
+    @property
+    def label(self) -> str:
+        """"cuda:1 RTX 3090" for a GPU; a device already named by the rig (a CPU virtual device) keeps its name."""
+        named = self.gpu.name.startswith(("cpu", "cuda"))
+        return self.gpu.name if named else f"cuda:{self.device} {self.gpu.name}"
+
+
 def _sustained(entry: dict) -> dict:
     """The roofline's fields of a data/hardware.json `gpus` entry (none where it has no `sustained` figures)."""
     sustained = entry.get("sustained")
@@ -120,14 +148,10 @@ def describe_gpus(gpus: Sequence[Gpu]) -> str:
     return f"{len(names)} x {names[0]}" if len(set(names)) == 1 and len(names) > 1 else " + ".join(names)
 
 
-def default_gpus() -> list[Gpu]:
-    """The course's target rig: two RTX 3090s."""
-    return parse_gpus("2 x RTX 3090")
-
-
 def check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
+    """GPUs as given (a list, or text for `parse_gpus`); None: the course's target rig, two RTX 3090s."""
     if gpus is None:
-        return default_gpus()
+        return parse_gpus("2 x RTX 3090")
     if isinstance(gpus, str):
         return parse_gpus(gpus)
     gpus = list(gpus)
@@ -138,6 +162,15 @@ def check_gpus(gpus: Sequence[Gpu] | str | None) -> list[Gpu]:
             raise ValueError(f"{g.name} has no memory left after its runtime reserve "
                              f"({fmt_bytes(g.capacity_bytes)} - {fmt_bytes(g.reserve_bytes)})")
     return gpus
+
+
+def check_choice(what: str, value: str, choices: Sequence[str]) -> str:
+    """`value` normalised (stripped, lower case) when it is one of `choices`, else the reason why not."""
+    key = str(value).strip().lower()
+    if key not in choices:
+        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+    return key
+
 
 def check_workload(context: int, batch: int) -> None:
     """A context (tokens per sequence) and a batch (sequences) of whole numbers >= 1, or the reason why not."""

@@ -256,18 +256,30 @@ def batch_budget(report: dict[str, DeviceMemory], batch: int, budget_bytes: int)
     return {"state": state, "per_sample": per_sample, "largest_batch": max_batch(state, per_sample, budget_bytes)}
 
 
-def plot_memory_bars(memory: dict[str, DeviceMemory], ax=None, title: str = "per-device memory, measured"):
-    """Stacked bars of params / grads / optimizer / activations, one bar per named setup."""
+def stacked_bars(names: list[str], parts, ax=None, figsize=(7, 3.2), ylabel: str = "MiB", title: str = "",
+                 capacities=(), legend_outside: bool = False, title_size=None):
+    """One stacked bar per name, the one bar chart of the planners and the ledger: `parts` are (label, one value per
+    name, bar style) bottom up; `capacities` (one per name, in the bars' unit) draw a black line at each device's
+    capacity, so an over-full bar rises above it. Returns the axes and the bars' tops."""
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.2))
-    names, bottom = list(memory), [0.0] * len(memory)
-    for part in ("params", "grads", "optimizer", "activations"):
-        values = [getattr(memory[n], part) / MiB for n in names]
-        ax.bar(names, values, bottom=bottom, label=part)
+        _, ax = plt.subplots(figsize=figsize)
+    bottom = [0.0] * len(names)
+    for label, values, style in parts:
+        ax.bar(names, values, bottom=bottom, label=label, **style)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("MiB")
-    ax.legend(fontsize=8)
-    ax.set_title(title)
-    return ax
+    for i, capacity in enumerate(capacities):
+        ax.hlines(capacity, i - 0.45, i + 0.45, color="black", linewidth=2, label="capacity" if i == 0 else None)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
+    ax.legend(fontsize=8, **({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if legend_outside else {}))
+    return ax, bottom
+
+
+def plot_memory_bars(memory: dict[str, DeviceMemory], ax=None, title: str = "per-device memory, measured"):
+    """Stacked bars of params / grads / optimizer / activations, one bar per named setup."""
+    names = list(memory)
+    parts = [(part, [getattr(memory[n], part) / MiB for n in names], {})
+             for part in ("params", "grads", "optimizer", "activations")]
+    return stacked_bars(names, parts, ax, title=title)[0]
