@@ -93,11 +93,6 @@ class Recorder:
         end = time.perf_counter()
         self._events.append(Event(self.device_index, kind, start, end, microbatch, stage, time.thread_time() - cpu))
 
-    def add(self, kind: str, start: float, end: float, microbatch: int | None = None,
-            stage: int | None = None) -> None:
-        """Record a span measured elsewhere (e.g. by a library hook)."""
-        self._events.append(Event(self.device_index, kind, start, end, microbatch, stage))
-
     def events(self) -> list[Event]:
         if self._pending:
             torch.cuda.synchronize(self._torch_device)

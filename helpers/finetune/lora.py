@@ -28,7 +28,7 @@ from torch import nn
 
 from helpers.finetune.quant import dequantize, nf4_layout, nf4_missing, quantize_linear
 from helpers.models.hf import HFModel
-from helpers.models.layered import layer_seed, seeded
+from helpers.models.layered import layer_seed, owned_layers, seeded
 from helpers.dtypes import DTYPES
 from helpers.runtime.launch import release_host_memory
 from helpers.training.api import Trained
@@ -60,10 +60,6 @@ class LoraSpec:
     base_dtype: str = "fp32"
     init: str = "peft"
     seed: int = 0
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 def check_spec(spec: LoraSpec) -> None:
@@ -292,8 +288,7 @@ def full_layers(model: LoraModel, state: dict[int, dict[str, torch.Tensor]] | No
                 device: torch.device = torch.device("cpu")) -> list[nn.Module]:
     """Every layer on `device` (one device: held-out loss and samples on a small model), adapters set to `state`
     (the trained values) or left as initialised."""
-    layers = model.meta_layers()
-    model.materialize(layers, range(len(layers)), device)
+    layers = owned_layers(model, range(model.n_layers), device)
     with torch.no_grad():
         for i, tensors in (state or {}).items():
             params = dict(layers[i].named_parameters())
@@ -313,9 +308,8 @@ def base_for_merge(model: LoraModel) -> nn.Module:
 
         with torch.no_grad():
             for module in hf.modules():
-                for name, child in module.named_children():
-                    if isinstance(child, nn.Linear) and child is not hf.lm_head:
-                        child.weight.copy_(dequantize(to_nf4(child.weight)))
+                if isinstance(module, nn.Linear) and module is not hf.lm_head:
+                    module.weight.copy_(dequantize(to_nf4(module.weight)))
     return hf.eval()
 
 

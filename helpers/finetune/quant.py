@@ -21,6 +21,7 @@ works for up to `MAX_SHARDS` ranks, the same on every rig, so one device and two
 from __future__ import annotations
 
 import importlib.util
+import math
 import weakref
 
 import torch
@@ -51,11 +52,8 @@ def _nf4():
 
 def nf4_layout(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | str:
     """(block size, scale block size) for a weight of `shape`, or the reason it cannot be NF4 and sharded."""
-    rows = shape[0]
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel % BLOCK or rows % MAX_SHARDS:
+    numel = math.prod(shape)
+    if numel % BLOCK or shape[0] % MAX_SHARDS:
         return f"{tuple(shape)} does not split into {BLOCK}-value blocks and {MAX_SHARDS} equal row shards"
     blocks = numel // BLOCK
     for scaler in (SCALER_BLOCK, 128, 64, 32, 16, 8, 4, 2, 1):

@@ -24,6 +24,7 @@ step, with their peak).
 from __future__ import annotations
 
 import time
+from itertools import groupby
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
@@ -256,13 +257,8 @@ def stages_from_device_map(model: HFModel, device_map: Mapping[str, int | str]) 
     missing = [i for i in range(n_layers) if i not in where]
     if missing:
         raise ValueError(f"the device_map places no module for layers {missing} of the model's {n_layers}")
-    specs: list[StageSpec] = []
-    for i in range(n_layers):
-        if specs and specs[-1].device == where[i]:
-            specs[-1] = StageSpec(where[i], specs[-1].start, i + 1)
-        else:
-            specs.append(StageSpec(where[i], i, i + 1))
-    return specs
+    runs = [list(run) for _, run in groupby(range(n_layers), key=where.__getitem__)]
+    return [StageSpec(where[run[0]], run[0], run[-1] + 1) for run in runs]
 
 
 def stages_from_cuts(model: HFModel, cuts: Sequence[int]) -> list[StageSpec]:

@@ -48,10 +48,9 @@ def _one_stage_per_device(specs: Sequence[StageSpec]) -> None:
 
 
 class Pipelined(LayerSplit):
-    """The layer split with one thread per stage and every request in flight: while the last stage computes request
-    A's token, the first computes request B's. Stage s keeps a KV cache per request; tokens go from the last stage
-    back to the first. Each phase (all prefills, then all decode steps) runs as a pipeline over the requests; every
-    stage sees the requests in the order stage 0 sent them, so each inbox is a plain FIFO queue.
+    """The layer split with one thread per stage and every request in flight (see the module's docstring). Each phase
+    (all prefills, then all decode steps) runs as a pipeline over the requests; every stage sees the requests in the
+    order stage 0 sent them, so each inbox is a plain FIFO queue.
 
     Needs one stage per device (a tied head placed with the embedding makes device 0 hold two stages: pass cuts).
     """

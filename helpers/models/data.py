@@ -10,18 +10,18 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # a target that takes no part in the loss (padding), as in PyTorch and Hugging Face
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, mean over the kept tokens (targets != IGNORE_INDEX): the one-device reference."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy over the kept tokens (targets != IGNORE_INDEX): their mean, the one-device reference
+    (or their sum: `lm_loss_sum`)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The same cross entropy summed over the kept tokens. Engines divide it by the kept tokens of the *global*
     batch, so that micro-batches and data-parallel shards with different amounts of padding still add up to
     exactly `lm_loss` of the whole batch (a mean of per-micro-batch means would not)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return lm_loss(logits, targets, "sum")
 
 
 def kept_tokens(targets: torch.Tensor) -> int:

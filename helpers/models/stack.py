@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers.models.layered import materialize_seeded
+from helpers.models.layered import materialize_seeded, owned_layers
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,7 @@ class StackModel:
 def build_stack(cfg: StackConfig = StackConfig(), seed: int = 0, device: torch.device | str = "cpu") -> nn.Sequential:
     """embedding, blocks..., head as one nn.Sequential: an ordered list of layers the course can cut anywhere.
     The weights are those every engine's ranks build for themselves from the same seed."""
-    model = StackModel(cfg, seed)
-    layers = model.meta_layers()
-    model.materialize(layers, range(len(layers)), torch.device(device))
-    return nn.Sequential(*layers)
+    return nn.Sequential(*owned_layers(StackModel(cfg, seed), range(cfg.n_blocks + 2), torch.device(device)))
 
 
 def count_params(model: nn.Module) -> int:
