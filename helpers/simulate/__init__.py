@@ -17,6 +17,8 @@
 - `predict_speed(model, dtype, rig, batch, context)`, `speed_rig(name)`, `crossovers(...)`: inference, prefill and
   decode tokens/s of the layer split, pipelined requests and tensor parallelism (`helpers.inference.speed`).
 """
+from types import ModuleType as _ModuleType
+
 from helpers.inference.speed import SpeedPrediction, breakeven_latency, crossovers, predict_speed
 from helpers.inference.speed_rigs import SpeedRig, speed_rig, speed_rigs
 from helpers.simulate.events import TaskGraph
@@ -32,14 +34,6 @@ from helpers.simulate.roofline import Kernel, kernels_s, layer_flops, on_gpu, ro
 from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
-__all__ = ["Collectives", "Efficiency", "FREE_LINK", "Job", "Kernel", "Knobs", "LABELS", "LayerCost", "Link",
-           "MODELS", "Playground", "Recommendation", "SharedCores", "Simulation", "TargetRig", "TaskGraph", "Workload",
-           "allgather_s", "allreduce_s", "bert_workload", "block_activation_bytes", "block_tflops", "broadcast_s",
-           "collective_s", "decision_table", "efficiency", "fit_collective_link", "fit_collectives",
-           "fit_link", "fitted_constants", "gpu_named", "gpu_orders", "kernels_s", "layer_flops", "link_named",
-           "on_gpu", "predictions_vs_published", "recommend", "recommend_model", "reducescatter_s", "resnet50_workload",
-           "roofline_s", "simulate", "simulate_memory", "target_rig", "target_rigs", "trace_kernels",
-           "transformer_workload",
-           # the inference speed model (helpers.inference.speed, a floor below), named here too
-           "SpeedPrediction", "SpeedRig", "breakeven_latency", "crossovers", "predict_speed", "speed_rig", "speed_rigs"]
-
+# every name imported above (the inference speed model's, a floor below, too): the list is the imports
+__all__ = sorted(name for name, value in globals().items()
+                 if not name.startswith("_") and not isinstance(value, _ModuleType))

@@ -278,36 +278,27 @@ def _bisect(error, low: float, high: float, steps: int = 30) -> float:
     return (low + high) / 2
 
 
-def _lambda_one_gpu(model: str, gpu: str, eff: Efficiency) -> float:
-    """Predicted one-GPU samples/s of a Lambda model on `gpu` under the roofline constants `eff`."""
-    batch = load_data("published")["lambda_batch_per_gpu_fp16"]["batch"][gpu][model]
-    workload = lambda_workloads(gpu_named(gpu), eff, only=model)[model]
-    return simulate(workload, Job("single", batch)).samples_per_s
-
-
-def _lambda_published(model: str, gpu: str) -> float:
-    return load_data("published")["lambda_1gpu_throughput_fp16"]["samples_per_s"][gpu][model]
+def _lambda_one_gpu_error(model: str, gpu: str, eff: Efficiency | None = None, card: Gpu | None = None) -> float:
+    """Predicted over published one-GPU samples/s of a Lambda model on `gpu`, minus 1, under the roofline constants
+    `eff` and with `card` (the GPU's description with a constant changed) in place of the GPU's own."""
+    published = load_data("published")
+    batch = published["lambda_batch_per_gpu_fp16"]["batch"][gpu][model]
+    workload = lambda_workloads(card or gpu_named(gpu), eff, only=model)[model]
+    predicted = simulate(workload, Job("single", batch)).samples_per_s
+    return predicted / published["lambda_1gpu_throughput_fp16"]["samples_per_s"][gpu][model] - 1
 
 
 def fit_framework_efficiency() -> float:
     """The `framework` share that makes the RTX 3090's one-GPU BERT-large throughput equal Lambda's (`FITTED`)."""
-    model, gpu = "BERT-large", "RTX 3090"
-    return _bisect(lambda f: _lambda_one_gpu(model, gpu, efficiency(framework=f)) / _lambda_published(model, gpu) - 1,
-                   0.3, 1.0)
+    return _bisect(lambda f: _lambda_one_gpu_error("BERT-large", "RTX 3090", efficiency(framework=f)), 0.3, 1.0)
 
 
 def fit_conv_efficiency(gpu: str = "RTX 4090") -> float:
     """The convolution efficiency that makes `gpu`'s one-GPU ResNet-50 throughput equal Lambda's (`FITTED`): the
     shared `conv` on the RTX 4090's figure, the A100's own on the A100's."""
     card = gpu_named(gpu)
-
-    def error(conv: float) -> float:
-        fixed = replace(card, conv_efficiency=conv)
-        batch = load_data("published")["lambda_batch_per_gpu_fp16"]["batch"][gpu]["ResNet-50"]
-        workload = resnet50_workload(224, fixed, "fp16", "fp32 + SGD momentum", batch)
-        return simulate(workload, Job("single", batch)).samples_per_s / _lambda_published("ResNet-50", gpu) - 1
-
-    return _bisect(error, 0.05, 1.0)
+    return _bisect(lambda conv: _lambda_one_gpu_error("ResNet-50", gpu, card=replace(card, conv_efficiency=conv)),
+                   0.05, 1.0)
 
 
 def fitted_constants() -> dict[str, float]:

@@ -39,7 +39,6 @@ from helpers.simulate.workload import LayerCost, Workload
 # bytes read and written per parameter by one optimizer step (weights, gradient, state; read and written once)
 OPTIMIZER_BYTES_PER_PARAM = {"fp32 + SGD": 12, "fp32 + SGD momentum": 20, "fp32 + Adam": 28,
                              "mixed precision + Adam": 28}  # fp16 grad read + fp16 weight written + fp32 state
-ADAM_BYTES_PER_PARAM = OPTIMIZER_BYTES_PER_PARAM["fp32 + Adam"]
 CONV_OPS = frozenset({torch.ops.aten.convolution, torch.ops.aten.convolution_backward})
 FREE_OPS = frozenset({torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.new_empty,
                       torch.ops.aten.empty_strided, torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh})
@@ -224,14 +223,6 @@ def optimizer_s(n_params: int, recipe: str, gpu: Gpu) -> float:
     if recipe not in OPTIMIZER_BYTES_PER_PARAM:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {list(OPTIMIZER_BYTES_PER_PARAM)}")
     return OPTIMIZER_BYTES_PER_PARAM[recipe] * n_params / gpu.memory_bandwidth
-
-
-def traced_workload(layers: Sequence[tuple[str, nn.Module, int]], sample: torch.Tensor, gpu: Gpu, dtype: str,
-                    recipe: str, eff: Efficiency | None = None) -> Workload:
-    """A model given as (name, layer, repeats): each layer traced once on the batch `sample` (`trace_kernels`),
-    timed on `gpu` kernel by kernel and repeated (a stack of identical blocks): see `workload_from_traces`."""
-    traces = trace_kernels([module for _, module, _ in layers], sample, dtype)
-    return workload_from_traces(layers, traces, sample.shape[0], gpu, dtype, recipe, eff)
 
 
 def workload_from_traces(layers: Sequence[tuple[str, nn.Module, int]], traces: Sequence[LayerTrace], batch: int,
