@@ -3,6 +3,9 @@ of several, their table rows, a run's stage costs, the machine's load, and where
 from __future__ import annotations
 
 import copy
+import os
+import statistics
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -134,8 +137,6 @@ def _spread_of(times: dict[str, float], name: str) -> dict:
 
 def stage_costs_per_microbatch(events: Sequence[Event]) -> dict[int, float]:
     """Median forward + median backward duration per micro-batch, per device, from a run's own timeline."""
-    import statistics
-
     costs = {}
     for dev in sorted({e.device for e in events}):
         fwd = [e.duration for e in events if e.device == dev and e.kind == "forward"]
@@ -149,17 +150,12 @@ class MachineLoad:
     on a shared machine they slow some measurements and not others, and the predictions' errors say so."""
 
     def __init__(self):
-        import os
-        import time
-
         self.t0, self.busy0, self.mine0 = time.perf_counter(), self._busy(), self._mine()
         self.cores = os.cpu_count() or 1
         self.elapsed = self.foreign = None
 
     @staticmethod
     def _busy() -> float | None:
-        import os
-
         try:
             with open("/proc/stat") as f:
                 values = [int(v) for v in f.readline().split()[1:]]
@@ -169,14 +165,10 @@ class MachineLoad:
 
     @staticmethod
     def _mine() -> float:
-        import os
-
         t = os.times()
         return t.user + t.system + t.children_user + t.children_system
 
     def stop(self) -> None:
-        import time
-
         self.elapsed = time.perf_counter() - self.t0
         busy = self._busy()
         if busy is not None and self.busy0 is not None:

@@ -6,13 +6,12 @@ from helpers.bench.blocks import MachineLoad
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
 from helpers.bench.records import command_line, keep, source_state
-from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, _percent, _plus_minus, _signed,
-                                  compare_runs, describe_against, describe_launch_to_launch, display_rows,
-                                  launch_to_launch, misses, row_dicts, write_results)
+from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, compare_runs, describe_against,
+                                  describe_launch_to_launch, display_rows, launch_to_launch, misses, prediction_cells,
+                                  row_dicts, write_results)
 from helpers.bench.jobs import bench_refusals, default_config
 from helpers.bench.rows import Progress, run_bench
 from helpers.models import lm_loss
-from helpers.timeline import PHASES
 
 
 def parser():
@@ -108,13 +107,19 @@ def measure(config, rig, progress: Progress, quick: bool, skip_extras: bool) -> 
 
 def run_summary(rows, extras: dict) -> list[str]:
     """The calibration summary's lines that this run's rows measured: the busy-core slowdowns (threads, with each
-    part of the run; processes, in their launches), the receive posts, the one-device step's drift."""
+    part of the run; processes, timed on both ranks inside their launches, one per micro-batch size the jobs compute
+    at), what posting a receive cost in the pipelines' own launches (each row priced with its launches' median, in
+    place of the link calibration's one reading), the one-device step's drift (`one_device_drift`)."""
     timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
                   **{name: extra_rows[0].get("core_slowdown") for name, extra_rows in extras.items() if extra_rows}}
     lines = [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
              for name, s in timed_with.items() if s is not None]
-    lines += [launch_slowdowns(rows)] if any(r.runner == "processes" and r.core_slowdown for r in rows) else []
-    lines += [launch_receive_posts(rows)] if any(r.receive_post_s for r in rows) else []
+    if slowdowns := sorted({round(r.core_slowdown, 3) for r in rows if r.runner == "processes" and r.core_slowdown}):
+        lines.append(f"processes, timed on both ranks in their launches: {' / '.join(f'{s:.3g}x' for s in slowdowns)}"
+                     " slower when both cores are busy (one per micro-batch size)")
+    if posts := sorted({round(r.receive_post_s * 1e3, 2) for r in rows if r.receive_post_s}):
+        lines.append("pipelines on processes, posting a receive while both ranks compute, timed in their launches: "
+                     f"{' / '.join(f'{ms:.2f}' for ms in posts)} ms (each row priced with its launches' median)")
     return lines + ([one_device_drift(rows)] if any(r.reference_s for r in rows) else [])
 
 
@@ -125,10 +130,7 @@ def print_tables(dicts: list[dict], extras: dict, calibration: dict, rig) -> Non
 
     print(table(display_rows(dicts), BENCH_COLUMNS))
     for name, extra_rows in extras.items():
-        shown = [{**r, "predicted": r.get("predicted_samples_per_s"), "spread": _plus_minus(r.get("spread")),
-                  **{phase: _signed(r.get(f"{phase}_vs_predicted")) for phase in PHASES},
-                  "error": _percent(r.get("error"), r.get("excluded_from_target")),
-                  "split / plain": _times(r.get("split / plain"), SPLIT_TARGET),
+        shown = [{**r, **prediction_cells(r), "split / plain": _times(r.get("split / plain"), SPLIT_TARGET),
                   "wall: split / plain": _times(r.get("wall: split / plain"))} for r in extra_rows]
         print(f"\n{name}:\n" + table(shown, EXTRA_COLUMNS[name]))
     print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
@@ -149,22 +151,6 @@ def one_device_drift(rows) -> str:
     between = statistics.median(r.reference_s for r in rows if r.reference_s and r.optimizer == "none")
     return (f"one device: {single * 1e3:.0f} ms a step in the threaded rounds, {between * 1e3:.0f} ms around the "
             f"multi-process launches ({between / single - 1:+.1%}); each row's speed-up uses its own minutes'")
-
-
-def launch_slowdowns(rows) -> str:
-    """The two-rank rows' busy-core slowdowns, timed on both ranks inside their launches (one per micro-batch size
-    the jobs compute at)."""
-    got = sorted({round(r.core_slowdown, 3) for r in rows if r.runner == "processes" and r.core_slowdown})
-    return (f"processes, timed on both ranks in their launches: {' / '.join(f'{s:.3g}x' for s in got)} slower when "
-            f"both cores are busy (one per micro-batch size)")
-
-
-def launch_receive_posts(rows) -> str:
-    """What posting a receive cost in the pipelines' own launches (the median of their launches' readings), which
-    priced them in place of the link calibration's one reading."""
-    got = sorted({round(r.receive_post_s * 1e3, 2) for r in rows if r.receive_post_s})
-    return (f"pipelines on processes, posting a receive while both ranks compute, timed in their launches: "
-            f"{' / '.join(f'{ms:.2f}' for ms in got)} ms (each row priced with its launches' median)")
 
 
 def read_previous(path: str) -> dict:

@@ -1,7 +1,7 @@
 """What a bench run measures: its size and repeats by mode (`BenchConfig`, `default_config`), and its jobs, derived
 from the catalog (helpers.catalog) and the support matrix: every strategy on every engine it lists, timed on threads
 in the bench's process (`threaded_pipelines`) or launched (`bench_jobs`, each job its row's key), less what the rig
-refuses (`bench_refusals`) and what the default run leaves to --precise (`shorter_run_leaves_out`)."""
+refuses (`bench_refusals`) and what the default run leaves to --precise (`left_out`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,16 +30,16 @@ class BenchConfig:
     extra_repeats: int = 2  # interleaved repeats of the split comparison and the checkpoint sweep
     link_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
     thread_repeats: int = 3  # interleaved rounds of one device and the threaded pipelines
-    every_row: bool = True  # False (the default run): leave out the rows `shorter_run_leaves_out` names
+    every_row: bool = True  # False (the default run): leave out the rows `left_out` names
 
 
 MODES = ("quick", "default", "precise")
 
 
-def shorter_run_leaves_out(strategy: str, engine: str) -> bool:
-    """Whether the default run leaves the row of `strategy` on `engine` (threads, processes or torch: the support
-    matrix's) to --precise, to stay under 5 minutes on the 2-core rig. A rule on the catalog's fields, so that a
-    strategy added there runs by default unless a rule says why not:
+def left_out(config: BenchConfig, strategy: str, engine: str) -> bool:
+    """Whether the run of `config` (the default run: `every_row` False) leaves the row of `strategy` on `engine`
+    (threads, processes or torch: the support matrix's) to --precise, to stay under 5 minutes on the 2-core rig. A
+    rule on the catalog's fields, so that a strategy added there runs by default unless a rule says why not:
     - the threaded engine's schedules past 1F1B (notebook 06b's): ours runs them on processes beside torch's, where
       they are compared;
     - a pipeline that reuses another's schedule (the naive split: GPipe's at one micro-batch, notebook 01's
@@ -50,23 +50,18 @@ def shorter_run_leaves_out(strategy: str, engine: str) -> bool:
     - DP x PP: 4 ranks, refused on two GPUs; on the CPU rig they share the 2 cores and the prediction is excluded
       from the target (27-34 s of the run)."""
     entry = catalog_entry(strategy)
-    return ((engine == "threads" and strategy in BEYOND_1F1B)
-            or (entry.kind == "pipeline" and entry.schedule != entry.name)
-            or (engine == "torch" and strategy == "gpipe")
-            or (entry.fully_sharded and entry.reshard_after_forward is False)
-            or entry.kind == "dp_x_pp")
-
-
-def left_out(config: BenchConfig, strategy: str, engine: str) -> bool:
-    """Whether the run of `config` leaves the row of `strategy` on `engine` to --precise (`shorter_run_leaves_out`)."""
-    return not config.every_row and shorter_run_leaves_out(strategy, engine)
+    return not config.every_row and ((engine == "threads" and strategy in BEYOND_1F1B)
+                                     or (entry.kind == "pipeline" and entry.schedule != entry.name)
+                                     or (engine == "torch" and strategy == "gpipe")
+                                     or (entry.fully_sharded and entry.reshard_after_forward is False)
+                                     or entry.kind == "dp_x_pp")
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
     """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
     model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
     count per pipeline (m=8; `schedule_microbatches` for two stages per device), the rows of
-    `shorter_run_leaves_out` left out, 5 interleaved rounds of the threaded rows, 3 of the extras, and the two-rank
+    `left_out` left out, 5 interleaved rounds of the threaded rows, 3 of the extras, and the two-rank
     jobs in one launch per round (FSDP2 in one of its own: `launch_groups`), 2 rounds in opposite orders (each job's
     2 timed steps and its recorded step in each of two launches a minute or more apart: 6 samples, so one disturbed
     launch or step no longer decides a row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
@@ -121,9 +116,9 @@ def pipeline_microbatches(entry: Strategy, engine: str, config: BenchConfig) -> 
     """The micro-batch counts the bench runs a pipeline strategy at on `engine` (threads, processes or torch): a
     pipeline that reuses another's schedule (the naive split) at one, our GPipe at each of
     `config.gpipe_microbatches` (notebook 05's sweep, in --precise), every other at `schedule_microbatches`; DP x PP
-    at `dp_x_pp_microbatches` a replica."""
-    if entry.kind == "dp_x_pp":
-        return (dp_x_pp_microbatches(config),)
+    at half 1F1B's count a replica."""
+    if entry.kind == "dp_x_pp":  # half of 1F1B's count (each replica has half the batch), at least 2
+        return (max(2, config.onefoneb_microbatches // 2),)
     if entry.schedule != entry.name:
         return (1,)
     if entry.name == "gpipe" and engine != "torch":
@@ -181,7 +176,3 @@ def job_microbatch(job: TrainJob) -> int:
     """Samples one rank computes at a time in `job`."""
     return job.batch // job.dp // job.microbatches
 
-
-def dp_x_pp_microbatches(config: BenchConfig) -> int:
-    """Micro-batches a replica of DP x PP runs: half of 1F1B's count (each replica has half the batch), at least 2."""
-    return max(2, config.onefoneb_microbatches // 2)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from torch import nn
-
 from helpers.bench.blocks import bench_cut
 from helpers.bench.jobs import BenchConfig
 from helpers.bench.rows import BenchRow, Progress
@@ -20,21 +18,17 @@ TARGET = 0.15  # every prediction within 15% of what was measured, rows excluded
 
 # --- predictions: the simulator, calibrated in the same run ------------------------------------------------------
 
-def row_strategy(row: BenchRow):
-    """The catalog's entry of a bench row (helpers.catalog; "single_adam" is one device with Adam)."""
-    return catalog_entry("single" if row.strategy == "single_adam" else row.strategy)
-
-
 def microbatch_size(row: BenchRow, batch: int) -> int:
     """Samples one device computes at a time in `row`: the global batch split over replicas and micro-batches."""
     return simulation_job(row, batch).samples_per_microbatch
 
 
 def simulation_job(row: BenchRow, batch: int, boundaries: Sequence[int] = ()):
-    """The simulator's Job for a bench row: the same strategy on two devices per dimension (DP x PP: 2 x 2, 1F1B)."""
+    """The simulator's Job for a bench row: the same strategy on two devices per dimension (DP x PP: 2 x 2, 1F1B);
+    the catalog's entry of "single_adam" is one device's."""
     from helpers.simulate import Job
 
-    entry = row_strategy(row)
+    entry = catalog_entry("single" if row.strategy == "single_adam" else row.strategy)
     if entry.kind == "single":
         return Job("single", batch)
     return Job(entry.name, batch, microbatches=row.microbatches or 1,
@@ -59,34 +53,25 @@ def predict_row(row: BenchRow, workload, rig_model, batch: int, boundaries: Sequ
     return sim
 
 
-def calibrate(model: nn.Module, x, y, sizes: Sequence[int], progress: Progress, repeats: int = 3,
-              timer=None) -> dict:
-    """{micro-batch size: Calibrated} for `model` on this rig (helpers.simulate.calibrate.measure_workload), with
-    the whole model's times from `timer` where it sampled that size (between the rows' measurements)."""
-    from helpers.simulate.calibrate_model import measure_workload
-
-    out = {}
-    bar = progress.bar(len(sizes), "profiles")
-    for b in sorted(set(sizes), reverse=True):
-        out[b] = measure_workload(model, x, y, lm_loss, b, repeats, whole=timer.seconds(b) if timer else None)
-        bar.update()
-    bar.close()
-    return out
-
-
 def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, progress: Progress,
                  timer=None) -> dict:
     """Give every row its predicted step time, from this run's per-layer profiles (one per micro-batch size the rows
-    use), each rescaled to the whole model's time sampled with the row (`timer`, under its `calibration_key`), link
-    fits and core sharing; returns the calibrations by micro-batch size (rescaled to all of `timer`'s samples)."""
+    use: `measure_workload`), each rescaled to the whole model's time sampled with the row (`timer`, under its
+    `calibration_key`), link fits and core sharing; returns the calibrations by micro-batch size (rescaled to all of
+    `timer`'s samples)."""
     from helpers.models import SyntheticTokens, build_stack
+    from helpers.simulate.calibrate_model import measure_workload
 
     model = build_stack(config.cfg).to(rig.devices[0])
     x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
     x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
     sizes = sorted({microbatch_size(r, config.batch) for r in rows}, reverse=True)
     progress.phase(f"calibrating: per-layer profile and whole-model time at micro-batch sizes {sizes}")
-    calibrated = calibrate(model, x, y, sizes, progress, timer=timer)
+    calibrated, bar = {}, progress.bar(len(sizes), "profiles")
+    for b in sizes:
+        calibrated[b] = measure_workload(model, x, y, lm_loss, b, 3, whole=timer.seconds(b) if timer else None)
+        bar.update()
+    bar.close()
     adam_s = next((r.optimizer_s for r in rows if r.strategy == "single_adam"), 0.0)
     for row in rows:
         size = microbatch_size(row, config.batch)

@@ -98,8 +98,8 @@ def machine_load(run: dict) -> str:
 def bench_section(name: str, record: dict) -> str:
     """One bench run: where it came from, the machine load, the verdict, the rows, the extras and the calibration."""
     from helpers.bench.predict import TARGET
-    from helpers.bench.report import (EXTRA_COLUMNS, EXTRA_SPEEDUPS, describe_launch_to_launch, display_rows,
-                                      prediction_errors, row_label)
+    from helpers.bench.report import (EXTRA_COLUMNS, EXTRA_SPEEDUPS, _percent, describe_launch_to_launch,
+                                      display_rows, prediction_errors, row_label)
 
     run = record["run"]
     errors = [e for e in prediction_errors(run).values() if e is not None]
@@ -110,7 +110,7 @@ def bench_section(name: str, record: dict) -> str:
              markdown_table(display_rows(run["rows"]), ["strategy", "engine", "runner", "m", "optimizer", "samples/s",
                                                          "spread", "predicted", "error", "speedup"])]
     for extra, ratio in EXTRA_SPEEDUPS.items():
-        rows = [{"row": row_label(d), ratio: d.get(ratio), "error": _percent_cell(d.get("error"))}
+        rows = [{"row": row_label(d), ratio: d.get(ratio), "error": _percent(d.get("error"), mark=False)}
                 for d in run.get(extra, [])]
         parts += [f"{extra}:", markdown_table(rows, ["row", ratio, "error"])] if rows else []
     backward = run.get("split backward", [])
@@ -119,19 +119,16 @@ def bench_section(name: str, record: dict) -> str:
     return "\n\n".join(parts + ["Calibration (measured in the run):\n" + "\n".join(f"- {line}" for line in summary)])
 
 
-def _percent_cell(error: float | None) -> str:
-    return "-" if error is None else f"{error:+.1%}"
-
-
 def speed_section(name: str, record: dict) -> str:
     """One speed-bench run: where it came from, the model, the verdict, the rows and the per-engine summary."""
     from helpers.bench.predict import TARGET  # the speed bench holds its rows to the same 15%
+    from helpers.bench.report import _percent
 
     run = record["run"]
     config = run["config"]
     model = ", ".join(f"{key} {config[key]}" for key in ("hidden_size", "num_hidden_layers", "vocab_size")
                       if key in config)
-    rows = [{**row, "error": _percent_cell(row["error"])} for row in run["rows"]]
+    rows = [{**row, "error": _percent(row["error"], mark=False)} for row in run["rows"]]
     summary = [{**row, "median error (absolute)": f"{row['median |error|']:.1%}",
                 "largest error (absolute)": f"{row['max |error|']:.1%}"} for row in run["summary"]]
     verdict = within_target([row["error"] for row in run["rows"]], TARGET) + " (priced by the whole run's rounds)"

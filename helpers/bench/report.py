@@ -126,10 +126,11 @@ def _signed(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction:+.0%}"
 
 
-def _percent(error: float | None, excluded: str | None = None) -> str:
+def _percent(error: float | None, excluded: str | None = None, mark: bool = True) -> str:
+    """'+4.2%', with '*' (`mark`) where it is excluded or outside the target; '-' for none."""
     if error is None:
         return "-"
-    return f"{error:+.1%}" + ("*" if excluded or abs(error) > TARGET else "")
+    return f"{error:+.1%}" + ("*" if mark and (excluded or abs(error) > TARGET) else "")
 
 
 def _plus_minus(spread: float | None) -> str:
@@ -139,12 +140,16 @@ def _plus_minus(spread: float | None) -> str:
 def display_rows(dicts: Sequence[dict]) -> list[dict]:
     """The printed table's rows: measured, predicted and the error side by side."""
     return [{"strategy": shown_strategy(d), "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
-             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], "spread": _plus_minus(d.get("spread")),
-             "predicted": d["predicted_samples_per_s"],
-             "error": _percent(d["error"], d["excluded_from_target"]),
-             "forward": _signed(d.get("forward_vs_predicted")), "backward": _signed(d.get("backward_vs_predicted")),
-             "speedup": d["speedup"],
-             "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+             "optimizer": d["optimizer"], "samples/s": d["samples_per_s"], **prediction_cells(d),
+             "speedup": d["speedup"], "peak_activation_bytes": d["peak_activation_bytes"]} for d in dicts]
+
+
+def prediction_cells(d: dict) -> dict:
+    """A row's (or an extra's row's) prediction as the tables print it: the spread, the predicted samples/s, the error
+    ('*' outside the target or excluded) and how far its forward and backward passes drifted."""
+    return {"spread": _plus_minus(d.get("spread")), "predicted": d.get("predicted_samples_per_s"),
+            "error": _percent(d.get("error"), d.get("excluded_from_target")),
+            **{phase: _signed(d.get(f"{phase}_vs_predicted")) for phase in PHASES}}
 
 
 def shown_strategy(d: dict) -> str:

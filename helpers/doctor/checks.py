@@ -32,8 +32,6 @@ def guarded(name: str, fn: Callable[[], "Check | list[Check] | str"]) -> list[Ch
     return out if isinstance(out, list) else [out]
 
 
-
-
 def run_check(name: str, verdict: Support, fn: Callable[[], str]) -> Check:
     """REFUSED with the support matrix's reason where this rig cannot run it, else `fn` run `guarded`."""
     if not verdict.ok:
@@ -48,10 +46,7 @@ def print_report(result: dict) -> None:
 
     topo = result["topology"]
     print(f"\n{topo['rig']}\ntorch {topo['torch']}, Python {topo['python']}, {topo['platform']}")
-    for key in ("cuda", "nccl", "driver"):
-        if topo.get(key):
-            print(f"{key}: {topo[key]}")
-    for key in ("peer_access", "environment"):
+    for key in ("cuda", "nccl", "driver", "peer_access", "environment"):
         if topo.get(key):
             print(f"{key}: {topo[key]}")
     for key in ("topo", "nvlink"):
