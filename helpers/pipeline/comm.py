@@ -9,15 +9,13 @@
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from helpers.dtypes import DTYPES, NAMES
-from helpers.measure import synchronize
+from helpers.measure import median_time, synchronize
 from helpers.runtime.strict import plain_backend
 
 SENDABLE = NAMES  # every floating format the course names can carry activations and gradients
@@ -109,16 +107,7 @@ def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) 
 def timed_across_ranks(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of `fn()` over `repeats`, after one untimed warm-up, all ranks starting together (a rank
     worker: every rank calls it)."""
-    times = []
-    for r in range(repeats + 1):
-        dist.barrier()
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats, device, before=dist.barrier)
 
 
 def process_links(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
@@ -151,24 +140,17 @@ def process_links(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
     return samples if rank == 0 else []
 
 
-def _time_copy(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> float:
-    times = []
-    for r in range(repeats + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def cuda_copy_benchmark(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
     """In one process (the threaded engine's path): device->device (cuda:0 -> cuda:1, or within cuda:0 on a
     one-GPU machine), and host->device from pinned and from pageable memory. Only call where CUDA is available."""
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_copy_benchmark needs CUDA; on CPU the process links are what there is to measure")
     dst_index = 1 if torch.cuda.device_count() > 1 else 0
+    cuda0 = torch.device("cuda:0")  # every copy here runs on cuda:0's stream (between GPUs: the source's)
+
+    def copy_time(src: torch.Tensor, dst: torch.Tensor) -> float:
+        return median_time(lambda: dst.copy_(src, non_blocking=True), repeats, cuda0)
+
     samples = []
     for n in sizes:
         numel = n // 4
@@ -176,9 +158,9 @@ def cuda_copy_benchmark(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
         pinned = torch.empty(numel, pin_memory=True)
         dev0 = torch.empty(numel, device="cuda:0")
         dev1 = torch.empty(numel, device=f"cuda:{dst_index}")
-        samples.append(LinkSample(f"threads: cuda:0->cuda:{dst_index} copy", n, _time_copy(dev0, dev1, repeats)))
-        samples.append(LinkSample("host->cuda:0 pinned", n, _time_copy(pinned, dev0, repeats)))
-        samples.append(LinkSample("host->cuda:0 pageable", n, _time_copy(pageable, dev0, repeats)))
+        samples.append(LinkSample(f"threads: cuda:0->cuda:{dst_index} copy", n, copy_time(dev0, dev1)))
+        samples.append(LinkSample("host->cuda:0 pinned", n, copy_time(pinned, dev0)))
+        samples.append(LinkSample("host->cuda:0 pageable", n, copy_time(pageable, dev0)))
     return samples
 
 
