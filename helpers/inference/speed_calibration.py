@@ -13,7 +13,7 @@ import copy
 import statistics
 import time
 from dataclasses import replace
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -257,25 +257,18 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-class LockstepAllreduce(NamedTuple):
-    """The all-reduce tensor parallelism pays, as the calibration measures it: `link` (seconds = latency + bytes /
-    bandwidth, after the shortest work) and `waits`: (seconds of work since the last all-reduce, seconds the next
-    waits beyond the link's) points: the two ranks drift apart while they work, and each all-reduce waits for the
-    later one (`SpeedRig.allreduce_waits`)."""
-
-    link: Link
-    waits: tuple[tuple[float, float], ...]
-
-
 def lockstep_allreduce_link(sizes: Sequence[int], mesh, device: torch.device, dtype: torch.dtype, work: Sequence,
-                            hidden: int, stretches: Sequence[int] = STRETCHES) -> LockstepAllreduce:
-    """Rank worker: the all-reduce as tensor parallelism issues it inside a decode step. After each of `work` (what a
+                            hidden: int, stretches: Sequence[int] = STRETCHES) -> dict:
+    """Rank worker: the all-reduce tensor parallelism pays, as it issues it inside a decode step: {"latency_s",
+    "bandwidth"} (seconds = latency + bytes / bandwidth, after the shortest work) and "waits": (seconds of work
+    since the last all-reduce, seconds the next waits beyond that) points: the two ranks drift apart while they
+    work, and each all-reduce waits for the later one (`SpeedRig.allreduce_waits`). After each of `work` (what a
     rank computes between two all-reduces: its half of half a layer, weights from memory) one row-parallel linear
     (`RowwiseParallel`, as the engine's o and down projections: the local matmul, then DTensor turns the partial
     sums into whole ones with an all-reduce through functional collectives), the whole step timed, less the same
-    step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs; with
-    an all-reduce every k pieces, of `LOCKSTEP_PAIRS` / k, at least 3: the same work in all; the wake-ups vary). At
-    the smallest size of `sizes` (ascending) after every piece of work, and after every k pieces for each k of
+    step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs; with an
+    all-reduce every k pieces, of `LOCKSTEP_PAIRS` / k, at least 3: the same work in all; the wake-ups vary). At the
+    smallest size of `sizes` (ascending) after every piece of work, and after every k pieces for each k of
     `stretches` (longer work between two all-reduces, as in prefill); at the largest size after every piece.
     Latency: the smallest message's time after one piece; waits: what each longer stretch adds; bandwidth: what the
     largest message adds over the smallest.
@@ -323,8 +316,7 @@ def lockstep_allreduce_link(sizes: Sequence[int], mesh, device: torch.device, dt
     _, large = per_allreduce(sizes[-1], 1)
     extra = large - small
     bandwidth = (sizes[-1] - sizes[0]) / extra if extra > 0 and sizes[-1] > sizes[0] else float("inf")
-    return LockstepAllreduce(Link(small, bandwidth, "all-reduce of a row-parallel linear inside a decode step, "
-                                                    "hidden-state sizes"), tuple(waits))
+    return {"latency_s": small, "bandwidth": bandwidth, "waits": tuple(waits)}
 
 
 def decode_step_work(shape: ModelShape, dtype: torch.dtype, device: torch.device, ranks: int) -> list:
@@ -369,8 +361,7 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
         allreduce = lockstep_allreduce_link(sorted(sizes), mesh, device, dtype, work, shape.hidden)
         linears = tuple((r, sharded(r)) for r in sorted(set(rows)))
     dist.barrier()
-    return {"latency_s": allreduce.link.latency_s, "bandwidth": allreduce.link.bandwidth, "waits": allreduce.waits,
-            "sharded_linear_s": linears}
+    return {**allreduce, "sharded_linear_s": linears}
 
 
 def model_shape_of(model: HFModel) -> ModelShape:

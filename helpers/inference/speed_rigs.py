@@ -58,15 +58,14 @@ class Device:
     `busy_flops`: where measured (CPU rig), the matmul rate by rows while the other device multiplies too, which
     replaces `busy_slowdown` for the arithmetic (two cores sharing one memory slow down by how much they stream);
     `lock_wait_s_per_op`: what each op waits for the interpreter lock while the other device's thread works in the
-    same process (the pipelined engine's stage threads: each op takes the lock to dispatch and a thread whose op
-    ended waits while the other holds it; measured on the CPU rig, where it adds to the host's time; 0 where
-    unmeasured: on GPUs the host launches ahead of the kernels); `activation_s`: (rows, seconds) points of what a
-    decoder layer's forward of that many rows takes beyond its weights' roofline and its ops' dispatch: attention
-    over the cache and its append, norms, rotary embedding, SiLU, residual adds, which one CPU thread runs after the
-    matmuls rather than under them (measured on the CPU rig at decode batches; none where unmeasured: the GPUs'
-    published layer rates include them); `prefill_activation_s`: the same for a prefill of that many rows (a whole
-    prompt's causal attention, its cache written: not the decode step's work at as many rows), where measured; else
-    a prefill takes the decode points."""
+    same process (the pipelined engine's stage threads; measured on the CPU rig, where it adds to the host's time,
+    by `StageForwards.sample`; 0 where unmeasured: on GPUs the host launches ahead of the kernels); `activation_s`:
+    (rows, seconds) points of what a decoder layer's forward of that many rows takes beyond its weights' roofline
+    and its ops' dispatch: attention over the cache and its append, norms, rotary embedding, SiLU, residual adds,
+    which one CPU thread runs after the matmuls rather than under them (measured on the CPU rig at decode batches;
+    none where unmeasured: the GPUs' published layer rates include them); `prefill_activation_s`: the same for a
+    prefill of that many rows (a whole prompt's causal attention, its cache written: not the decode step's work at
+    as many rows), where measured; else a prefill takes the decode points."""
 
     name: str
     bandwidth: float

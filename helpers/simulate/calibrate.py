@@ -1,12 +1,6 @@
-"""Calibrate the simulator on the rig you have: every figure it needs, measured here and now.
-
-- the model's costs (`helpers.simulate.calibrate_model`: `measure_workload`, `WholeModelTimer`, `optimizer_seconds`,
-  `whole_model_seconds`; importable from here too);
-- `measure_rig(rig, ...)`: the links the engines use (`helpers.pipeline.comm.link_benchmark`: point-to-point and
-  all-reduce, fitted as latency + bytes / bandwidth), the other collectives FSDP2 and ZeRO-1 use (all-gather,
-  reduce-scatter, broadcast: on gloo they do not cost what the ring's formulas say), and on the CPU rig how much
-  slower two virtual devices compute when both are busy, as threads of one process and as two processes
-  (`SharedCores`).
+"""Calibrate the simulator on the rig you have: every figure it needs, measured here and now: the model's costs
+(`helpers.simulate.calibrate_model`; importable from here too) and the rig's (`measure_rig`: links, collectives,
+and on the CPU rig how the virtual devices share the cores, as a `RigModel`).
 """
 from __future__ import annotations
 
@@ -21,9 +15,9 @@ from torch import nn
 from helpers.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.measure import synchronize
 from helpers.runtime.rig import run_together
-from helpers.simulate.calibrate_model import copy_seconds_per_byte, split_backward_overhead, typical_slowdown
-from helpers.simulate.calibrate_model import (WholeModelTimer, measure_workload, optimizer_seconds,  # noqa: F401
-                                              whole_model_seconds)  # what notebooks imported from here
+from helpers.simulate.calibrate_model import (WholeModelTimer, copy_seconds_per_byte, measure_workload,  # noqa: F401
+                                              forward_backward_seconds, optimizer_seconds, split_backward_overhead,
+                                              typical_slowdown, whole_model_seconds)  # model's names: here too
 from helpers.simulate.workload import Workload
 
 
@@ -222,11 +216,7 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def step() -> float:
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss_fn(model(x), y).backward()
-        synchronize(device)
-        return time.perf_counter() - t0
+        return sum(forward_backward_seconds(lambda: loss_fn(model(x), y), device))
 
     step()
     ratios = []
@@ -368,13 +358,13 @@ def links_from_samples(samples: Sequence) -> tuple[Link, Link, Link]:
 
 def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                 sizes: Sequence[int] | None = None, repeats: int = 3, rounds: int = 7) -> RigModel:
-    """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that
-    shares the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast
-    (its latency: the measured cost of each further tensor, what ZeRO-1 pays per tensor) and the busy-core
-    slowdown of two processes in one more launch, what posting a receive costs while both compute
-    (`receive_post_seconds`, the point-to-point link's `receive_s`), and the busy-core slowdown of two threads here;
-    what a split backward costs beyond a plain one (`split_backward_overhead`). On gloo the collectives add and copy
-    on the CPU, so they take cores too."""
+    """Links, collectives and (CPU rig) core sharing, measured with `model` on (`x`, `y`) as the compute that shares
+    the cores: `link_benchmark` (point-to-point, all-reduce), then all-gather, reduce-scatter and broadcast (on gloo
+    they do not cost what the ring's formulas say; the broadcast's latency: the measured cost of each further
+    tensor, what ZeRO-1 pays per tensor) and the busy-core slowdown of two processes in one more launch, what
+    posting a receive costs while both compute (`receive_post_seconds`, the point-to-point link's `receive_s`), and
+    the busy-core slowdown of two threads here; what a split backward costs beyond a plain one
+    (`split_backward_overhead`). On gloo the collectives add and copy on the CPU, so they take cores too."""
     from helpers.pipeline.comm import default_sizes, link_benchmark
 
     sizes = list(sizes) if sizes else default_sizes()

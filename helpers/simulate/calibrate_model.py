@@ -29,7 +29,7 @@ from helpers.simulate.workload import Workload
 from helpers.sizing.ledger import MemoryLedger, ledger_for
 
 
-def _forward_backward(loss: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
+def forward_backward_seconds(loss: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
     """Seconds of `loss()` (a forward and its loss) and of its backward, `device`'s queued work waited for."""
     synchronize(device)
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
                         repeats: int = 4) -> tuple[float, float]:
     """Median forward and backward seconds of one micro-batch (`x`, `y`) through the whole model, gradients
     accumulating as in a training step with micro-batches."""
-    timed = [_forward_backward(lambda: loss_fn(model(x), y), x.device) for _ in range(1 + repeats)][1:]
+    timed = [forward_backward_seconds(lambda: loss_fn(model(x), y), x.device) for _ in range(1 + repeats)][1:]
     model.zero_grad(set_to_none=True)
     return _medians(timed)
 
@@ -114,7 +114,7 @@ class WholeModelTimer:
         if microbatch not in self.samples:  # the first call at a size warms up, untimed
             self.samples[microbatch] = []
             self._loss(self.model, xb, yb).backward()
-        timed = _forward_backward(lambda: self._loss(self.model, xb, yb), self.x.device)
+        timed = forward_backward_seconds(lambda: self._loss(self.model, xb, yb), self.x.device)
         self.samples[microbatch].append(timed)
         for k in ([key] if key is not None else []) + list(keys):
             self.keyed.setdefault((k, microbatch), []).append(timed)
