@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from helpers.finetune.training_request import TrainingRequest
+from helpers.partition import equal_count_split
 from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import GpuShare
 from helpers.sizing.shape import span
@@ -82,12 +83,8 @@ def pipeline_stages(shape: TrainShape, stages: int) -> list[list[int]]:
     """Unit indices per pipeline stage: decoder layers split evenly (earlier stages take the remainder), everything
     before the first decoder layer on the first stage and everything after the last on the last."""
     decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
-    share, extra = divmod(len(decoders), stages)
-    groups, start = [], 0
-    for j in range(stages):
-        size = share + (j < extra)
-        groups.append(decoders[start:start + size])
-        start += size
+    edges = [0, *equal_count_split(len(decoders), stages), len(decoders)]
+    groups = [decoders[a:b] for a, b in zip(edges, edges[1:])]
     groups[0] = list(range(decoders[0])) + groups[0]
     groups[-1] += list(range(decoders[-1] + 1, len(shape.units)))
     return groups

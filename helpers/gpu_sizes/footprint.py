@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from helpers.sizing.ledger import MemoryLedger
+from helpers.sizing.ledger import ledger_for
 from helpers.dtypes import BYTES
 from helpers.sizing.state import OPTIMIZER_STATE, OPTIMIZER_TEMPORARIES
 from helpers.models.data import lm_loss
@@ -182,9 +182,7 @@ def layer_bytes(spec: ModelSpec, autocast: bool = False) -> tuple[LayerBytes, ..
     ids = torch.zeros(1, spec.seq_len, dtype=torch.long, device="meta")
     layers, ctx = _layers_and_context(spec, ids)
     labels = [f"layer {i}" for i in range(len(layers))]
-    ledger = MemoryLedger(labels)
-    for label, layer in zip(labels, layers):
-        ledger.assign(label, layer)
+    ledger = ledger_for(layers, labels)
     out, h = [], ids
     with torch.enable_grad(), cuda_attention(autocast):
         for i, (label, layer) in enumerate(zip(labels, layers)):

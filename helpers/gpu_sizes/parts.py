@@ -14,6 +14,7 @@ from helpers.catalog import strategy as catalog_entry
 from helpers.gpu_sizes.footprint import Footprint, ModelSpec, Replay, held, n_layers, stage_bytes, training_step
 from helpers.gpu_sizes.plans import NOTEBOOK, Part
 from helpers.models.stack import StackConfig
+from helpers.partition import equal_count_split
 from helpers.pipeline.schedules import layout_for, make_schedule, peak_in_flight
 
 
@@ -21,7 +22,7 @@ def halves(spec: ModelSpec) -> tuple[range, range]:
     """Where the notebooks cut in two: `len(model) // 2`; the training jobs' equal-count split agrees for an even
     number of layers and puts the extra layer first otherwise."""
     n = n_layers(spec)
-    cut = (n + 1) // 2
+    (cut,) = equal_count_split(n, 2)
     return range(0, cut), range(cut, n)
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 from helpers.facts import DATA_DIR
 from helpers.gpu_sizes.footprint import Footprint, Replay
-from helpers.sizing.gpus import gpu, runtime_reserve
+from helpers.sizing.gpus import gpu, runtime_reserve, runtime_reserve_bytes
 from helpers.units import GiB, fmt_bytes
 from helpers.runtime.rig import Rig
 
@@ -149,10 +149,8 @@ class NotebookPlan:
 
     def phase_bytes(self, phase: Phase, device: str) -> int:
         """Everything on `device` during `phase`: parts, one CUDA context per process there, the margin."""
-        reserve = runtime_reserve()
         parts = [p for p in phase.parts if self._on(p) == device]
-        processes = {NOTEBOOK} | {p.process for p in parts}
-        return sum(p.bytes.total for p in parts) + len(processes) * reserve["context"] + reserve["margin"]
+        return sum(p.bytes.total for p in parts) + runtime_reserve_bytes(len({NOTEBOOK} | {p.process for p in parts}))
 
     def heaviest(self, device: str) -> Phase:
         return max(self.phases, key=lambda phase: self.phase_bytes(phase, device))

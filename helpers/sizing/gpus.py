@@ -90,9 +90,10 @@ def runtime_reserve() -> dict[str, int]:
     return {"context": reserve["cuda_context"]["mib"] * MiB, "margin": reserve["allocator_margin"]["mib"] * MiB}
 
 
-def runtime_reserve_bytes() -> int:
-    """Per GPU that one process uses: its CUDA context plus the allocator margin."""
-    return sum(runtime_reserve().values())
+def runtime_reserve_bytes(processes: int = 1) -> int:
+    """Per GPU that `processes` use: a CUDA context each plus the allocator margin."""
+    reserve = runtime_reserve()
+    return processes * reserve["context"] + reserve["margin"]
 
 
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+)$", re.IGNORECASE)

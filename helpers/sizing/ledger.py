@@ -179,27 +179,18 @@ class MemoryLedger:
         as large, which makes it the biggest transient of a backward pass (helpers.gpu_sizes plans with it)."""
         return self._largest[label]
 
-    def device(self, label: str) -> DeviceMemory:
+    def device(self, label: str, now: bool = False) -> DeviceMemory:
+        """What `label` holds by part: activations at their peak, or (`now`) those alive now."""
         params = self._params[label]
         opt = optimizer_state_bytes(self.optimizer, params) if self.optimizer is not None else 0
-        return DeviceMemory(param_bytes(params), grad_bytes(params), opt, self._peak[label])
+        return DeviceMemory(param_bytes(params), grad_bytes(params), opt, (self._live if now else self._peak)[label])
 
     def report(self) -> dict[str, DeviceMemory]:
         return {lb: self.device(lb) for lb in self.labels}
 
-    def current(self, label: str) -> DeviceMemory:
-        """What `label` holds right now, by part (activations: those alive now, not the peak)."""
-        params = self._params[label]
-        opt = optimizer_state_bytes(self.optimizer, params) if self.optimizer is not None else 0
-        return DeviceMemory(param_bytes(params), grad_bytes(params), opt, self._live[label])
-
-    def current_bytes(self, label: str) -> int:
-        """Bytes in use right now on `label`."""
-        return self.current(label).total
-
     # what the memory panel reads (`helpers.monitor`): parts by name, now and at the peak
     def parts(self, label: str) -> dict[str, int]:
-        return self.current(label).parts()
+        return self.device(label, now=True).parts()
 
     def peak_parts(self, label: str) -> dict[str, int]:
         return self.device(label).parts()
