@@ -444,12 +444,13 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     def launch(order):
         orders.append(list(order))
         return [SimpleNamespace(step_times=[1.0 + len(orders)], phase_times=[{"forward": 1.0, "backward": 2.0}],
-                                thread_cpu_s=[0.5, 0.25 * len(orders)], recorded_step_s=None) for _ in order]
+                                thread_cpu_s=[0.5, 0.25 * len(orders)], recorded_step_s=None, events=[],
+                                peak_activations=[0]) for _ in order]
 
     pooled = run_in_rounds({tuple(keys): launch}, config.rounds, "test", progress=False,
                            around=lambda k: seen.append(k))
     assert orders == [keys, keys[::-1]] and seen == [tuple(keys)] * 2 + [tuple(keys[::-1])] * 2
-    assert pooled[keys[0]].step_s == 2.5 and pooled[keys[0]].cpu_s == [0.5, 0.375]
+    assert pooled[keys[0]]["step_s"] == 2.5 and pooled[keys[0]]["cpu_s"] == [0.5, 0.375]
     # FSDP2, whose step depends on what ran before it in the same processes, in a launch of its own
     shared, *apart = launch_groups(keys)
     fsdp2 = next(k for k in keys if k.strategy == "fsdp2")
@@ -565,10 +566,10 @@ def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():
 
     def launch(steps, recorded=None):
         return SimpleNamespace(step_times=steps, thread_cpu_s=None, phase_times=[{"forward": 0.1, "backward": 0.2}],
-                               recorded_step_s=recorded)
+                               recorded_step_s=recorded, events=[], peak_activations=[0])
 
     got = pool([launch([0.5, 0.5], recorded=0.6), launch([0.65, 0.7], recorded=0.6)])  # the recorded step pooled too
-    assert got.step_s == pytest.approx(0.6) and got.launch_times == ((0.5, 0.5, 0.6), (0.65, 0.7, 0.6))
+    assert got["step_s"] == pytest.approx(0.6) and got["launch_times"] == ((0.5, 0.5, 0.6), (0.65, 0.7, 0.6))
 
     calls = []
     reference = LaunchReference(step=lambda: calls.append("single"), adam_s=0.25)
@@ -576,8 +577,7 @@ def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():
                   around=reference.around(None))
     assert calls == ["single"] * 4  # before and after each of the two launches
     reference.samples["a"] = [1.0, 1.2, 1.25, 1.9]  # one slow step after the second launch
-    row = BenchRow("ddp", "torch", "processes", None, step_s=got.step_s, events=[], peak_activation_bytes=[0],
-                   launch_times=got.launch_times)
+    row = BenchRow("ddp", "torch", "processes", None, **got)
     reference.apply(row, "a")
     d = row.as_dict(batch=32, reference_s=3.0)  # the row's own reference wins over the run's one-device row
     assert d["reference_s"] == pytest.approx(1.225) and d["speedup"] == pytest.approx(1.225 / 0.6)

@@ -360,45 +360,24 @@ def _rows_in_rounds(launches: dict, config: BenchConfig, desc: str, runner: str,
     return [process_row(job, got, runner, reference) for job, got in results.items()]
 
 
-def process_row(job: TrainJob, got: Pooled, runner: str, reference: LaunchReference | None = None) -> BenchRow:
-    """The row of a multi-process `job` (its key) from its launches pooled: a pipeline under its engine; data
-    parallelism under PyTorch's wrappers (engine 'torch'), with Adam, against one device with Adam. With
-    `reference`, its speed-up taken against the one-device step timed around its launches."""
+def process_row(job: TrainJob, got: dict, runner: str, reference: LaunchReference | None = None) -> BenchRow:
+    """The row of a multi-process `job` (its key) from its launches pooled (`got`: `pool`'s): a pipeline under its
+    engine; data parallelism under PyTorch's wrappers (engine 'torch'), with Adam, against one device with Adam.
+    With `reference`, its speed-up taken against the one-device step timed around its launches."""
     replicas_only = job.pp == 1
     row = BenchRow(job.strategy, "torch" if replicas_only else job.engine, runner,
-                   None if replicas_only else job.microbatches, got.step_s, got.last.events,
-                   got.last.peak_activations, optimizer=job.optimizer,
-                   reference="single_adam" if job.optimizer == "adam" else "single", spread=got.spread,
-                   measured_phase_s=got.phase_s, calibration_key=job, cpu_s=got.cpu_s, wire=job.wire,
-                   launch_times=got.launch_times, launch_events=tuple(result.events for result in got.launched))
+                   None if replicas_only else job.microbatches, optimizer=job.optimizer,
+                   reference="single_adam" if job.optimizer == "adam" else "single", calibration_key=job,
+                   wire=job.wire, **got)
     if reference is not None:
         reference.apply(row, job, adam=job.optimizer == "adam")
     return row
 
 
-@dataclass(frozen=True)
-class Pooled:
-    """A multi-process job's launches taken together: over every launch's steps (`launch_samples`), the median step
-    time and its `relative_spread`; over their timed steps, the median seconds of each phase (`median_phases`);
-    every launch's result, in launch order (the last one's timeline and memory are the row's); each launch's
-    steps."""
-
-    step_s: float
-    spread: float
-    phase_s: dict[str, float]
-    launched: tuple
-    cpu_s: list[float] | None = None  # per rank, the median over launches of its median step's thread CPU seconds
-    launch_times: tuple[tuple[float, ...], ...] = ()  # every launch's `launch_samples`, in launch order
-
-    @property
-    def last(self):
-        return self.launched[-1]
-
-
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   around: Callable | None = None) -> dict:
     """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
-    them; return {job key: `Pooled`}. `launches` maps a tuple of job keys to a launch that runs the keys it is
+    them; return {job key: its launches `pool`ed}. `launches` maps a tuple of job keys to a launch that runs the keys it is
     given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
     processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always
     the first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
@@ -423,14 +402,20 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
     return {k: pool(got) for k, got in launched.items()}
 
 
-def pool(launched: Sequence) -> Pooled:
-    """One job's `Pooled` from the `TrainResult` of each of its launches."""
+def pool(launched: Sequence) -> dict:
+    """A multi-process job's launches taken together (the `TrainResult` of each), as its `BenchRow`'s fields: over
+    every launch's steps (`launch_samples`), the median step time and its `relative_spread`; over their timed steps,
+    the median seconds of each phase (`median_phases`); per rank, the median over launches of its median step's
+    thread CPU seconds; each launch's steps and recorded step, in launch order (the last one's timeline and memory
+    are the row's)."""
     steps = [t for got in launched for t in launch_samples(got)]
     cpu = [got.thread_cpu_s for got in launched]
-    return Pooled(statistics.median(steps), relative_spread(steps),
-                  median_phases([p for got in launched for p in got.phase_times]), tuple(launched),
-                  [statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
-                  tuple(launch_samples(got) for got in launched))
+    return dict(step_s=statistics.median(steps), spread=relative_spread(steps),
+                measured_phase_s=median_phases([p for got in launched for p in got.phase_times]),
+                cpu_s=[statistics.median(c) for c in zip(*cpu)] if all(cpu) else None,
+                launch_times=tuple(launch_samples(got) for got in launched),
+                launch_events=tuple(got.events for got in launched), events=launched[-1].events,
+                peak_activation_bytes=launched[-1].peak_activations)
 
 
 def launch_samples(got) -> tuple[float, ...]:
