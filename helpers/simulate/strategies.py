@@ -471,13 +471,11 @@ class _Builder:
         devices = list(range(self.job.dp))
         r, n = len(devices), len(self.layers)
         w, g, o = self.w.bytes_per_param
-        gather = lambda i: collective_s(self.coll, "allgather", w * self.layers[i].params, r)  # noqa: E731
-        scatter = lambda i: collective_s(self.coll, "reducescatter", g * self.layers[i].params, r)  # noqa: E731
 
-        def issue(kind: str, seconds: float, nbytes: float, after: dict[int, list[int]]) -> int:
-            """One of FSDP2's collectives on its own stream (all-gathers and reduce-scatters have one each): on each
-            device the host's work for it, which waits for nothing on the device, then the copy of `nbytes` into
-            its input after `after[device]`, then the collective."""
+        def issue(kind: str, full: float, nbytes: float, after: dict[int, list[int]]) -> int:
+            """One of FSDP2's collectives of `full` bytes on its own stream (all-gathers and reduce-scatters have one
+            each): on each device the host's work for it, which waits for nothing on the device, then the copy of
+            `nbytes` into its input after `after[device]`, then the collective."""
             copied = []
             for d in devices:
                 deps = list(after.get(d, []))
@@ -485,15 +483,15 @@ class _Builder:
                     host = "compute" if self.job.host_waits else "host"
                     deps.append(self.graph.add(self.job.fsdp2_host_s, [(host, d)], "host", [d]))
                 copied.append(self.copy(d, nbytes, deps))
-            return self.collective(kind, devices, seconds, kind, copied, holds_compute=self.job.host_waits)
+            return self.collective(kind, devices, collective_s(self.coll, kind, full, r), kind, copied,
+                                   holds_compute=self.job.host_waits)
 
         def unshard(i: int) -> int:
             """Copy-in of this device's shard, then the all-gather."""
-            return issue("allgather", gather(i), w * self.layers[i].params / r, {})
+            return issue("allgather", w * self.layers[i].params, w * self.layers[i].params / r, {})
 
         scattered = []
         for k in range(self.job.microbatches):
-            fwd: dict[tuple[int, int], int] = {}
             gathered = {0: unshard(0)} if self.layers[0].params else {}
             for i in range(n):
                 if i not in gathered and self.layers[i].params:  # no prefetch: gathered as the layer starts
@@ -502,7 +500,7 @@ class _Builder:
                     gathered[i + 1] = unshard(i + 1)  # issued before this layer computes
                 for d in devices:
                     ready = [self.copy(d, w * self.layers[i].params, [gathered[i]])] if i in gathered else []
-                    fwd[(d, i)] = self.forward(d, i, i + 1, k, ready)
+                    self.forward(d, i, i + 1, k, ready)
             bwd: dict[tuple[int, int], int] = {}
             regathered = {}
             reshard = lambda i: self.layers[i].params and self.job.entry.reshard_after_forward  # noqa: E731
@@ -515,7 +513,7 @@ class _Builder:
                     ready = [self.copy(d, w * self.layers[i].params, [regathered[i]])] if i in regathered else []
                     bwd[(d, i)] = self.backward(d, i, i + 1, k, ready, last=i == 0)
                 if self.layers[i].params:
-                    scattered.append(issue("reducescatter", scatter(i), g * self.layers[i].params,
+                    scattered.append(issue("reducescatter", g * self.layers[i].params, g * self.layers[i].params,
                                            {d: [bwd[(d, i)]] for d in devices}))
         for d in devices:
             self.optimizer(d, 1 / r, scattered[-1:])
