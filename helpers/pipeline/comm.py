@@ -1,12 +1,5 @@
-"""What crosses the link between the two devices, and what it costs.
-
-- `Wire`: the dtype activations and gradients travel in. fp16/bf16 halve the bytes; values are cast back to the
-  compute dtype on arrival, in both directions, so backward sees correctly typed gradients.
-- `link_benchmark`: time over a size sweep of every link the engines use: the process engines' point-to-point
-  messages and DDP's all-reduce (NCCL, or gloo), and on GPUs the threaded engine's GPU-to-GPU copies and host
-  transfers (pinned vs pageable).
-- `send_to` / `CopyStreams`: the threaded engine's transfers, on side streams between GPUs.
-"""
+"""What crosses the link between the two devices (`Wire`: in which dtype), what it costs (`link_benchmark`), and
+how the threaded engine moves it between GPUs (`send_to`, `CopyStreams`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

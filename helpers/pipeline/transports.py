@@ -1,10 +1,5 @@
-"""How a pipeline stage's messages travel (the `Transport` of helpers.pipeline.interpreter).
-
-- `MailboxTransport`: stages are threads of one process. A send puts the tensor in the next stage's mailbox (on
-  GPUs: copied on side streams, see `helpers.pipeline.comm.send_to`); a receive waits for it.
-- `P2PTransport`: stages are processes. Each exchange is one `dist.batch_isend_irecv` on the pipeline's process
-  group, so NCCL runs its sends and receives as one group; sends stay in flight while the stage computes on.
-"""
+"""How a pipeline stage's messages travel (the `Transport` of helpers.pipeline.interpreter): between threads of one
+process (`MailboxTransport`), or between processes (`P2PTransport`)."""
 from __future__ import annotations
 
 import threading
@@ -55,7 +50,8 @@ class Mailboxes:
 
 
 class MailboxTransport:
-    """Threads in one process: sends are non-blocking puts, receives wait on the mailbox (recorded as `recv`)."""
+    """Threads in one process: sends are non-blocking puts into the receiver's mailbox (on GPUs copied on side
+    streams, `helpers.pipeline.comm.send_to`), receives wait on the mailbox (recorded as `recv`)."""
 
     def __init__(self, stage: int, boxes: Mailboxes, devices: Sequence[torch.device], wire: Wire,
                  recorder: Recorder, streams: CopyStreams | None, timeout_s: float, layout: Layout | None = None):

@@ -78,18 +78,6 @@ class Rig:
         return self.devices[index]
 
 
-def _cpu_budget_bytes(budget_gib: float | None) -> int:
-    if budget_gib is None:
-        budget_gib = float(os.environ.get(CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_GIB))
-    if not budget_gib > 0:
-        raise ValueError(f"the CPU memory budget must be a positive number of GiB, got {budget_gib}")
-    return int(budget_gib * GiB)
-
-
-def _env_forces_cpu() -> bool:
-    return os.environ.get(FORCE_CPU_ENV, "").strip().lower() in {"1", "true", "yes"}
-
-
 def usable_cores() -> int:
     """Cores this process may run on (a container or `taskset` can give fewer than the machine has)."""
     try:
@@ -115,7 +103,11 @@ def cpu_rig(n_devices: int = 2, budget_gib: float | None = None, threads: int | 
     """The CPU rig: `n_devices` virtual devices with `threads` intra-op threads each and a memory budget."""
     if n_devices < 1:
         raise ValueError(f"a rig needs at least one device, got {n_devices}")
-    budget = _cpu_budget_bytes(budget_gib)
+    if budget_gib is None:
+        budget_gib = float(os.environ.get(CPU_BUDGET_ENV, DEFAULT_CPU_BUDGET_GIB))
+    if not budget_gib > 0:
+        raise ValueError(f"the CPU memory budget must be a positive number of GiB, got {budget_gib}")
+    budget = int(budget_gib * GiB)
     per_device = cpu_threads_per_device(n_devices, threads)
     cpu = torch.device("cpu")
     return Rig(kind="cpu", devices=(cpu,) * n_devices, names=tuple(f"cpu:{i} (virtual)" for i in range(n_devices)),
@@ -272,7 +264,7 @@ def _cuda_rig() -> Rig:
 def detect_rig(force_cpu: bool | None = None, cpu_budget_gib: float | None = None) -> Rig:
     """Detect the rig. `force_cpu=True` (or LAB_FORCE_CPU=1) gives the CPU rig even where GPUs exist."""
     if force_cpu is None:
-        force_cpu = _env_forces_cpu()
+        force_cpu = os.environ.get(FORCE_CPU_ENV, "").strip().lower() in {"1", "true", "yes"}
     if force_cpu or not torch.cuda.is_available():
         return cpu_rig(2, cpu_budget_gib)
     return _cuda_rig()

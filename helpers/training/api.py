@@ -9,10 +9,9 @@ Data: synthetic tokens by default; `text=` a file or folder of real text (the to
 used, or a byte-level BPE is trained on the text and saved beside it and beside the trained model); `data=` token
 windows saved with torch.save ([N, L+1], helpers.models.text).
 
-Strategies: naive, gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev (pipelines: engine threads, processes or torch),
-ddp, zero1, zero2, fsdp2 (data parallel: engine processes), dp_x_pp (engine processes or torch). Every strategy
-computes what one device computes (helpers.training.support says where each runs); the saved model reloads with
-`from_pretrained` and equals the trained weights.
+Strategies and their engines: helpers.catalog's. Every strategy computes what one device computes
+(helpers.training.support says where each runs); the saved model reloads with `from_pretrained` and equals the
+trained weights.
 """
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """The ways of spreading a model over devices, each applied to a rank's module by a small `apply_*` function over
-the job's DeviceMesh, as torchtitan composes them. The one training loop (helpers.training.loop) then runs
-whatever they return.
-
-- `apply_ddp`: DistributedDataParallel over the mesh's "dp" group; a comm hook puts every gradient bucket's
-  all-reduce on the timeline (timed with CUDA events on GPUs: the end is when the GPU finished, not when the host
-  queued it). ZeRO-1 is DDP plus `ZeroRedundancyOptimizer` (`make_optimizer(..., zero1=True)`).
-- `apply_fsdp`: FSDP2 `fully_shard` per layer and on the whole module, applied on the meta device; each rank then
-  allocates only its shards and fills them with one device's weights (`reshard_after_forward=False` is ZeRO-2-like).
-- `apply_pipeline`: one device of a pipeline (one stage, or several for interleaved and V-shaped schedules): our
-  interpreter over point-to-point messages on the "pp" group, or torch.distributed.pipelining's schedules.
-- `sum_replica_grads`: DP x PP, each stage's gradients summed over its replicas in one flat all-reduce.
-"""
+the job's DeviceMesh, as torchtitan composes them (`apply_ddp`; ZeRO-1 is DDP plus `make_optimizer(..., zero1=True)`;
+`apply_fsdp`; `apply_pipeline`; DP x PP adds `sum_replica_grads`). The one training loop (helpers.training.loop) then
+runs whatever they return."""
 from __future__ import annotations
 
 import warnings
@@ -32,6 +23,7 @@ from helpers.pipeline.transports import P2PTransport
 from helpers.dtypes import DTYPES
 from helpers.precision import Precision
 from helpers.runtime.launch import release_host_memory
+from helpers.runtime.host import mark_offloaded
 from helpers.timeline import Recorder
 
 PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
@@ -40,7 +32,8 @@ TiedPair = tuple[tuple[int, str], tuple[int, str]]
 
 def allreduce_hook(rec: Recorder, group, wire: Wire = Wire()):
     """A DDP comm hook: PyTorch's default (average the bucket over the group), each bucket recorded as an
-    `allreduce` span from the moment backward handed it over to the moment the collective finished. A `wire` in
+    `allreduce` span from the moment backward handed it over to the moment the collective finished (on GPUs, when the
+    GPU finished it, not when the host queued it). A `wire` in
     another dtype sends the bucket in it and copies the result back (PyTorch's `bf16_compress_hook`, on any backend:
     half the bytes in bf16, and gloo reduces bf16 too)."""
 
@@ -92,7 +85,7 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
     (FSDP2 needs a shared parameter in one unit: the layers holding it are left to the root's unit).
     `offload`: FSDP2's `CPUOffloadPolicy`: shards, their gradients and the optimizer step stay in host memory, each
     unit copied to `device` for its all-gather (pinned host memory on GPUs; on the CPU rig the copy is to the same
-    memory, so it runs the same code and moves nothing)."""
+    memory, so it runs the same code and moves nothing). `reshard_after_forward=False` is ZeRO-2-like."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # our layers do no in-place ops on outputs
@@ -118,6 +111,7 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
             reference[first_layer + offset] = None
             release_host_memory()
     if offload:  # FSDP2 offloads parameters only: buffers (rotary frequencies) belong on the compute device
+        mark_offloaded(module)  # the shards and their gradients are host memory, which NCCL does not serve
         for sub in module.modules():
             for name, buf in sub.named_buffers(recurse=False):
                 setattr(sub, name, buf.to(device))
