@@ -388,9 +388,9 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     alone (no measurement), as compare did in the run."""
     from transformers import LlamaConfig
 
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
-    from helpers.inference.speed_bench import (compare, compare_by_case, main, replay, rig_as_dict, rig_from_dict,
+    from helpers.inference.speed_bench import (compare, compare_by_case, main, replay, rig_from_dict,
                                                within_summary)
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -400,7 +400,7 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     cpu = Device("cpu", 1e10, ((1, 1e9), (16, 4e9)), 1e-6, 1.2, ((1, 8e8), (16, 3e9)))
     rig = SpeedRig("measured", (cpu, cpu), FREE_LINK, Link(1e-3, 1e9), host_overlaps=False,
                    sharded_linear_s=((1, 1e-4),), allreduce_waits=((1e-3, 0.0), (4e-3, 2e-4)))
-    saved = json.loads(json.dumps(rig_as_dict(rig)))
+    saved = json.loads(json.dumps(asdict(rig)))
     assert rig_from_dict(saved) == rig
     assert rig_from_dict({**saved, "sharded_linear_s": 1e-4}) == rig  # a run saved when it was one figure
     measured = [{"engine": e, "phase": p, "batch": 4, "prompt": 16, "new_tokens": 4, "tok/s": 50.0, "measured": True}
@@ -424,7 +424,7 @@ def test_a_runs_calibration_replays_its_rows(tmp_path):
     assert by_case == compare(measured, rig, small) + compare(two[len(measured):], slower, small)
     (tmp_path / "cases.json").write_text(json.dumps({
         "speed_rig": saved, "config": small.config.to_dict(), "rows": by_case,
-        "case_rigs": [{"batch": b, "prompt": p, "speed_rig": rig_as_dict(r)} for (b, p), r in cases.items()]}))
+        "case_rigs": [{"batch": b, "prompt": p, "speed_rig": asdict(r)} for (b, p), r in cases.items()]}))
     whole, cased = replay(str(tmp_path / "cases.json"))
     assert [r["predicted tok/s"] for r in cased] == pytest.approx([r["predicted tok/s"] for r in by_case])
     assert [r["predicted tok/s"] for r in whole] == pytest.approx(

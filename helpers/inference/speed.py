@@ -334,8 +334,7 @@ class SpeedPrediction:
                  "link ms": r.parts.get("link", 0.0) * 1e3} for r in self.rows]
         head = (f"{self.model} in {self.dtype} on {self.rig.name}: batch {self.batch}, prefill of a {self.prompt}-"
                 f"token prompt, decode at {self.context} tokens of context; pipelined: {self.requests} requests in "
-                f"flight"
-                f" (its tok/s is their total); one device: speed only, whether it fits is the planner's question")
+                "flight (its tok/s is their total); one device: speed only, whether it fits is the planner's question")
         best = (f"fastest: prefill {self.best('prefill')}, decode {self.best('decode')}"
                 f"; all-reduce {self.rig.allreduce.latency_s * 1e6:.1f} us + bytes / "
                 f"{self.rig.allreduce.bandwidth / 1e9:.3g} GB/s")
@@ -407,6 +406,7 @@ def plot_speed_vs_batch(panels: dict[str, list[dict]], engines: Sequence[str] = 
 
 BATCHES = tuple(2**k for k in range(0, 9))
 CONTEXTS = tuple(2**k for k in range(7, 16))
+RIVALS = ("tensor parallel", "layer split")  # a tie goes to the first
 
 
 @dataclass(frozen=True)
@@ -425,10 +425,6 @@ class Crossover:
     def as_dict(self) -> dict:
         return {"rig": self.rig, "phase": self.phase, "axis": self.axis, "winner at the start": self.start_winner,
                 "flips at": self.flips_at if self.flips_at is not None else "-", "why": self.reason}
-
-
-def _winner(p: SpeedPrediction, phase: str) -> str:
-    return "tensor parallel" if p.tok_s("tensor parallel", phase) >= p.tok_s("layer split", phase) else "layer split"
 
 
 def _why(p: SpeedPrediction, phase: str) -> str:
@@ -451,8 +447,8 @@ def crossovers(model, dtype: str, rig: str | SpeedRig, context: int = 1024, batc
         preds = [predict_speed(shape.name, shape.format.name, rig, v if axis == "batch" else 1,
                                context if axis == "batch" else v, shape=shape) for v in values]
         for phase in PHASES:
-            first = _winner(preds[0], phase)
-            flip = next((p for p in preds if _winner(p, phase) != first), None)
+            first = preds[0].best(phase, RIVALS)
+            flip = next((p for p in preds if p.best(phase, RIVALS) != first), None)
             reason = _why(preds[0], phase) + (f"; {_why(flip, phase)}" if flip else "")
             out.append(Crossover(phase, rig.name, axis, first,
                                  None if flip is None else (flip.batch if axis == "batch" else flip.context), reason))
@@ -476,7 +472,7 @@ def breakeven_latency(model, dtype: str, rig: str | SpeedRig = "2x3090 PCIe", ba
     def tp_wins(latency: float) -> bool:
         on = replace(base, allreduce=Link(latency, base.allreduce.bandwidth, base.allreduce.name))
         p = predict_speed(shape.name, shape.format.name, on, batch, context, shape=shape)
-        return _winner(p, phase) == "tensor parallel"
+        return p.best(phase, RIVALS) == "tensor parallel"
 
     lo, hi = 0.0, 1.0
     if not tp_wins(lo):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import asdict, fields as fields_of
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -116,18 +117,9 @@ def compare_by_case(measured: Sequence[dict], rigs: Mapping[tuple[int, int], Spe
             for row in compare([m for m in measured if (m["batch"], m["prompt"]) == case], rig, shape)]
 
 
-def rig_as_dict(rig: SpeedRig) -> dict:
-    """Every field of a SpeedRig as JSON-ready values (what `rig_from_dict` reads back)."""
-    from dataclasses import asdict
-
-    return asdict(rig)
-
-
 def rig_from_dict(fields: dict) -> SpeedRig:
-    """The SpeedRig `rig_as_dict` wrote (JSON's lists back to tuples; fields it did not know take their defaults,
-    fields this version no longer has are left out)."""
-    from dataclasses import fields as fields_of
-
+    """The SpeedRig a run saved as `dataclasses.asdict` wrote it (JSON's lists back to tuples; fields it did not
+    know take their defaults, fields this version no longer has are left out)."""
     def points(d: dict, names: Sequence[str]) -> dict:
         return {k: tuple(tuple(p) for p in d[k]) for k in names if k in d}
 
@@ -271,8 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     print(within_summary(rows, compare_by_case(measured, case_rigs, shape)))
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"rig": whole.note, "speed_rig": rig_as_dict(whole), "config": shape.config.to_dict(),
-                       "case_rigs": [{"batch": b, "prompt": p, "speed_rig": rig_as_dict(r)}
+            json.dump({"rig": whole.note, "speed_rig": asdict(whole), "config": shape.config.to_dict(),
+                       "case_rigs": [{"batch": b, "prompt": p, "speed_rig": asdict(r)}
                                      for (b, p), r in case_rigs.items()],
                        "rows": rows, "summary": error_summary(rows)}, f, indent=2)
 
