@@ -168,24 +168,20 @@ class MemoryMonitor:
             out.append((("local", label), r, sum(peak.values()), idx))
         return out
 
-    def _rank_label(self, report: live.RankReport) -> str:
-        labels = self.rig.labels
-        where = labels[report.rank] if report.rank < len(labels) else f"rank {report.rank}"
-        return f"{report.title or f'run {report.run}'} · {where}"
-
     def _rank_readings(self) -> list[tuple[object, Reading, int, int | None]]:
         if self._folder is not None:
             for report in live.read_reports(self._folder):
                 self._reports[report.key] = report
         out = []
-        caps = self.rig.capacity_bytes
+        caps, labels = self.rig.capacity_bytes, self.rig.labels
         for key in sorted(self._reports):
             rep = self._reports[key]
+            where = labels[rep.rank] if rep.rank < len(labels) else f"rank {rep.rank}"
             parts, peak = _ordered(rep.parts), _ordered(rep.peak_parts)
             if rep.status in live.FINAL:  # the rank has gone: its row keeps the most it held
                 parts = peak or parts
-            r = Reading(self._rank_label(rep), parts, caps[min(rep.rank, len(caps) - 1)], peak_parts=peak,
-                        status=rep.status)
+            r = Reading(f"{rep.title or f'run {rep.run}'} · {where}", parts, caps[min(rep.rank, len(caps) - 1)],
+                        peak_parts=peak, status=rep.status)
             known = sum(peak.values())
             if rep.cuda:
                 r.allocated, r.reserved = rep.cuda["allocated"], rep.cuda["reserved"]
@@ -193,22 +189,14 @@ class MemoryMonitor:
             out.append((("rank", key), r, known, rep.cuda["index"] if rep.cuda else None))
         return out
 
-    @staticmethod
-    def _nvml(rows: list[tuple[object, Reading, int, int | None]]) -> None:
-        """NVML's reading of each row's GPU (one query for all of them)."""
-        gpus = sorted({gpu for *_, gpu in rows if gpu is not None})
-        used = dict(zip(gpus, nvml_used(gpus))) if gpus else {}
-        for _, r, _, gpu in rows:
-            if gpu is not None:
-                r.nvml = used.get(gpu)
-
     def readings(self) -> list[Reading]:
         """Every row now; also updates the peaks and the drawing scale."""
         with self._lock:
             rows = self._local() + (self._rank_readings() if self.ranks else [])
-            if self.rig.is_cuda:
-                self._nvml(rows)
-            for key, r, known, _ in rows:  # the source sees every peak, the panel only its own moments
+            gpus = sorted({gpu for *_, gpu in rows if gpu is not None}) if self.rig.is_cuda else []
+            used = dict(zip(gpus, nvml_used(gpus))) if gpus else {}  # one NVML query for every row's GPU
+            for key, r, known, gpu in rows:  # the source sees every peak, the panel only its own moments
+                r.nvml = used.get(gpu)
                 self._peaks[key] = max(self._peaks.get(key, 0), r.total, known)
             self.peak = [self._peaks[key] for key, *_ in rows]
             self.scale = max([self.scale, *self.peak])

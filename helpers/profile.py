@@ -94,10 +94,6 @@ class _WithLoss(nn.Module):
         return self.loss_fn(self.layer(x), self.target)
 
 
-def _layer_name(i: int, layer: nn.Module) -> str:
-    return f"{i}:{type(layer).__name__}"
-
-
 def profile_layers(model: nn.Module | Sequence[nn.Module], sample: torch.Tensor, repeats: int = 5, warmup: int = 1,
                    device: torch.device | None = None, loss_fn: Callable | None = None,
                    target: torch.Tensor | None = None) -> Profile:
@@ -139,7 +135,8 @@ def profile_layers(model: nn.Module | Sequence[nn.Module], sample: torch.Tensor,
             out = layer(x)
         act = ledger.live_activations("layer")
         layer.zero_grad(set_to_none=True)
-        out_profiles.append(LayerProfile(_layer_name(i, getattr(layer, "layer", layer)), statistics.median(fwd), statistics.median(bwd),
+        name = f"{i}:{type(getattr(layer, 'layer', layer)).__name__}"  # the layer's own name, not _WithLoss
+        out_profiles.append(LayerProfile(name, statistics.median(fwd), statistics.median(bwd),
                                          param_bytes(layer.parameters()), act, tensor_bytes(out)))
         h = out.detach()
     return Profile(tuple(out_profiles), str(device), int(sample.shape[0]))

@@ -133,18 +133,13 @@ def makespan(events: Iterable[Event]) -> float:
     return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
 
 
-def seconds_of(events: Iterable[Event], kinds: set[str]) -> float:
-    """Total duration of the events of `kinds`, summed over devices (nested spans of one kind count twice)."""
-    return sum(e.duration for e in events if e.kind in kinds)
-
-
 PHASES = {"forward": {"forward"}, "backward": {"backward", "recompute", "weight"}}  # the timeline kinds of each phase
 
 
 def phase_seconds(events: Iterable[Event]) -> dict[str, float]:
-    """Seconds spent in each of `PHASES`, summed over devices."""
+    """Seconds spent in each of `PHASES`, summed over devices (nested spans of one kind count twice)."""
     events = list(events)
-    return {phase: seconds_of(events, kinds) for phase, kinds in PHASES.items()}
+    return {phase: sum(e.duration for e in events if e.kind in kinds) for phase, kinds in PHASES.items()}
 
 
 def median_phases(steps: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -242,7 +237,8 @@ def plot_timelines(panels: dict[str, Iterable[Event]], device_names: dict[int, s
 def chrome_trace(events: Iterable[Event], path=None, device_names: dict[int, str] | None = None) -> dict:
     """The events as a Chrome / Perfetto trace (the JSON `torch.profiler`'s `export_chrome_trace` writes: one
     complete event, "ph": "X", per span, times in microseconds from the first span, its CPU milliseconds among its
-    args where recorded), one process row per device; written to `path` if given. Open it at ui.perfetto.dev or chrome://tracing."""
+    args where recorded), one process row per device; written to `path` if given. Open it at ui.perfetto.dev or
+    chrome://tracing."""
     import json
 
     events = normalise(events)

@@ -17,7 +17,6 @@ returns the adapters' trained values (`TrainResult.state`), which `save_adapters
 """
 from __future__ import annotations
 
-import copy
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -61,23 +60,22 @@ class LoraSpec:
     init: str = "peft"
     seed: int = 0
 
-
-def check_spec(spec: LoraSpec) -> None:
-    """Refuse a spec that cannot run, in its own terms."""
-    if spec.method not in METHODS:
-        raise ValueError(f"unknown method {spec.method!r}; choose one of {METHODS}")
-    if not isinstance(spec.rank, int) or spec.rank <= 0:
-        raise ValueError(f"LoRA rank must be a whole number >= 1, got {spec.rank!r}")
-    if not spec.alpha > 0:
-        raise ValueError(f"LoRA alpha must be positive, got {spec.alpha!r}")
-    if not 0 <= spec.dropout < 1:
-        raise ValueError(f"LoRA dropout must be in [0, 1), got {spec.dropout!r}")
-    if spec.base_dtype not in BASE_DTYPES:
-        raise ValueError(f"the frozen base is kept in one of {BASE_DTYPES}, not {spec.base_dtype!r}")
-    if spec.init not in INITS:
-        raise ValueError(f"unknown adapter init {spec.init!r}; choose one of {INITS}")
-    if spec.method == "qlora" and nf4_missing():
-        raise ValueError(nf4_missing())
+    def __post_init__(self):
+        """Refuse a spec that cannot run, in its own terms."""
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {METHODS}")
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRA rank must be a whole number >= 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(f"the frozen base is kept in one of {BASE_DTYPES}, not {self.base_dtype!r}")
+        if self.init not in INITS:
+            raise ValueError(f"unknown adapter init {self.init!r}; choose one of {INITS}")
+        if self.method == "qlora" and nf4_missing():
+            raise ValueError(nf4_missing())
 
 
 def block_linears(layer: nn.Module) -> dict[str, nn.Linear]:
@@ -102,7 +100,6 @@ class LoraModel:
     own_dtypes = True  # the loop keeps the base's dtype and the fp32 adapters as they are (no job-wide cast)
 
     def __post_init__(self):
-        check_spec(self.spec)
         if self.base.dtype != DTYPES[self.spec.base_dtype]:
             object.__setattr__(self, "base", replace(self.base, dtype=DTYPES[self.spec.base_dtype]))
         self._check_adaptable()
@@ -117,10 +114,7 @@ class LoraModel:
     # --- the adapters ---
     def targets(self) -> list[str]:
         """The leaf names of the adapted nn.Linear modules (e.g. q_proj, v_proj)."""
-        available = self._linear_names()
-        if self.spec.targets == ALL_LINEAR:
-            return available
-        return sorted(set(self.spec.targets))
+        return self._linear_names() if self.spec.targets == ALL_LINEAR else sorted(set(self.spec.targets))
 
     def _linear_names(self) -> list[str]:
         layers = self.base.meta_layers()
@@ -242,15 +236,6 @@ def adapter_state(layers: list[nn.Module]) -> dict[int, dict[str, torch.Tensor]]
             for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())}
 
 
-def _meta_peft_model(model: LoraModel):
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=model.weights_dtype)
-    return get_peft_model(hf, model.peft_config())
-
-
 def save_adapters(model: LoraModel, state: dict[int, dict[str, torch.Tensor]], directory: str | Path) -> Path:
     """Write trained adapters (by layer, as the loop returns them) with peft's `save_pretrained`: adapter_config.json
     and adapter_model.safetensors, reloadable with `PeftModel.from_pretrained(base, directory)`. The base model is
@@ -260,7 +245,9 @@ def save_adapters(model: LoraModel, state: dict[int, dict[str, torch.Tensor]], d
     if missing:
         raise ValueError(f"the adapter state lacks {missing[:3]}: pass what the training loop returned")
     tensors = {names[i][local]: t.to(ADAPTER_DTYPE).contiguous() for i in state for local, t in state[i].items()}
-    peft_model = _meta_peft_model(model)
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model.base.skeleton(real_buffers=False), model.peft_config())
     peft_model.peft_config["default"].base_model_name_or_path = model.base.path
     directory = Path(directory)
     peft_model.save_pretrained(str(directory), state_dict=tensors)
@@ -380,8 +367,6 @@ def _finetune(model, methods: Sequence[str], save_to: Mapping[str, str | Path | 
     from helpers.training.api import train_each
 
     specs = {m: LoraSpec(method=m, rank=rank, alpha=alpha, targets=targets, base_dtype=base_dtype) for m in methods}
-    for spec in specs.values():
-        check_spec(spec)
     workdir = Path(workdir or scratch_dir("lab-lora-"))
     base = HFModel(str(model)) if model is not None else small_llama(workdir / "base", seq_len=max(64, seq_len))
     out = train_each({m: LoraModel(base, spec) for m, spec in specs.items()}, "fsdp2", "processes", steps=steps,

@@ -84,10 +84,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> Request
     return Request(ids, mask)
 
 
-def prompts_of(request: Request) -> list[list[int]]:
-    return [row[m.bool()].tolist() for row, m in zip(request.ids, request.mask)]
-
-
 def make_requests(n_requests: int, vocab: int, per_request: int = 1, lengths: tuple[int, int] = (8, 24),
                   seed: int = 0, pad_token_id: int = 0) -> list[Request]:
     """`n_requests` requests of `per_request` random prompts each, of lengths drawn from `lengths` (inclusive),
@@ -107,7 +103,7 @@ def make_requests(n_requests: int, vocab: int, per_request: int = 1, lengths: tu
 
 def merge(requests: Sequence[Request], pad_token_id: int = 0) -> Request:
     """All prompts of several requests as one batch (re-padded to the longest): what batching them together means."""
-    return left_pad([p for r in requests for p in prompts_of(r)], pad_token_id)
+    return left_pad([row[m.bool()].tolist() for r in requests for row, m in zip(r.ids, r.mask)], pad_token_id)
 
 
 # --- results ------------------------------------------------------------------------------------------------------
@@ -190,22 +186,18 @@ def stopping_for(model: HFModel, new_tokens: int, eos_token_id: int | Sequence[i
                  pad_token_id: int | None = None) -> Stopping:
     """The rule `generate` applies to this model: end-of-sequence ids from its generation_config.json (written by
     save_pretrained) or config, unless given (None: never stop early); pad: given, the model's, or the first eos."""
-    gen = _generation_config(model)
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model.path)
+    except OSError:  # no generation_config.json: what generate derives from the model's config
+        gen = GenerationConfig.from_model_config(model.config)
     if eos_token_id == "model":
         eos_token_id = gen.eos_token_id
     eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     if pad_token_id is None:
         pad_token_id = gen.pad_token_id if gen.pad_token_id is not None else eos[0] if eos else 0
     return Stopping(new_tokens, eos, int(pad_token_id))
-
-
-def _generation_config(model: HFModel):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model.path)
-    except OSError:  # no generation_config.json: what generate derives from the model's config
-        return GenerationConfig.from_model_config(model.config)
 
 
 # --- stages: which layers each device holds -------------------------------------------------------------------------
@@ -293,15 +285,11 @@ def plan_for_rig(model: HFModel, rig, context: int, batch: int):
     return plan(model.path, weight_format_name(model.weights_dtype), context, batch, rig_gpus(rig), logits="last")
 
 
-def _check_specs(specs: Sequence[StageSpec], devices: Sequence[torch.device]) -> None:
+def _build_stages(model: HFModel, specs: Sequence[StageSpec], devices: Sequence[torch.device]) -> list[Stage]:
+    """Each stage's layers loaded from the checkpoint straight to its device (only its tensors are read)."""
     bad = sorted({s.device for s in specs if not 0 <= s.device < len(devices)})
     if bad:
         raise ValueError(f"the split uses devices {bad}, but {len(devices)} devices were given")
-
-
-def _build_stages(model: HFModel, specs: Sequence[StageSpec], devices: Sequence[torch.device]) -> list[Stage]:
-    """Each stage's layers loaded from the checkpoint straight to its device (only its tensors are read)."""
-    _check_specs(specs, devices)
     layers = model.meta_layers()
     stages = []
     for s in specs:

@@ -127,19 +127,15 @@ class Pipelined(LayerSplit):
         t0 = time.perf_counter()
         for r, request in enumerate(requests):
             send(r, request.ids.to(runner.device), "prefill")
-        firsts = [_get(feedback, self.timeout_s) for _ in requests]
+        replies, in_flight = [_get(feedback, self.timeout_s) for _ in requests], 0  # every first token
         sync_devices()
         t1 = time.perf_counter()
-        in_flight = 0
-        for r, token, done in firsts:
+        while replies or in_flight:
+            if not replies:
+                replies.append(_get(feedback, self.timeout_s))
+                in_flight -= 1
+            r, token, done = replies.pop(0)
             tokens[r].append(token)
-            if not done:
-                send(r, token.get(), "decode")
-                in_flight += 1
-        while in_flight:
-            r, token, done = _get(feedback, self.timeout_s)
-            tokens[r].append(token)
-            in_flight -= 1
             if not done:
                 send(r, token.get(), "decode")
                 in_flight += 1

@@ -54,21 +54,15 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def reset_parameters_(module: nn.Module) -> None:
-    """Re-initialise every submodule that knows how (nn.Linear, nn.LayerNorm, nn.Embedding, ...), in module order."""
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-
 def materialize_seeded(layers: list[nn.Module], indices: Iterable[int], device: torch.device, model_seed: int) -> None:
     """Materialise meta layers from per-layer seeds: allocated and initialised on the CPU (so every rig draws the
     same numbers), then moved to `device`. Only one layer at a time is ever materialised off-device."""
     for i in indices:
         layer = layers[i].to_empty(device="cpu")
-        with seeded(layer_seed(model_seed, i)):
-            reset_parameters_(layer)
+        with seeded(layer_seed(model_seed, i)):  # every submodule that knows how (nn.Linear, ...), in module order
+            for sub in layer.modules():
+                if callable(getattr(sub, "reset_parameters", None)):
+                    sub.reset_parameters()
         layers[i] = layer.to(device)
 
 
