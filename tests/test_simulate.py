@@ -17,7 +17,7 @@ from helpers.models import build_hf_model, hf_layers  # noqa: E402
 from helpers.pipeline.schedules import bubble_fraction  # noqa: E402
 from helpers.profile import LayerProfile, Profile  # noqa: E402
 from helpers.simulate import (FREE_LINK, MODELS, Job, Knobs, Link, Playground, SharedCores, Workload,  # noqa: E402
-                              allgather_s, allreduce_s, block_activation_bytes, broadcast_s, collective_s,
+                              allgather_s, allreduce_s, broadcast_s, collective_s,
                               fit_collective_link, fit_collectives, fit_link,
                               efficiency, gpu_named, layer_flops, on_gpu,
                               predictions_vs_published, recommend_model, reducescatter_s, resnet50_workload,
@@ -564,16 +564,14 @@ def test_workload_from_a_profile_is_per_sample():
 
 def test_attention_scores_counted_only_where_stored():
     s, h, a = 1024, 1024, 16
-    assert block_activation_bytes(s, h, a, "eager", batch=3) == transformer_activation_bytes(3, s, h, 1, a)
-    assert block_activation_bytes(s, h, a, "sdpa") == block_activation_bytes(s, h, a, "flash") == 34 * s * h
+    assert transformer_activation_bytes(1, s, h, 1, a, attention="sdpa") == 34 * s * h
+    assert transformer_activation_bytes(1, s, h, 1, a, attention="flash") == 34 * s * h
     # the memory module's formula is the one switch: eager (the default) keeps the 5*a*s/h score term
     assert transformer_activation_bytes(2, s, h, 3, a) == 3 * 2 * s * h * (34 + 5 * a * s // h)
     assert transformer_activation_bytes(2, s, h, 3, a, attention="sdpa") == 3 * 2 * s * h * 34
     assert transformer_activation_bytes(2, s, h, 3, a, 4, "flash") == 2 * 3 * 2 * s * h * 34
-    for bad in (lambda: block_activation_bytes(s, h, a, "linear"),
-                lambda: transformer_activation_bytes(1, s, h, 1, a, attention="linear")):
-        with pytest.raises(ValueError, match="unknown attention implementation"):
-            bad()
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        transformer_activation_bytes(1, s, h, 1, a, attention="linear")
 
 
 def test_guide_recommends_ddp_for_a_model_that_fits_and_is_fair():

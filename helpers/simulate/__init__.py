@@ -22,8 +22,8 @@ from types import ModuleType as _ModuleType
 from helpers.inference.speed import SpeedPrediction, breakeven_latency, crossovers, predict_speed
 from helpers.inference.speed_rigs import SpeedRig, speed_rig, speed_rigs
 from helpers.simulate.events import TaskGraph
-from helpers.simulate.guide import (MODELS, Recommendation, block_activation_bytes, block_tflops, decision_table,
-                                    recommend, recommend_model, transformer_workload)
+from helpers.simulate.guide import (MODELS, Recommendation, block_tflops, decision_table, recommend, recommend_model,
+                                    transformer_workload)
 from helpers.hardware import (FREE_LINK, Collectives, Efficiency, Link, SharedCores, TargetRig, allgather_s,
                               allreduce_s, broadcast_s, collective_s, efficiency, fit_collective_link, fit_collectives,
                               fit_link, gpu_named, link_named, reducescatter_s, target_rig, target_rigs)

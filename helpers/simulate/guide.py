@@ -72,14 +72,6 @@ def _shape_of(name: str) -> ModelShape:
 MODELS = _Shapes()
 
 
-def block_activation_bytes(seq: int, hidden: int, heads: int, attention: str = "sdpa", batch: int = 1,
-                           bytes_per_value: int = 2) -> int:
-    """Saved activations of one transformer block (`sizing.activations.transformer_activation_bytes`, one layer):
-    Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes in 16-bit, without the 5*a*s^2*b attention-score term when
-    the attention implementation does not store the scores (SDPA's fused kernels, FlashAttention)."""
-    return transformer_activation_bytes(batch, seq, hidden, 1, heads, bytes_per_value, attention)
-
-
 ATTENTION_KERNELS = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}  # what the trace runs for each
 
 
@@ -114,15 +106,15 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf
     """Per-sample costs of a decoder (`helpers.sizing.shape.ModelShape`: `model_shape(config)`, `decoder_shape(...)`
     or one of MODELS) on `gpu`: embedding, blocks, final norm, head (`head_outputs`: a task head, e.g. 2 for SQuAD
     span logits, instead of the language-model head), each timed kernel by kernel (`helpers.simulate.roofline`) at a
-    micro-batch of `batch` sequences (the size launch overheads amortise over). Activations from
-    `block_activation_bytes`; the head keeps its input and fp32 logits for the loss (an estimate of what Hugging
-    Face's loss holds); a tied head's weight is the embedding's (counted once)."""
+    micro-batch of `batch` sequences (the size launch overheads amortise over). A block's activations by
+    Korthikanti et al.'s formula (`transformer_activation_bytes`: the attention scores only where `attention` stores
+    them); the head keeps its input and fp32 logits for the loss (an estimate of what Hugging Face's loss holds); a
+    tied head's weight is the embedding's (counted once)."""
     kernels, counts, tensors = _decoder_kernels(shape, seq, head_outputs, batch, dtype, attention)
     v, outputs = BYTES[dtype], head_outputs or shape.vocab
     hidden_bytes = seq * shape.hidden * v
     parts = [("embedding", 0.0, hidden_bytes),
-             ("block", block_activation_bytes(seq, shape.hidden, shape.heads, attention, bytes_per_value=v),
-              hidden_bytes),
+             ("block", transformer_activation_bytes(1, seq, shape.hidden, 1, shape.heads, v, attention), hidden_bytes),
              ("final norm", hidden_bytes, hidden_bytes),
              ("head", hidden_bytes + seq * outputs * (v + 4), seq * outputs * v)]
     layers = []
