@@ -1,1 +1,2 @@
-"""Pipelines: schedules as data, the one interpreter, its transports (mailboxes, point-to-point), the threaded engine."""
+"""Pipelines: schedules as data, the one interpreter, its transports (mailboxes, point-to-point), the threaded
+engine."""

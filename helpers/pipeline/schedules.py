@@ -15,6 +15,7 @@ backward.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -344,9 +345,7 @@ def validate(schedule: Sequence[Sequence[Action]], m: int) -> None:
         raise ValueError(f"the schedule has action lists for {p} devices but its layout has {layout.devices}")
     for d, actions in enumerate(schedule):
         bad = [a for a in actions if a.kind not in KINDS or not 0 <= a.chunk < layout.chunks]
-        counts: dict[tuple[str, int, int], int] = {}
-        for a in actions:
-            counts[(a.kind, a.chunk, a.microbatch)] = counts.get((a.kind, a.chunk, a.microbatch), 0) + 1
+        counts = Counter((a.kind, a.chunk, a.microbatch) for a in actions)
         once = all(counts.get((k, c, i)) == 1 for k in ("F", "B") for c in range(layout.chunks) for i in range(m))
         if bad or not once or any(n > 1 or not 0 <= i < m for (_, _, i), n in counts.items()):
             what = f"F and B of each of {m} micro-batches exactly once (and W at most once)"

@@ -26,9 +26,7 @@ from helpers.timeline import Recorder
 
 def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """The model as an ordered list of layers; say what structure is expected when it is not one."""
-    if isinstance(model, (nn.Sequential, Stage)):
-        return list(model)
-    if isinstance(model, (list, tuple, nn.ModuleList)):
+    if isinstance(model, (nn.Sequential, Stage, list, tuple, nn.ModuleList)):
         return list(model)
     raise TypeError(
         f"cannot list the layers of a {type(model).__name__}: expected an nn.Sequential or a list of modules "

@@ -38,11 +38,6 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list[torch.Te
     return list(x.chunk(m)), list(y.chunk(m))
 
 
-def _compute_streams(devices: Sequence[torch.device]) -> list:
-    """One CUDA stream per device (None on CPU)."""
-    return [torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices]
-
-
 def stage_devices(devices: Sequence[torch.device], layout: Layout) -> list[torch.device]:
     """The device of each stage of `layout` (what `split_model` takes when a device holds several stages)."""
     if len(devices) < layout.devices:
@@ -140,7 +135,7 @@ class ThreadedPipeline:
         self.plan = communication_plan(self.schedule)  # proven safe on NCCL, or refused
         layout = layout_of(self.schedule)
         devices = [split.devices[layout.stage(d)] for d in range(layout.devices)]
-        if [devices[layout.device_of(k)] for k in range(stages)] != list(split.devices):
+        if stage_devices(devices, layout) != list(split.devices):
             raise ValueError(f"{schedule} runs stages 0..{stages - 1} on devices "
                              f"{[layout.device_of(k) for k in range(stages)]}: split the model over "
                              "helpers.pipeline.threaded.stage_devices(devices, layout)")
@@ -150,7 +145,7 @@ class ThreadedPipeline:
                                         precision)
         self.streams = None
         if any(d.type == "cuda" for d in devices):
-            self.streams = (_compute_streams(devices), CopyStreams())
+            self.streams = ([torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices], CopyStreams())
 
     def microbatches(self, x: torch.Tensor, y: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      seeds: Sequence[int] | None = None) -> list[MicroBatch]:

@@ -1,4 +1,5 @@
-"""The first code a spawned rank runs: `python -m helpers.runtime.bootstrap ...`, started by `helpers.runtime.launch.run`.
+"""The first code a spawned rank runs: `python -m helpers.runtime.bootstrap ...`, started by
+`helpers.runtime.launch.run`.
 
 Standard library only, on purpose. The rank must tie its life to the caller's *before* anything slow happens
 (importing torch takes a second or more): a caller killed in that window would otherwise leave a rank running

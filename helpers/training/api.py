@@ -198,10 +198,10 @@ def train_each(models: Mapping[str, object], strategy: str, engine: str = "proce
         folder = Path(workdir or scratch_dir("lab-text-"))
         data, held_out, tokenizer = model_text(first.path, first.vocab_size, text, seq_len, folder,
                                                max_chars=max_chars)
-    checkpoints = {name: spec if spec is None or len(models) == 1 else replace(spec, folder=str(Path(spec.folder) / name))
-                   for name in models}
+    own = spec is not None and len(models) > 1  # each model's checkpoints in a subfolder of its own
     jobs = [job_for(model, strategy, engine, timed_steps=steps - 2, return_state=True, seq_len=seq_len,
-                    checkpoint=checkpoints[name], data=str(data) if data is not None else None, **fields) for name, model in models.items()]
+                    checkpoint=replace(spec, folder=str(Path(spec.folder) / name)) if own else spec,
+                    data=str(data) if data is not None else None, **fields) for name, model in models.items()]
     if engine == "threads":
         for job in jobs:
             check_job(job, rig)

@@ -227,8 +227,9 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # strict=False on load: a LoRA model's frozen base is not in its checkpoint (`_check_tensors` has already
-        # checked that every tensor that is saved, and every trainable one, is there). Flattened: every optimizer entry named by its parameter ("state.3.w.exp_avg", "param_groups.3.w.lr"), so
-        # ranks holding different parameters (pipeline stages, ZeRO-1 shards) never write one key with two values
+        # checked that every tensor that is saved, and every trainable one, is there). Flattened: every optimizer
+        # entry named by its parameter ("state.3.w.exp_avg", "param_groups.3.w.lr"), so ranks holding different
+        # parameters (pipeline stages, ZeRO-1 shards) never write one key with two values
         return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=strict)
 
     def state(self, step: int) -> dict[str, Any]:

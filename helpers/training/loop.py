@@ -33,6 +33,7 @@ from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Autocast, make_scaler
 from helpers.runtime.launch import rank_device, run
 from helpers.runtime.live import publish
+from helpers.runtime.host import to_device
 from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.checkpoint import rank_checkpointer
@@ -164,10 +165,16 @@ def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
                         optimizer_state_bytes(opt) if opt is not None else 0)
 
 
-def _trained_state(module: Stage, owned: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+def _gathered(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` whole (a collective every rank joins for a sharded one), gathered through the rank's device: NCCL serves
+    no host memory, where CPU offload keeps the shards and their gradients (PyTorch's full-state-dict gather also
+    copies them to the device first). One tensor at a time, so the device holds one whole tensor more."""
+    return to_device(t, device).full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _trained_state(module: Stage, owned: list[int], device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
     """This rank's trained weights by global layer index (`owned[k]` is module.layers[k]'s; sharded ones gathered
-    whole: a collective every rank joins). Frozen parameters (a LoRA model's base) are left out: they are the
-    checkpoint's."""
+    whole). Frozen parameters (a LoRA model's base) are left out: they are the checkpoint's."""
     out = {}
     for index, layer in zip(owned, module.layers):
         tensors = {}
@@ -177,22 +184,21 @@ def _trained_state(module: Stage, owned: list[int]) -> dict[int, dict[str, torch
         for name, t in layer.state_dict().items():
             if name in frozen:
                 continue
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t
-            tensors[name] = full.detach().cpu().clone()
+            tensors[name] = _gathered(t, device).detach().cpu().clone()
         out[index] = tensors
     return out
 
 
-def _first_grads(module: Stage, owned: list[int], scale: float) -> list[tuple[int, list[torch.Tensor]]]:
+def _first_grads(module: Stage, owned: list[int], scale: float,
+                 device: torch.device) -> list[tuple[int, list[torch.Tensor]]]:
     """This rank's gradients as (global layer index, the layer's gradients in parameters() order) (a weight two
     layers share, like tied embeddings, appears in both; frozen ones have none), unscaled; sharded ones (FSDP2)
-    gathered whole (a collective)."""
+    gathered whole."""
     out = []
     for index, layer in zip(owned, module.layers):
         grads = []
         for p in (p for p in layer.parameters() if p.requires_grad):
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grads.append(g.detach().float().cpu() / scale)
+            grads.append(_gathered(p.grad, device).detach().float().cpu() / scale)
         out.append((index, grads))
     return out
 
@@ -257,8 +263,8 @@ class _Rank:
         return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
 
     def _checkpoint(self, stage: Stage) -> Stage:
-        """With `job.activation_checkpointing`, every layer between the embedding and the head (the blocks, the final norm)
-        recomputes its activations in backward; applied before FSDP2 shards them."""
+        """With `job.activation_checkpointing`, every layer between the embedding and the head (the blocks, the final
+        norm) recomputes its activations in backward; applied before FSDP2 shards them."""
         if self.job.activation_checkpointing:
             for layer in list(stage.layers)[1:-1]:
                 checkpoint_in_place(layer)
@@ -362,7 +368,7 @@ def train_worker(job: TrainJob) -> dict:
         c0, t0 = _cpu_seconds(), time.perf_counter()
         token_loss = r.step_fn(i)
         if i == 0 and job.return_grads:
-            grads = _first_grads(r.module, r.owned, r.loss_scale)
+            grads = _first_grads(r.module, r.owned, r.loss_scale, r.device)
         r.optimizer_step()
         synchronize(r.device)
         seconds = time.perf_counter() - t0
@@ -384,7 +390,7 @@ def train_worker(job: TrainJob) -> dict:
         checkpoints.close()
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
-    state = _trained_state(r.module, r.owned) if job.return_state else {}
+    state = _trained_state(r.module, r.owned, r.device) if job.return_state else {}
     r.release_groups()
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
