@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from helpers.models.hf import enable_activation_checkpointing
+from helpers.runtime.host import mark_offloaded, to_device
 
 from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
                      stream_checkpoint, token_loss_sum, training_steps)
@@ -77,6 +78,8 @@ def load_model(ns, rank: int, world: int, device: torch.device) -> tuple[nn.Modu
             fully_shard(layer, mesh=mesh, offload_policy=offload)  # one all-gather per decoder layer
         fully_shard(model, mesh=mesh, offload_policy=offload)  # embeddings, final norm, head in the root unit
     model.to_empty(device=torch.device("cpu") if ns.offload == "cpu" else device)
+    if ns.offload == "cpu":
+        mark_offloaded(model)  # host memory, which NCCL does not serve (a device-strict CPU rank refuses it too)
 
     def prepare(block: nn.Module, index: int) -> nn.Module:  # the same NF4 bytes and adapters on every rank
         return adapt_linears(block, linears(block), config, ns.method == "qlora", layer_seed(ns.seed, index))
@@ -124,7 +127,8 @@ def main() -> None:
         optimizer.step()
         dist.all_reduce(total)
         report(step, total.item() / real)
-    adapters = {name: (p.full_tensor() if shard else p).cpu()  # full_tensor: a collective
+    # full_tensor is a collective: an offloaded shard is copied to the GPU first, since NCCL serves no host memory
+    adapters = {name: (to_device(p, device).full_tensor() if shard else p).cpu()
                 for name, p in model.named_parameters() if p.requires_grad}
     if ns.save_to and rank == 0:
         model.save_pretrained(ns.save_to, state_dict=adapters)

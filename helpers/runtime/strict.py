@@ -10,7 +10,9 @@ device-strict mode a CPU rank is set up the way a GPU rank is:
 2. a tensor created without `device=` lands on the `meta` device (`torch.set_default_device`), which is not the
    rank's device, as the host is not a GPU; deliberate host data says `device="cpu"`, as it must on GPUs;
 3. a collective or point-to-point operation on such a tensor raises NCCL's error with its device type: the meta
-   kernels of the `c10d` operators (which otherwise return without communicating, for tracing) refuse.
+   kernels of the `c10d` operators (which otherwise return without communicating, for tracing) refuse;
+4. host memory made on purpose (CPU offload's shards and gradients, `.cpu()` results) is told apart from the rank's
+   device and refused by every collective, as NCCL refuses it (helpers.runtime.host).
 
 CI and the test suite run every rank in this mode (`LAB_DEVICE_STRICT=1`, set by the tests' conftest and inherited by
 the ranks): the engines', the bench's, the take-home scripts' and those that notebook kernels start (but for the
@@ -24,6 +26,8 @@ import os
 import warnings
 
 import torch
+
+from helpers.runtime.host import collective_ops, keep_host_apart
 
 STRICT_ENV = "LAB_DEVICE_STRICT"
 STAND_IN = torch.device("meta")  # where a tensor created without device= lands in a strict rank
@@ -51,17 +55,6 @@ def _no_backend(*args, **kwargs):
                        "backend; create it on the rank's device)")
 
 
-def _collective_ops() -> list[tuple[str, str]]:
-    """(namespace, operator) of every communication operator: c10d's, and the functional collectives DTensor uses."""
-    names = torch._C._dispatch_get_all_op_names()
-    ops = []
-    for qualified in sorted(names):
-        namespace, _, name = qualified.partition("::")
-        if namespace in ("c10d", "_c10d_functional") and name not in ("check_for_nan", "wait_tensor"):
-            ops.append((namespace, name.split(".")[0]))
-    return sorted(set(ops))
-
-
 def refuse_stand_in_collectives() -> None:
     """Make every communication operator raise on a `meta` tensor, as NCCL raises on a host tensor. Idempotent."""
     if _refusing:
@@ -72,16 +65,17 @@ def refuse_stand_in_collectives() -> None:
     libraries: dict[str, torch.library.Library] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
-        for namespace, name in _collective_ops():
+        for namespace, name in collective_ops():
             lib = libraries.setdefault(namespace, torch.library.Library(namespace, "IMPL"))
             lib.impl(name, _no_backend, "Meta")
     _refusing.extend(libraries.values())
 
 
 def enter_device_strict_mode() -> None:
-    """Steps 2 and 3 above, for the calling thread (torch's default device is per thread: a rank's other threads
+    """Steps 2 to 4 above, for the calling thread (torch's default device is per thread: a rank's other threads
     create their tensors with device= anyway). Call before the rank builds anything."""
     refuse_stand_in_collectives()
+    keep_host_apart()
     torch.set_default_device(STAND_IN)
 
 

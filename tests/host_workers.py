@@ -1,0 +1,43 @@
+"""Rank workers for the host-versus-device tests (tests/test_host.py): each returns what NCCL would have refused."""
+import torch
+import torch.distributed as dist
+
+
+def _refused(call) -> bool:
+    try:
+        call()
+    except RuntimeError as e:
+        if "No backend type associated with device type cpu" in str(e):
+            return True
+        raise
+    return False
+
+
+def host_refusals() -> dict[str, bool]:
+    """Which collectives a device-strict rank refuses: a `.cpu()` result, an FSDP2 CPU-offloaded shard and its
+    gradient gathered in place; and whether the same gathers through the device (`to_device`) give the whole tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from helpers.runtime.host import mark_offloaded, to_device
+
+    device = torch.device("cpu")
+    on_device = torch.ones(4, device=device)
+    host_copy = on_device.cpu()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, device=device), torch.nn.Linear(4, 4, device=device))
+    whole = [p.detach().clone() for p in model.parameters()]
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+                offload_policy=CPUOffloadPolicy(pin_memory=False))
+    mark_offloaded(model)
+    model(torch.ones(2, 4, device=device)).sum().backward()
+    weight = next(model.parameters())
+    gathered = [to_device(p, device).full_tensor() for p in model.parameters()]
+    return {
+        "device tensor": _refused(lambda: dist.all_reduce(on_device)),
+        ".cpu() result": _refused(lambda: dist.all_reduce(host_copy)),
+        "the device tensor after .cpu()": _refused(lambda: dist.all_reduce(on_device)),
+        "offloaded shard": _refused(weight.full_tensor),
+        "offloaded gradient": _refused(weight.grad.full_tensor),
+        "through the device, exact": all(torch.equal(g, w) for g, w in zip(gathered, whole)),
+    }
