@@ -14,7 +14,7 @@ import dataclasses
 from typing import Mapping
 
 from helpers.finetune.memory_plan import TrainingPlan, plan_training
-from helpers.sizing.training import saved_activation_bytes
+from helpers.sizing.training import TORCHAO_NF4, saved_activation_bytes
 from helpers.sizing.state import training_data
 from helpers.sizing.gpus import runtime_reserve
 from helpers.sizing.shape import WeightFormat, weight_format
@@ -23,7 +23,6 @@ from helpers.units import GiB, fmt_bytes
 from helpers.dtypes import BYTES, DTYPES, NAMES
 
 ADAPTER_BYTES = BYTES["fp32"]  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
-QLORA_FORMAT = "nf4-torchao"  # torchao's NF4: 4-bit codes, an 8-bit scale per 64 values, a factor per 256 scales
 
 
 def run_format(method: str, base_dtype: str) -> WeightFormat:
@@ -35,7 +34,7 @@ def run_format(method: str, base_dtype: str) -> WeightFormat:
     compute in it (nf4-torchao assumes bf16 for both, as on a GPU; on the CPU rig the base computes in fp32)."""
     if method != "qlora":
         return weight_format(base_dtype)
-    nf4 = weight_format(QLORA_FORMAT)
+    nf4 = weight_format(TORCHAO_NF4)
     itemsize = DTYPES[base_dtype].itemsize
     if itemsize == nf4.activation_bytes:
         return nf4

@@ -167,20 +167,14 @@ class HFSpec:
 ModelSpec = StackConfig | HFSpec
 
 
-def _layers_and_context(spec: ModelSpec, ids: torch.Tensor) -> tuple[list[nn.Module], object]:
-    if isinstance(spec, StackConfig):
-        model = StackModel(spec)
-        return model.meta_layers(), None
-    return spec.layers_and_context(ids)
-
-
 @lru_cache(maxsize=64)
 def layer_bytes(spec: ModelSpec, autocast: bool = False) -> tuple[LayerBytes, ...]:
     """Every layer of `spec` for one sequence of its `seq_len` tokens: a forward pass and the loss on the meta
     device, each layer under its own label of one `MemoryLedger` (the loss counts with the last layer); `autocast`:
     under bf16 autocast (see `cuda_attention`)."""
     ids = torch.zeros(1, spec.seq_len, dtype=torch.long, device="meta")
-    layers, ctx = _layers_and_context(spec, ids)
+    layers, ctx = (StackModel(spec).meta_layers(), None) if isinstance(spec, StackConfig) else \
+        spec.layers_and_context(ids)
     labels = [f"layer {i}" for i in range(len(layers))]
     ledger = ledger_for(layers, labels)
     out, h = [], ids

@@ -184,12 +184,6 @@ class NotebookPlan:
     def fits(self) -> bool:
         return self.record().fits
 
-    def describe(self) -> str:
-        return self.record().describe()
-
-    def rows(self) -> list[dict]:
-        return self.record().rows()
-
 
 def plan_of(notebook: str, rig: Rig, constants: Mapping[str, object], phases: Phases,
             knobs: Sequence[str]) -> NotebookPlan:

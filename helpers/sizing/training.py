@@ -18,8 +18,8 @@ from helpers.sizing.state import training_data
 
 METHODS = ("full", "lora", "qlora")
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_DTYPE = {"full": "bf16", "lora": "bf16", "qlora": "nf4-torchao"}  # QLoRA as the course's scripts run it
-TORCHAO_NF4 = "nf4-torchao"
+TORCHAO_NF4 = "nf4-torchao"  # torchao's NF4: 4-bit codes, an 8-bit scale per 64 values, a factor per 256 scales
+DEFAULT_DTYPE = {"full": "bf16", "lora": "bf16", "qlora": TORCHAO_NF4}  # QLoRA as the course's scripts run it
 FP32 = 4  # bytes: RMSNorm's upcast input, rsqrt, the attention log-sum-exp, the fp32 loss
 INT64 = 8  # bytes: token ids the embedding saves, labels the loss saves
 
