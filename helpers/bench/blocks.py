@@ -110,29 +110,21 @@ def time_pipeline_runs(runs: Sequence[PipelineRun], x: torch.Tensor, y: torch.Te
 
 def run_rows(runs: Sequence[PipelineRun], times: dict[str, float], batch: int,
              baseline: str | None = None) -> list[dict]:
-    """One table row per run: step time, samples/s, speed-up vs `baseline`, busy and memory per device."""
-    rows = []
+    """One table row per run: step time, samples/s, speed-up vs `baseline`, busy and memory per device. Where
+    `times` kept its samples (a `Timings`), also the spread, and the speed-up paired round by round (a slow minute
+    then slows both sides of each ratio); else the ratio of the two medians."""
+    rows, timed = [], isinstance(times, Timings)
     for r in runs:
         busy = busy_fraction(r.events)
         report = r.ledger.report()
+        speedup = baseline and (times.paired_ratio(baseline, r.name) if timed else times[baseline] / times[r.name])
         rows.append({"split": r.name, "boundaries": list(r.boundaries), "step (ms)": times[r.name] * 1e3,
-                     "samples/s": batch / times[r.name], **_spread_of(times, r.name),
-                     **({"speedup": _ratio(times, baseline, r.name)} if baseline else {}),
+                     "samples/s": batch / times[r.name], **({"spread": times.spread(r.name)} if timed else {}),
+                     **({"speedup": speedup} if baseline else {}),
                      "busy": [round(busy.get(i, 0.0), 2) for i in range(len(report))],
                      "params": [m.params for m in report.values()],
                      "activations": [m.activations for m in report.values()]})
     return rows
-
-
-def _ratio(times: dict[str, float], reference: str, name: str) -> float:
-    """`reference`'s time over `name`'s: paired round by round where `times` kept its samples (a `Timings`: a slow
-    minute then slows both sides of each ratio), else the ratio of the two medians."""
-    return times.paired_ratio(reference, name) if isinstance(times, Timings) else times[reference] / times[name]
-
-
-def _spread_of(times: dict[str, float], name: str) -> dict:
-    """{"spread": ...} of `name` where `times` kept its samples (a `Timings`), else nothing."""
-    return {"spread": times.spread(name)} if isinstance(times, Timings) else {}
 
 
 def stage_costs_per_microbatch(events: Sequence[Event]) -> dict[int, float]:

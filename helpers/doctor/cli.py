@@ -30,42 +30,34 @@ def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only
         if progress:
             print(what, flush=True)
 
-    say(rig.describe())
-    result: dict = {"topology": {"rig": rig.describe(), "advice": list(rig.advice)}, "links": [], "checks": []}
-    checks: list[Check] = []
-
-    def into_topology() -> str:
-        result["topology"] = topology(rig)
-        return "read"
-
     def wanted(name: str) -> bool:
         return not only or any(word.lower() in name.lower() for word in only)
 
-    checks += [c for c in guarded("topology", into_topology) if c.status == "FAIL"]
+    def into(name: str, key: str, fn) -> list[Check]:  # a section the report keeps: no row unless it fails
+        return guarded(name, lambda: result.__setitem__(key, fn()) or [])
+
+    say(rig.describe())
+    result: dict = {"topology": {"rig": rig.describe(), "advice": list(rig.advice)}, "links": [], "checks": []}
+    checks = into("topology", "topology", lambda: topology(rig))
     say("system ...")
     checks += system_checks(rig)
     if wanted("links: point-to-point and all-reduce"):
         say("links ...")
-
-        def into_links() -> list[Check]:
-            result["links"] = links(rig, sizes, repeats)
-            return []
-
-        checks += guarded("links: point-to-point and all-reduce", into_links)
+        checks += into("links: point-to-point and all-reduce", "links", lambda: links(rig, sizes, repeats))
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as workdir:
         say("parity checks (one training step against one device):")
         checks += parity_checks(rig, workdir, progress, wanted)
         say("take-home scripts (two steps each) and the bench's calibration ...")
         checks += script_checks(rig, workdir, wanted)
-    if wanted("bench: calibration in its ranks"):
-        checks += guarded("bench: calibration in its ranks", lambda: calibration_check(rig))
-    if wanted(BENCH_LAUNCH):
-        checks += guarded(BENCH_LAUNCH, lambda: bench_launch_check(rig))
+    for name, check in (("bench: calibration in its ranks", calibration_check), (BENCH_LAUNCH, bench_launch_check)):
+        if wanted(name):
+            checks += guarded(name, lambda check=check: check(rig))
     say("notebooks' GPU sizes ...")
     checks += guarded("notebooks: GPU sizes", lambda: notebook_plan_checks(rig, wanted))
     result["checks"] = [asdict(c) for c in checks if wanted(c.name) or c.status == "FAIL"]
     result["support"] = support_rows({"this rig": rig})
     return result
+
 
 def gpu_suite_report(rig: Rig, json_path: str | None) -> int:
     """`--gpu-suite`: every notebook's training step at its GPU sizes on one GPU, measured peak beside plan."""
