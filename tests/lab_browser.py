@@ -3,9 +3,10 @@
 - `find_chromium()`, `browser_available()`: the system's Chromium (Debian's `chromium` package; `LAB_CHROMIUM` names another). Playwright
   drives it through `executable_path`: its own browser download needs the internet.
 - `JupyterLab`: a server on a free loopback port with a token, serving the notebooks folder (autosave off: a run
-  writes no output into them, which `changed()` checks), with the live widgets on (the tests' LAB_STATIC_WIDGETS and
-  LAB_DEVICE_STRICT are taken out of its environment), its own Jupyter folders and settings in a temporary folder,
-  and the notebook's cells all in the page (no windowing: the checks read every cell).
+  writes no output into them, which `changed()` checks), with the live widgets on (the tests' LAB_STATIC_WIDGETS is
+  taken out of its environment), the ranks its kernels start device-strict or not (`strict`: LAB_DEVICE_STRICT set
+  or taken out, as nbval runs the same notebook), its own Jupyter folders and settings in a temporary folder, and the
+  notebook's cells all in the page (no windowing: the checks read every cell).
 - `stop_all()`: kernels asked to shut down as JupyterLab does, then the server, then a check that no process the
   server or the browser started is left; `left_behind` says which were (and they are killed).
 
@@ -33,7 +34,8 @@ import psutil
 
 CHROMIUM_ENV = "LAB_CHROMIUM"
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "chromium-headless-shell")
-WIDGET_TEST_ENV = ("LAB_STATIC_WIDGETS", "LAB_DEVICE_STRICT")  # conftest's, for nbval: not for a learner's kernels
+STATIC_WIDGETS_ENV = "LAB_STATIC_WIDGETS"  # conftest's, for nbval: not for a learner's kernels
+STRICT_ENV = "LAB_DEVICE_STRICT"
 START_TIMEOUT_S = 90
 
 # JupyterLab's settings for the test: every cell in the page, no autosave (the notebooks stay as committed), no news or
@@ -44,6 +46,15 @@ SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                          "checkForUpdates": False},
 }
+
+
+def lab_env(environ, strict: bool) -> dict[str, str]:
+    """The server's environment, which its kernels inherit and pass to the ranks they start: live widgets, and
+    LAB_DEVICE_STRICT=1 exactly when `strict`."""
+    env = {k: v for k, v in environ.items() if k not in (STATIC_WIDGETS_ENV, STRICT_ENV)}
+    if strict:
+        env[STRICT_ENV] = "1"
+    return env
 
 
 def find_chromium() -> str | None:
@@ -101,16 +112,16 @@ def _stop_group(pid: int, timeout_s: float = 30) -> None:
 class JupyterLab:
     """`jupyter lab` on 127.0.0.1:<free port> with a token, serving the folder `root` as a learner's `jupyter lab
     notebooks/` does (the notebooks find the repository's scripts and data where they are); its Jupyter folders in
-    `workdir`."""
+    `workdir`; the ranks its kernels start are device-strict when `strict`."""
 
-    def __init__(self, root: Path, workdir: Path):
+    def __init__(self, root: Path, workdir: Path, strict: bool):
         self.root = root
         self._committed = {path: path.read_bytes() for path in root.glob("*.ipynb")}
         self._checkpoints = root / ".ipynb_checkpoints"
         self._had_checkpoints = self._checkpoints.exists()
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k not in WIDGET_TEST_ENV}
+        env = lab_env(os.environ, strict)
         jupyter = workdir / "jupyter"
         for name, values in SETTINGS.items():
             path = jupyter / "settings" / name

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import NOT_STRICT
 from helpers.runtime.rig import detect_rig
-from tests.lab_browser import JupyterLab, descendants, find_chromium, left_behind
+from tests.lab_browser import JupyterLab, descendants, find_chromium, lab_env, left_behind
 
 pytestmark = pytest.mark.full
 
@@ -175,23 +176,32 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def lab_and_browser(chromium, tmp_path_factory):
-    """One JupyterLab server and one Chromium for the module; afterwards nothing either started may be left."""
+    """One Chromium for the module and a JupyterLab server per strictness, started when first needed (the ranks a
+    notebook's kernel starts are device-strict, as under nbval, unless conftest.NOT_STRICT names the notebook);
+    afterwards nothing any of them started may be left."""
     from playwright.sync_api import sync_playwright
 
     before = {p.pid for p in descendants()}
-    lab = browser = playwright = None
+    labs: dict[bool, JupyterLab] = {}
+    browser = playwright = None
+
+    def lab_for(path: Path) -> JupyterLab:
+        strict = path.name not in NOT_STRICT
+        if strict not in labs:
+            labs[strict] = JupyterLab(ROOT / "notebooks", tmp_path_factory.mktemp("jupyterlab"), strict=strict)
+        return labs[strict]
+
     try:
-        lab = JupyterLab(ROOT / "notebooks", tmp_path_factory.mktemp("jupyterlab"))
         playwright = sync_playwright().start()
         browser = playwright.chromium.launch(executable_path=chromium)
-        yield lab, browser
+        yield lab_for, browser
     finally:
         ours = [p for p in descendants() if p.pid not in before]
         if browser is not None:
             browser.close()
         if playwright is not None:
             playwright.stop()
-        if lab is not None:
+        for lab in labs.values():
             lab.stop()
         left = left_behind(ours)
         assert not left, f"the browser tests left these processes running (now killed): {left}"
@@ -242,8 +252,8 @@ class Notebook:
 
 @pytest.fixture
 def notebook(lab_and_browser, request):
-    lab, browser = lab_and_browser
-    nb = Notebook(lab, browser, request.param)
+    lab_for, browser = lab_and_browser
+    nb = Notebook(lab_for(request.param), browser, request.param)
     try:
         yield nb
     finally:
@@ -364,6 +374,15 @@ def test_notebook_in_jupyterlab(notebook: Notebook, timings):
         for k, panel in reversed(list(enumerate(panels))):
             notebook.screenshot(panel, f"panel{k}")
         notebook.page.screenshot(path=SCREENSHOTS / f"{notebook.path.stem}.png")
+
+
+def test_browser_kernels_start_strict_ranks_as_nbval_does():
+    """The browser's notebooks stand in for their nbval runs (tests/conftest.py): their ranks run device-strict as
+    nbval's would, all but the notebooks conftest.NOT_STRICT names with a reason; the live widgets are on either way."""
+    environ = {"LAB_DEVICE_STRICT": "1", "LAB_STATIC_WIDGETS": "1", "PATH": "/bin"}
+    assert lab_env(environ, strict=True) == {"LAB_DEVICE_STRICT": "1", "PATH": "/bin"}
+    assert lab_env(environ, strict=False) == {"PATH": "/bin"}
+    assert all(reason for reason in NOT_STRICT.values())
 
 
 def test_every_panel_and_playground_notebook_is_walked():
