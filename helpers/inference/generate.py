@@ -384,16 +384,6 @@ def _runners(model: HFModel, specs: Sequence[StageSpec], devices: Sequence[torch
             for stage, spec in zip(stages, specs)]
 
 
-def _events(runners: Sequence[_StageRunner]) -> list[Event]:
-    """Every stage's spans; two stages on one device share its row."""
-    return sorted((e for r in runners for e in r.recorder.events()), key=lambda e: (e.device, e.start))
-
-
-def resolve_stopping(model: HFModel, new_tokens: int, stopping: Stopping | None) -> Stopping:
-    """The rule an engine follows: the one given, else generate's own for the model (its end-of-sequence tokens)."""
-    return stopping if stopping is not None else stopping_for(model, new_tokens)
-
-
 # --- (a) one device: Hugging Face's own generate -------------------------------------------------------------------
 
 class _Clock:
@@ -452,7 +442,7 @@ class OneDevice:
         self.hf = load_hf(model, self.device)
 
     def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
-        rule = resolve_stopping(self.model, new_tokens, stopping)
+        rule = stopping or stopping_for(self.model, new_tokens)  # given, or generate's own
         return hf_generate(self.hf, requests, rule, self.device, self.name)
 
 
@@ -509,7 +499,7 @@ class LayerSplit:
         return torch.cat(out, dim=1).cpu(), t1 - t0, t2 - t1
 
     def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
-        rule = resolve_stopping(self.model, new_tokens, stopping)
+        rule = stopping or stopping_for(self.model, new_tokens)  # given, or generate's own
         for runner in self.runners:
             runner.recorder.clear()
         tokens, prefill, decode = [], 0.0, 0.0
@@ -523,8 +513,10 @@ class LayerSplit:
 
     def _generation(self, requests: Sequence[Request], tokens: list[torch.Tensor], prefill_s: float,
                     decode_s: float) -> Generation:
-        """This engine's result: the tokens, each phase's time and token counts, every stage's timeline."""
-        return Generation(self.name, tokens, prefill_s, decode_s, *_counts(requests, tokens), _events(self.runners))
+        """This engine's result: the tokens, each phase's time and token counts, every stage's timeline (two stages on
+        one device share its row)."""
+        events = sorted((e for r in self.runners for e in r.recorder.events()), key=lambda e: (e.device, e.start))
+        return Generation(self.name, tokens, prefill_s, decode_s, *_counts(requests, tokens), events)
 
 
 class SplitMemory:

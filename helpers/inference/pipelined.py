@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from helpers.inference.generate import (Generation, LayerSplit, Request, StageSpec, Stopping, resolve_stopping,
+from helpers.inference.generate import (Generation, LayerSplit, Request, StageSpec, Stopping, stopping_for,
                                         stages_from_device_map, sync_devices)
 from helpers.models.hf import HFModel
 from helpers.runtime.rig import device_thread
@@ -143,7 +143,7 @@ class Pipelined(LayerSplit):
         out.update(tokens=tokens, t0=t0, t1=t1)
 
     def generate(self, requests: Sequence[Request], new_tokens: int, stopping: Stopping | None = None) -> Generation:
-        rule = resolve_stopping(self.model, new_tokens, stopping)
+        rule = stopping or stopping_for(self.model, new_tokens)
         _ = self.model.config  # read config.json once, before the threads share it
         for runner in self.runners:
             runner.recorder.clear()

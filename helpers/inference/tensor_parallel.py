@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from helpers.inference.generate import Generation, Request, Stopping, hf_generate, resolve_stopping
+from helpers.inference.generate import Generation, Request, Stopping, hf_generate, stopping_for
 from helpers.inference.throughput import Throughput
 from helpers.measure import median_time
 from helpers.models.hf import HFModel
@@ -283,7 +283,7 @@ def run_tensor_parallel(model: HFModel, requests: Sequence[Request], new_tokens:
     check_shardable(model.config, world)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    rule = resolve_stopping(model, new_tokens, stopping)
+    rule = stopping or stopping_for(model, new_tokens)
     results = run(tensor_parallel_rank, model.path, model.attn_implementation, model.dtype, list(requests), rule,
                   repeats, warmup, nranks=world, rig=rig, timeout=timeout, oversubscribe=bool(support.reason))
     r0 = results[0]
