@@ -120,10 +120,11 @@ class Reading:
         status = f"{RANK_STATUS.get(self.status, self.status)}: " if self.status else ""
         return f"{status}{', '.join(bits)} / {fmt_bytes(self.capacity)}"
 
-    def at_peak(self) -> str:
-        """The parts that were larger at the peak than now (e.g. the activations of the last forward)."""
+    def caption(self, peak: int) -> str:
+        """`text()` and the row's peak, with the parts that were larger at the peak than now (e.g. the activations of
+        the last forward)."""
         grown = [f"{k} {fmt_bytes(v)}" for k, v in self.peak_parts.items() if v > self.parts.get(k, 0)]
-        return f": {', '.join(grown)}" if grown else ""
+        return f"{self.text()} (peak {fmt_bytes(peak)}{': ' + ', '.join(grown) if grown else ''})"
 
 
 class MemoryMonitor:
@@ -213,8 +214,7 @@ class MemoryMonitor:
         lines = []
         for r, peak in zip(readings, self.peak):
             bar = "".join(BAR_CHARS[k] * int(round(width * v / self.scale)) for k, v in r.parts.items())
-            lines.append(f"{r.label:>{name}} [{bar[:width]:<{width}}] {r.text()} (peak {fmt_bytes(peak)}"
-                         f"{r.at_peak()})")
+            lines.append(f"{r.label:>{name}} [{bar[:width]:<{width}}] {r.caption(peak)}")
         if not readings:
             return "memory panel: nothing to draw yet (a row per rank of each run started while it is on)"
         seen = [k for k in PARTS if any(k in r.parts for r in readings)] or list(PARTS[:4])
@@ -233,7 +233,7 @@ class MemoryMonitor:
                         f'<div class="lab-memory-label" style="flex:none;width:150px;text-align:right;'
                         f'white-space:nowrap">{r.label}</div>'
                         f'<div style="display:flex;flex:none;width:360px;background:#eee">{segments}</div>'
-                        f'<div style="flex:1">{r.text()} (peak {fmt_bytes(peak)}{r.at_peak()})</div></div>')
+                        f'<div style="flex:1">{r.caption(peak)}</div></div>')
         if not readings and self.ranks:
             rows.append('<div style="font-size:12px">waiting for the ranks: a row per rank of each run started '
                         'while the panel is on</div>')
