@@ -1,9 +1,9 @@
 """A pipeline playground: turn the knobs, watch the simulated timeline, the bubble and the peak memory move.
 
 The model is `pp` stages of one layer each (one per device), sharing a total forward and backward time per
-micro-batch; the first stage carries (1 + imbalance) times the work of each other stage. Activations split evenly across stages;
-what crosses each boundary is `boundary_mb` per micro-batch. With no frontend attached (nbval, scripts,
-LAB_STATIC_WIDGETS=1) the panel draws once with its starting values.
+micro-batch; the first stage carries (1 + imbalance) times the work of each other stage. Activations split evenly
+across stages; what crosses each boundary is `boundary_mb` per micro-batch. With no frontend attached (nbval,
+scripts, LAB_STATIC_WIDGETS=1) the panel draws once with its starting values.
 """
 from __future__ import annotations
 

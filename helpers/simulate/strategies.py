@@ -15,11 +15,10 @@ and a W of the weight part, which frees the micro-batch's activations. Data para
   owner broadcasts its updated parameters, tensor by tensor (PyTorch's default, `parameters_as_bucket_view=False`),
   one broadcast after another on one communicator: every parameter byte crosses a link once, one latency per tensor.
 - FSDP2 (`fully_shard` per layer; "zero2" is FSDP2 with `reshard_after_forward=False`, as in helpers.catalog):
-  all-gather a layer's parameters before its forward, prefetching the next layer's while the current one computes
-  (at most two layers gathered); again before its backward when resharding after forward (the last layer too:
-  FSDP2 keeps only the root unit gathered); reduce-scatter each layer's gradients after its backward, every
-  micro-batch. All-gathers and reduce-scatters have their own streams
-  but share the link. Before each collective the host does measured work of its own (`Job.fsdp2_host_s`).
+  a layer's parameters all-gathered before its forward and, when resharding after forward, again before its
+  backward (the last layer too: FSDP2 keeps only the root unit gathered); each layer's gradients reduce-scattered
+  after its backward, every micro-batch; all-gathers and reduce-scatters on streams of their own that share the
+  link (prefetch, copies and the host's work per collective: `_Builder.run_fsdp2`).
 - DP x PP: a pipeline per replica, then one flat all-reduce per stage across replicas (as our engine does).
 Compute and communication overlap freely (separate streams); communication kernels are not modelled as slowing
 compute. Memory per device: weights, gradients and optimizer state by the ZeRO formulas (Rajbhandari et al. 2020)
@@ -76,9 +75,8 @@ class Job:
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
 
     def __post_init__(self):
-        pp, dp = devices(catalog_entry(self.strategy), self.pp, self.dp, self.microbatches)
-        object.__setattr__(self, "pp", pp)
-        object.__setattr__(self, "dp", dp)
+        for name, value in zip(("pp", "dp"), devices(self.entry, self.pp, self.dp, self.microbatches)):
+            object.__setattr__(self, name, value)
         for what, value in (("global batch", self.batch), ("micro-batch count", self.microbatches),
                             ("pipeline device count pp", self.pp), ("replica count dp", self.dp)):
             if not (isinstance(value, int) and value >= 1):
