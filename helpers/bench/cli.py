@@ -134,7 +134,7 @@ def print_tables(dicts: list[dict], extras: dict, calibration: dict, rig) -> Non
                   "wall: split / plain": _times(r.get("wall: split / plain"))} for r in extra_rows]
         print(f"\n{name}:\n" + table(shown, EXTRA_COLUMNS[name]))
     print("\ncalibration (measured in this run):\n  " + "\n  ".join(calibration["summary"]))
-    missed = misses(dicts) + [line for name, extra_rows in extras.items() for line in misses(extra_rows, "split")]
+    missed = misses(dicts) + [line for extra_rows in extras.values() for line in misses(extra_rows)]
     print(f"\npredictions outside {TARGET:.0%} or excluded: " + ("none" if not missed else "\n" + "\n".join(missed)))
     refused = bench_refusals(rig)
     if refused:

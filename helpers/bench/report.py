@@ -171,19 +171,17 @@ def _drift_said(d: dict) -> str:
     return (f"; in its median step its {' and '.join(said)} than simulated" if said else "") + cpu
 
 
-def misses(dicts: Sequence[dict], name_key: str = "strategy") -> list[str]:
-    """One line per row whose prediction is outside the target or excluded from it, with the reason."""
+def misses(dicts: Sequence[dict]) -> list[str]:
+    """One line per row (or an extra's row) whose prediction is outside the target or excluded from it, with the
+    reason; each row named by its `row_label`."""
     out = []
     for d in dicts:
-        name = shown_strategy(d) if name_key == "strategy" else d.get(name_key)
-        parts = (name, d.get("engine"), d.get("runner"), d.get("microbatches"))
-        label = " ".join(str(v) for v in parts if v is not None)
         if d.get("excluded_from_target"):
-            out.append(f"  {label}: excluded from the target: {d['excluded_from_target']}")
+            out.append(f"  {row_label(d)}: excluded from the target: {d['excluded_from_target']}")
         elif d.get("error") is not None and abs(d["error"]) > TARGET:
             spread = d.get("spread")
             noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
-            out.append(f"  {label}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
+            out.append(f"  {row_label(d)}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
     return out
 
 

@@ -247,13 +247,6 @@ def jobs_by_size(jobs: Sequence[TrainJob]) -> dict[int, list[TrainJob]]:
     return {size: [job for job in jobs if job_microbatch(job) == size] for size in sizes}
 
 
-def sample_launch(timer, jobs: Sequence[TrainJob]) -> None:
-    """The whole model timed once at each micro-batch size a launch's jobs use, each time kept for every job of that
-    size (they ran in the same minutes)."""
-    for size, same in jobs_by_size(jobs).items():
-        timer.sample(size, keys=same)
-
-
 TOGETHER_REPEATS = 6  # both ranks' whole-model steps at each size, after a launch's last job
 
 
@@ -262,7 +255,7 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     """Rank worker of the bench's two-rank launches: the jobs one after the other (`train_workers`), then the whole
     model's forward and backward timed on both ranks at once (released by a barrier), `repeats` times at each
     micro-batch size of `sizes`: how fast a rank computes while the other rank computes too, in its launch's
-    minutes. The parent times the same model alone beside the launch (`sample_launch`); the ratio is the busy-core
+    minutes. The parent times the same model alone beside the launch (`_rows_in_rounds`); the ratio is the busy-core
     slowdown of the launch's rows. A fresh pair of processes measures it steady (about 1.03), yet one figure for
     the whole run, timed in a launch of its own, priced a run whose pipelines' passes ran 6-16% slower than
     calibrated. Where a job is a pipeline, then what posting a receive costs while both ranks compute
@@ -354,7 +347,9 @@ def _rows_in_rounds(launches: dict, config: BenchConfig, desc: str, runner: str,
                     reference: LaunchReference | None) -> list[BenchRow]:
     """`launches` run in `config.rounds` rounds (`run_in_rounds`), with the calibration samples (`timer`) and the
     one-device `reference` beside each launch, whichever are given; a `process_row` per job."""
-    sizes = timer and (lambda group: sample_launch(timer, group))
+    # the whole model timed once at each micro-batch size a launch's jobs use, kept for every job of that size (they
+    # ran in the same minutes)
+    sizes = timer and (lambda group: [timer.sample(size, keys=same) for size, same in jobs_by_size(group).items()])
     results = run_in_rounds(launches, config.rounds, desc, progress,
                             around=reference.around(sizes) if reference else sizes)
     return [process_row(job, got, runner, reference) for job, got in results.items()]
@@ -377,8 +372,8 @@ def process_row(job: TrainJob, got: dict, runner: str, reference: LaunchReferenc
 def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progress = True,
                   around: Callable | None = None) -> dict:
     """Launch every group of jobs once per round, in turn (a, b, c, a, b, c, ...), so a noisy minute hits all of
-    them; return {job key: its launches `pool`ed}. `launches` maps a tuple of job keys to a launch that runs the keys it is
-    given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
+    them; return {job key: its launches `pool`ed}. `launches` maps a tuple of job keys to a launch that runs the keys
+    it is given, in that order, returning one `TrainResult` per key (jobs launched together share one start of the
     processes: `run_trainings`); every other round runs a group's jobs in reverse order, so no job is always
     the first or the last of its launch. `around(keys)` runs with a launch's keys just before and just after it (the
     bench times its calibration there, so each row's calibration sees the minutes it ran)."""
