@@ -2,8 +2,9 @@
 
 Stage 0 computes request B's token while stage 1 computes request A's; each stage keeps a KV cache per request and
 the tokens go from the last stage back to the first. On GPUs each stage computes on a CUDA stream of its own and
-hands tensors over with `helpers.pipeline.comm.send_to`; on the CPU rig a thread is a virtual device (its ops run on
-its own intra-op threads), so the concurrency is real. The stages, their KV caches and the result are
+hands tensors over with `helpers.pipeline.comm.send_to` (a Transfer whose `get()` the receiver calls: the copy runs on
+side streams and the receiver's stream waits for it); on the CPU rig nothing moves, and a thread is a virtual device
+(its ops run on its own intra-op threads), so the concurrency is real. The stages, their KV caches and the result are
 `helpers.inference.generate`'s (`LayerSplit`, `Generation`): this module adds only the threads and their queues.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from helpers.inference.generate import (Generation, LayerSplit, Request, StageSpec, Stopping, stopping_for,
                                         stages_from_device_map, sync_devices)
 from helpers.models.hf import HFModel
+from helpers.pipeline.comm import CopyStreams, send_to
 from helpers.runtime.rig import device_thread
 
 _STOP = object()  # down the pipe: no more work
@@ -74,18 +76,9 @@ class Pipelined(LayerSplit):
         return self
 
     def _streams(self, timeout_s: float) -> None:
-        from helpers.pipeline.comm import CopyStreams
-
         self.timeout_s = timeout_s
         self.compute = [torch.cuda.Stream(r.device) if r.device.type == "cuda" else None for r in self.runners]
         self.copies = CopyStreams() if any(d.type == "cuda" for d in self.devices) else None
-
-    def _send(self, t: torch.Tensor, device: torch.device):
-        """Start moving `t` to the next stage's device: a Transfer whose `get()` the receiver calls (on GPUs the copy
-        runs on side streams and the receiver's stream waits for it; on the CPU nothing moves)."""
-        from helpers.pipeline.comm import send_to
-
-        return send_to(t, device, self.copies)
 
     def _later_stage(self, s: int, requests: Sequence[Request], rule: Stopping, inboxes: list[queue.Queue],
                      feedback: queue.Queue) -> None:
@@ -104,14 +97,14 @@ class Pipelined(LayerSplit):
             r, phase, transfer = msg
             h = runner.step(r, transfer.get(), requests[r], phase)
             if not last:
-                inboxes[s + 1].put((r, phase, self._send(h, self.runners[s + 1].device)))
+                inboxes[s + 1].put((r, phase, send_to(h, self.runners[s + 1].device, self.copies)))
                 continue
             if phase == "prefill":
                 finished[r] = torch.zeros(requests[r].rows, dtype=torch.bool, device=runner.device)
                 steps[r] = 0
             token, finished[r] = rule.next_token(h, finished[r])
             steps[r] += 1
-            feedback.put((r, self._send(token, first_device), rule.done(steps[r], finished[r])))
+            feedback.put((r, send_to(token, first_device, self.copies), rule.done(steps[r], finished[r])))
 
     def _first_stage(self, requests: Sequence[Request], inboxes: list[queue.Queue], feedback: queue.Queue,
                      out: dict) -> None:
@@ -121,7 +114,7 @@ class Pipelined(LayerSplit):
 
         def send(r: int, x: torch.Tensor, phase: str) -> None:
             h = runner.step(r, x, requests[r], phase)
-            inboxes[1].put((r, phase, self._send(h, nxt)))
+            inboxes[1].put((r, phase, send_to(h, nxt, self.copies)))
 
         tokens: dict[int, list] = {r: [] for r in range(len(requests))}
         t0 = time.perf_counter()
