@@ -25,7 +25,7 @@ from helpers.sizing.shape import ModelShape, decoder_shape
 from helpers.hardware import Efficiency, TargetRig, target_rig
 from helpers.dtypes import BYTES
 from helpers.simulate.roofline import kernels_s, optimizer_s, step_s, trace_kernels
-from helpers.simulate.strategies import LABELS, Job, Simulation, simulate, simulate_memory
+from helpers.simulate.strategies import Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
 # the strategies the guide weighs, simplest first (the catalog's order): the data-parallel strategies whose layout a
@@ -150,7 +150,7 @@ class Option:
         return self.simulation.step_s if self.simulation else None
 
     def row(self) -> dict:
-        return {"strategy": LABELS[self.job.strategy], "micro-batches": self.job.microbatches,
+        return {"strategy": self.job.entry.label, "micro-batches": self.job.microbatches,
                 "checkpointing": self.job.activation_checkpointing, "peak per GPU": fmt_bytes(self.peak_bytes),
                 "fits": self.fits, "step (s)": self.step_s,
                 "samples/s": self.simulation.samples_per_s if self.simulation else None}
@@ -217,7 +217,7 @@ def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, c
             if best is None or sim.step_s < best.step_s:
                 best = Option(job, peak, True, sim)
     if best is None and smallest is None:
-        raise ValueError(f"global batch {batch} cannot be split for {LABELS[strategy]} on {rig.devices} GPUs")
+        raise ValueError(f"global batch {batch} cannot be split for {catalog_entry(strategy).label} on {rig.devices} GPUs")
     return best or smallest
 
 
@@ -260,7 +260,7 @@ def decision_table(rig: str = "2x3090 PCIe", batch: int = 16, seq: int = 1024, a
         rec = recommend_model(name, rig, batch, seq, attention)
         row = {"model": name, "params (B)": rec.n_params / 1e9}
         for option in rec.options:
-            label = LABELS[option.job.strategy]
+            label = option.job.entry.label
             row[label] = f"{option.step_s:.2f} s ({option.job.label()})" if option.fits else \
                 f"needs {fmt_bytes(option.peak_bytes)}"
         row["choose"] = rec.choice

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from helpers.sizing.ledger import DeviceMemory
-from helpers.catalog import CATALOG, devices, strategy as catalog_entry
+from helpers.catalog import devices, strategy as catalog_entry
 from helpers.partition import optimal_split
 from helpers.pipeline.schedules import (Action, dependencies, layout_for, layout_of, make_schedule,
                                        split_backwards)
@@ -41,8 +41,6 @@ from helpers.dtypes import BYTES
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
 from helpers.units import MiB
-
-LABELS = {e.name: e.label for e in CATALOG}
 
 
 @dataclass(frozen=True)
