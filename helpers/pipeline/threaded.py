@@ -56,6 +56,45 @@ def check_one_dtype(split: SplitModel) -> torch.dtype:
     return next((p.dtype for p in split.parameters() if p.is_floating_point()), torch.float32)
 
 
+def run_on_device_threads(work: Callable[[int], None], devices: Sequence[torch.device], streams: Sequence | None,
+                          abort: Callable[[], None], aborted: type[BaseException]) -> None:
+    """`work(i)` in one thread per device, each thread that virtual device (`device_thread`) and, on a GPU, computing
+    on its stream `streams[i]` once what the caller queued is done; the caller's streams then wait for them. A failure
+    calls `abort()`, so that the others stop waiting (they raise `aborted`, ignored), and is raised here."""
+    streams = streams or [None] * len(devices)
+    # the caller's streams, read in the caller's thread: a stream is current per thread, so a worker asking for the
+    # current stream would get its own thread's default stream, not the one the caller made the inputs on
+    callers = [torch.cuda.current_stream(d) if stream is not None else None for d, stream in zip(devices, streams)]
+    errors: list[tuple[int, BaseException]] = []
+
+    def worker(i: int) -> None:
+        try:
+            if streams[i] is not None:
+                torch.cuda.set_device(devices[i])
+                streams[i].wait_stream(callers[i])  # the inputs (and zeroed grads) exist
+            with torch.cuda.stream(streams[i]) if streams[i] is not None else nullcontext():
+                work(i)
+        except aborted:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            errors.append((i, exc))
+            abort()
+
+    n = len(devices)
+    threads = [threading.Thread(target=device_thread(lambda i=i: worker(i), devices[i], i, n), name=f"stage{i}",
+                                daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        i, exc = errors[0]
+        raise RuntimeError(f"stage {i} failed: {type(exc).__name__}: {exc}") from exc
+    for caller, stream in zip(callers, streams):
+        if stream is not None:  # the caller's stream (optimizer step, next zero_grad) waits for the stages
+            caller.wait_stream(stream)
+
+
 def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence], microbatches: Sequence[MicroBatch],
                  normalizer: float, wire: Wire = Wire(), timeout_s: float = 300.0,
                  streams: tuple[list, CopyStreams] | None = None, loss_scale: float = 1.0,
@@ -63,50 +102,23 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
     """Run the action lists with one thread per device (holding one executor per stage of the schedule's layout);
     return the loss of the global batch. `plan`: the schedule's `communication_plan`, if already made."""
     layout, m = layout_of(schedule), len(microbatches)
-    p = layout.devices
     if len(executors) != layout.stages:
         raise ValueError(f"the schedule has {layout.stages} stages but there are {len(executors)} stage executors")
     validate(schedule, m)
     plan = plan or communication_plan(schedule)
-    boxes = Mailboxes(p)
-    compute, copies = streams or ([None] * p, None)
+    boxes = Mailboxes(layout.devices)
+    compute, copies = streams or (None, None)
     losses: list[torch.Tensor] = []
-    errors: list[tuple[int, BaseException]] = []
-    mine = [[executors[k] for k in layout.stages_of(d)] for d in range(p)]
+    mine = [[executors[k] for k in layout.stages_of(d)] for d in range(layout.devices)]
     devices = [chunks[0].device for chunks in mine]
-    # the caller's streams, read in the caller's thread: a stream is current per thread, so a worker asking for the
-    # current stream would get its own thread's default stream, not the one the caller made the inputs on
-    callers = [torch.cuda.current_stream(d) if stream is not None else None for d, stream in zip(devices, compute)]
 
-    def worker(s: int) -> None:
-        ex = mine[s]
-        transport = MailboxTransport(s, boxes, devices, wire, ex[0].recorder, copies, timeout_s, layout)
-        try:
-            if compute[s] is not None:
-                torch.cuda.set_device(devices[s])
-                compute[s].wait_stream(callers[s])  # the inputs and zeroed grads exist
-            with torch.cuda.stream(compute[s]) if compute[s] is not None else nullcontext():
-                loss = run_stage(ex, schedule[s], transport, microbatches, layout, normalizer, loss_scale, plan[s])
-            if loss is not None:
-                losses.append(loss)
-        except PipelineAborted:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
-            errors.append((s, exc))
-            boxes.fail()
+    def stage(s: int) -> None:
+        transport = MailboxTransport(s, boxes, devices, wire, mine[s][0].recorder, copies, timeout_s, layout)
+        loss = run_stage(mine[s], schedule[s], transport, microbatches, layout, normalizer, loss_scale, plan[s])
+        if loss is not None:
+            losses.append(loss)
 
-    threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), devices[s], s, p), name=f"stage{s}",
-                                daemon=True) for s in range(p)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        s, exc = errors[0]
-        raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
-    for caller, stream in zip(callers, compute):
-        if stream is not None:  # the caller's stream (optimizer step, next zero_grad) waits for the stages
-            caller.wait_stream(stream)
+    run_on_device_threads(stage, devices, compute, boxes.fail, PipelineAborted)
     return losses[0]
 
 
