@@ -87,20 +87,16 @@ def reference_rigs() -> dict[str, Rig]:
 def support_markdown() -> str:
     """The matrix as a Markdown table, with each refusal's reason below it (README shows exactly this)."""
     rigs = reference_rigs()
-    rows = support_rows(rigs)
     reasons: dict[str, int] = {}
     lines = ["| strategy | engine | " + " | ".join(rigs) + " |", "|---|---|" + "---|" * len(rigs)]
-    for row in rows:
-        cells = []
-        for name in rigs:
-            value = row[name]
-            if value.startswith("no: ") or value == "yes*":
-                reason = value[4:] if value.startswith("no: ") else support(rigs[name], row["strategy"],
-                                                                             row["engine"]).reason
-                number = reasons.setdefault(reason, len(reasons) + 1)
-                value = f"{'no' if value.startswith('no') else 'yes'} ({number})"
-            cells.append(value)
-        lines.append(f"| {row['strategy']} | {row['engine']} | " + " | ".join(cells) + " |")
+    for strategy in TRAINED:
+        for engine in engines_for(strategy):
+            cells = []
+            for rig in rigs.values():
+                s = support(rig, strategy, engine)
+                note = f" ({reasons.setdefault(s.reason, len(reasons) + 1)})" if s.reason else ""  # the reason below
+                cells.append(("yes" if s.ok else "no") + note)
+            lines.append(f"| {strategy} | {engine} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"({n}) {reason}." for reason, n in reasons.items()]
     return "\n".join(lines)
