@@ -58,14 +58,12 @@ def left_out(config: BenchConfig, strategy: str, engine: str) -> bool:
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
-    """The run of `mode` (True: quick, False: default, as before modes had names). quick: a smoke test of a smaller
-    model, every row. default: built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch
-    count per pipeline (m=8; `schedule_microbatches` for two stages per device), the rows of
-    `left_out` left out, 5 interleaved rounds of the threaded rows, 3 of the extras, and the two-rank
-    jobs in one launch per round (FSDP2 in one of its own: `launch_groups`), 2 rounds in opposite orders (each job's
-    2 timed steps and its recorded step in each of two launches a minute or more apart: 6 samples, so one disturbed
-    launch or step no longer decides a row). precise: every row, GPipe at m = 2, 4, 8 too, 8 threaded rounds, 3
-    launches of 6 timed steps (and the recorded one), 6 repeats of the extras."""
+    """The run of `mode` (True: quick, False: default). quick: a smoke test of a smaller model, every row. default:
+    built to repeat within 5% in under 5 minutes on the 2-core CPU rig: one micro-batch count per pipeline, the rows
+    `left_out` names left out, and the two-rank jobs in one launch per round (`launch_groups`), 2 rounds in opposite
+    orders (each job's timed steps and its recorded step in each of two launches a minute or more apart: 6 samples,
+    so one disturbed launch or step no longer decides a row). precise: every row, GPipe at three counts, timed
+    longer."""
     mode = {True: "quick", False: "default"}.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"unknown bench mode {mode!r}; choose one of {MODES}")
@@ -91,12 +89,7 @@ def bench_refusals(rig) -> dict[tuple[str, str], str]:
     """The bench's multi-process rows this rig cannot run, with the support matrix's reason: left out of the run
     (one GPU: torch's pipelining and FSDP2; fewer than 4 GPUs: DP x PP), instead of stopping it with nothing
     written."""
-    out = {}
-    for strategy, engine in PROCESS_ROWS:
-        verdict = support(rig, strategy, engine)
-        if not verdict.ok:
-            out[(strategy, engine)] = verdict.reason
-    return out
+    return {(s, e): verdict.reason for s, e in PROCESS_ROWS if not (verdict := support(rig, s, e)).ok}
 
 
 def threaded_pipelines(config: BenchConfig) -> list[tuple[Strategy, int]]:
@@ -148,8 +141,7 @@ def bench_jobs(config: BenchConfig, rig) -> list[TrainJob]:
     catalog on each engine it lists but threads (`strategy_jobs`), less what the rig refuses (`bench_refusals`)
     and what the run leaves out (`left_out`)."""
     refused = bench_refusals(rig)
-    jobs = [job for entry in CATALOG for engine in entry.engines if engine != "threads"
-            for job in strategy_jobs(entry, engine, config)]
+    jobs = [job for s, engine in PROCESS_ROWS for job in strategy_jobs(catalog_entry(s), engine, config)]
     return [job for job in jobs if (job.strategy, bench_engine(job)) not in refused
             and not left_out(config, job.strategy, bench_engine(job))]
 
