@@ -3,10 +3,10 @@ table of threaded GPipe pipelines timed against their baseline and predicted."""
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from typing import Sequence
 
 from helpers.bench.blocks import PipelineRun, make_pipeline_run, one_device_step, run_rows, time_pipeline_runs
-from helpers.bench.rows import Progress, _caller_seconds, compute_drift
+from helpers.bench.rows import Progress, _caller_seconds, calibration_samplers, compute_drift
 from helpers.models import StackConfig, lm_loss
 from helpers.timeline import PHASES, median_phases, phase_seconds
 
@@ -28,15 +28,6 @@ def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict
                                                            phase_seconds(sim.events)) for phase in PHASES})
         row["excluded_from_target"] = None
         row["core_slowdown"] = getattr(rig_model.thread_cores, "slowdown", None)
-
-
-def calibration_samplers(timer, microbatch: int, rig) -> dict[str, Callable[[], None]]:
-    """The calibration timed in the same interleaved rounds as a section's threaded runs: the whole model at
-    `microbatch`, and on the CPU rig two copies of it at once (the busy-core slowdown of those minutes)."""
-    if timer is None:
-        return {}
-    together = {"calibration: two copies at once": timer.together_sampler(microbatch)} if rig.is_cpu else {}
-    return {"calibration: whole model": timer.sampler(microbatch), **together}
 
 
 def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bool | Progress = False,
@@ -62,7 +53,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
             for name, s in splits.items()]
 
     timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
-    calibration = calibration_samplers(timer, batch // m, rig)
+    calibration = calibration_samplers(timer, [batch // m], rig)
     times = time_pipeline_runs(runs, x, y, repeats, extra={"one device": one_device_step(model, x, y, lm_loss),
                                                            **calibration}, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="one device")
@@ -99,7 +90,7 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
     from helpers.simulate.calibrate_model import WholeModelTimer, measure_workload
 
     timer = WholeModelTimer(copy.deepcopy(model), x, y, lm_loss) if rig_model is not None else None
-    calibration = calibration_samplers(timer, batch // m, rig)
+    calibration = calibration_samplers(timer, [batch // m], rig)
     times = time_pipeline_runs(runs, x, y, repeats, extra=calibration, progress=progress.bars)
     rows = run_rows(runs, times, batch, baseline="none")
     for row in rows:

@@ -206,6 +206,20 @@ class LaunchReference:
 
 
 THREADS_KEY = "threads"  # calibration key of the rows timed in this process, in the same interleaved rounds
+
+
+def calibration_samplers(timer, sizes: Sequence[int], rig, key: Hashable | None = None) -> dict[str, Callable]:
+    """The calibration timed in the same interleaved rounds as threaded runs, kept under `key`: the whole model at
+    each micro-batch size of `sizes`, and on the CPU rig two copies of it at once at the smallest (the busy-core
+    slowdown of those minutes); nothing without a `timer`."""
+    if timer is None:
+        return {}
+    out = {f"calibration: whole model, micro-batch {b}": timer.sampler(b, key) for b in sizes}
+    if rig.is_cpu:
+        out[f"calibration: two copies at once, micro-batch {min(sizes)}"] = timer.together_sampler(min(sizes), key)
+    return out
+
+
 def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=None) -> list[BenchRow]:
     """Every strategy on this rig, side by side: one device, every pipeline of the catalog on threads in this
     process (`threaded_pipelines`), then every multi-process job (`process_rows`). With `timer`
@@ -225,12 +239,8 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
                               s.schedule, m) for s, m in threaded]
     progress.phase(f"one device and {len(runs)} threaded pipelines, {config.thread_repeats} interleaved repeats")
     sizes = sorted({config.batch} | {config.batch // m for _, m in threaded}, reverse=True)
-    samplers = ({f"calibration: whole model, micro-batch {b}": timer.sampler(b, THREADS_KEY) for b in sizes}
-                if timer else {})
-    if timer and rig.is_cpu:
-        samplers[f"calibration: two copies at once, micro-batch {sizes[-1]}"] = timer.together_sampler(sizes[-1],
-                                                                                                       THREADS_KEY)
-    times, rows, reference = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress, samplers)
+    times, rows, reference = _single_row(model, x, y, lm_loss, config.thread_repeats, runs, progress,
+                                         calibration_samplers(timer, sizes, rig, THREADS_KEY))
     for (s, m), r in zip(threaded, runs):
         rows.append(BenchRow(s.name, "ours", "threads", m, times[r.name], r.events,
                              [v.activations for v in r.ledger.report().values()], caller_s=_caller_seconds(r),
