@@ -43,10 +43,29 @@ def tied_copy(model: HFModel, module: Stage, first: int, stage: int, stages: int
 
 def save_pipeline(model: HFModel, stages: list[tuple[Stage, int]], directory: str, group=None) -> None:
     """Gather every stage's trained layers (this rank's `stages`: each module with the index of its first layer) on
-    the group's first rank and save them with save_pretrained."""
-    mine = {first + k: {n: t.detach().cpu() for n, t in layer.state_dict().items()}
-            for module, first in stages for k, layer in enumerate(module.layers)}
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, mine, group=group)
-    if dist.get_rank(group) == 0:
-        save_trained(model, {i: s for part in parts for i, s in part.items()}, directory)
+    the group's first rank and save them with save_pretrained. One tensor crosses at a time, sent from where it
+    lives: a GPU holds at most one tensor more than training left on it (the first rank's receive buffer), while its
+    weights, gradients and Adam state are still allocated (`all_gather_object` of whole stages would stage about
+    three times a stage's bytes on every GPU: pickled, gathered, unpickled). The first rank's host memory holds the
+    whole model, which save_pretrained writes."""
+    mine = {first + k: layer.state_dict() for module, first in stages for k, layer in enumerate(module.layers)}
+    device = next(t.device for state in mine.values() for t in state.values())
+    manifests = [None] * dist.get_world_size(group)  # names, shapes and dtypes only
+    dist.all_gather_object(manifests, {i: [(n, t.shape, t.dtype) for n, t in s.items()] for i, s in mine.items()},
+                           group=group)
+    me, whole = dist.get_rank(group), {}
+    for source, manifest in enumerate(manifests):
+        for index, entries in manifest.items():
+            for name, shape, dtype in entries:
+                if source == me:
+                    tensor = mine[index][name].detach()
+                    if me == 0:
+                        whole.setdefault(index, {})[name] = tensor.cpu()
+                    else:
+                        dist.send(tensor.contiguous(), group_dst=0, group=group)
+                elif me == 0:
+                    buffer = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(buffer, group_src=source, group=group)
+                    whole.setdefault(index, {})[name] = buffer.cpu()
+    if me == 0:
+        save_trained(model, whole, directory)

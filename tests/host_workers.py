@@ -41,3 +41,30 @@ def host_refusals() -> dict[str, bool]:
         "offloaded gradient": _refused(weight.grad.full_tensor),
         "through the device, exact": all(torch.equal(g, w) for g, w in zip(gathered, whole)),
     }
+
+
+def pipeline_save_growth(model_dir: str, directory: str) -> dict[str, int]:
+    """This rank's stage of a two-stage pipeline of the saved model, then the pipeline saved as the take-home scripts
+    save it (scripts/_stages.py `save_pipeline`): the rank's memory growth during the save (VmHWM after resetting it,
+    less VmRSS before), its stage's bytes and its largest tensor's."""
+    import gc
+    import sys
+    from pathlib import Path
+
+    from helpers.models.hf import HFModel
+    from tests.stream_workers import SCRIPTS, _status_bytes
+
+    sys.path.insert(0, str(SCRIPTS))
+    from _stages import build_stage, save_pipeline
+
+    model = HFModel(model_dir)
+    stage = build_stage(model, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    tensors = [t for layer in stage[0].layers for t in layer.state_dict().values()]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    for t in tensors:  # read once: pages a load mapped from the file count from here on, not as the save's growth
+        t.sum()
+    gc.collect()
+    before = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    save_pipeline(model, [stage], directory)
+    return {"growth": _status_bytes("VmHWM") - before, "stage": sum(sizes), "largest": max(sizes)}

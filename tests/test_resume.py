@@ -28,7 +28,7 @@ from helpers.training.loop import TrainResult, combine_ranks
 from tests.workers import trainings_resumed_after_kills
 
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
-STEPS = 2  # timed steps: the loop runs STEPS + 2 optimizer steps, checkpointed after steps 2 and 4
+STEPS = 4  # timed steps: the loop runs STEPS + 2 optimizer steps, checkpointed after steps 2, 4 and 6
 EVERY = 2
 FULL = pytest.mark.full
 
@@ -69,11 +69,25 @@ def on_one_job(hf, name: str, folder: Path) -> TrainJob:
 
 
 def kill_at(name: str, world: int) -> tuple[int, int]:
-    """The rank to kill, at random (seeded by the case), and the step after which it dies: after the first checkpoint,
-    before the last step and before a checkpoint (with STEPS = 2, step 3: the restart resumes from step 2, and the
-    two steps compared test the restored weights, then the restored optimizer state)."""
-    chance = random.Random(name)
-    return chance.randrange(world), chance.randrange(EVERY + 1, STEPS + 2)
+    """The rank to kill and the step after which it dies, drawn at random (seeded by the case): any rank, rank 0 (the
+    checkpoints' coordinator) as often as the others; any step after the first checkpoint is surely complete (a
+    later save has begun, which waits for the one before) and before the last: with STEPS = 4, step 4 (its save just
+    begun, in flight when async) or 5 (between saves). The restart resumes from step 2 or 4 and the steps compared
+    test the restored weights, then the restored optimizer state."""
+    chance = random.Random(f"kill {name}")
+    return chance.randrange(world), chance.randrange(2 * EVERY, STEPS + 2)
+
+
+def test_the_kills_cover_every_rank_and_step_of_each_kind():
+    """The draw (`kill_at`) kills rank 0 and another rank, after a save's start and between saves, in each kind of
+    run: data parallel (rank 0 coordinates the checkpoint), pipelines, the fine-tunes; the async run while a save is
+    in flight."""
+    kinds = {"data parallel": [n for n, f in STACK_JOBS.items() if f.get("pp", 1) == 1],
+             "pipeline": [n for n, f in STACK_JOBS.items() if f.get("pp", 1) > 1], "fine-tune": list(LORA_METHODS)}
+    for kind, names in kinds.items():
+        draws = [kill_at(name, 2) for name in names]
+        assert {rank for rank, _ in draws} == {0, 1} and {step for _, step in draws} == {2 * EVERY, 2 * EVERY + 1}, kind
+    assert all(kill_at(n, 2)[1] % EVERY == 0 for n in STACK_JOBS if n.endswith("async"))
 
 
 def with_checkpoints(job: TrainJob, folder: Path, async_save: bool = False) -> TrainJob:
@@ -133,11 +147,11 @@ def hf_runs(tmp_path_factory):
     return launch(runs, 2, root / "results"), root / "ckpt", base, hf
 
 
-def check_resumed(whole: TrainResult, resumed: TrainResult, folder: Path, kill: str, async_save: bool) -> None:
-    """The killed rank died, the restarted ranks resumed from a complete checkpoint, finished the run, and every loss
-    from the checkpoint on is the uninterrupted run's, bit for bit."""
+def check_resumed(whole: TrainResult, resumed: TrainResult, folder: Path, kill: str) -> None:
+    """The killed rank died, the restarted ranks resumed from a complete checkpoint (never from scratch, async saves
+    included), finished the run, and every loss from the checkpoint on is the uninterrupted run's, bit for bit."""
     assert (folder / f"killed-at-{kill.split(':')[1]}").exists(), "the rank was not killed"
-    assert resumed.first_step % EVERY == 0 and resumed.first_step >= (0 if async_save else EVERY)
+    assert resumed.first_step % EVERY == 0 and resumed.first_step >= EVERY, resumed.first_step
     assert complete_steps(folder)[-1] == STEPS + 2
     pairs = list(zip(whole.losses[resumed.first_step:], resumed.losses, strict=True))
     assert resumed.losses == whole.losses[resumed.first_step:], max(abs(a - b) for a, b in pairs)
@@ -157,7 +171,7 @@ def test_killed_rank_restarted_resumes_bit_for_bit(tmp_path, name, stack_runs):
         runs = {f"{name}/whole": (job, None), **killed_runs([name], [job], tmp_path / "ckpt")}
         whole, resumed = launch(runs, job.world, tmp_path / "results").values()
         root = tmp_path / "ckpt"
-    check_resumed(whole, resumed, root / name, runs[f"{name}/killed"][1], name.endswith("async"))
+    check_resumed(whole, resumed, root / name, runs[f"{name}/killed"][1])
 
 
 @FULL
@@ -175,7 +189,7 @@ def test_lora_and_qlora_resume_bit_for_bit_from_their_adapters(tmp_path, method,
     results, root, base, _ = hf_runs
     job = lora_job(base, method)
     check_resumed(results[f"{method}/whole"], results[f"{method}/killed"], root / method,
-                  killed_runs([method], [job], root)[f"{method}/killed"][1], async_save=False)
+                  killed_runs([method], [job], root)[f"{method}/killed"][1])
     last = step_folder(root / method, STEPS + 2)
     saved = FileSystemReader(str(last)).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.startswith("model.")]
