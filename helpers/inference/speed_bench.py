@@ -202,10 +202,50 @@ def save_model(directory: str, hidden: int, layers: int, vocab: int, dtype: torc
     return HFModel(directory)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from helpers.report import table
+def _measure_and_price(ns: argparse.Namespace) -> Replayed:
+    """The command line's run: the engines measured between rounds of the calibration, priced by the whole run's
+    rounds and each case by its own; written to `ns.json` where given."""
     from helpers.runtime.rig import claim_cpu_device, detect_rig
     from helpers.runtime.scratch import scratch_dir
+
+    rig = detect_rig(force_cpu=True)
+    claim_cpu_device(rig)
+    batches = [int(b) for b in ns.batches.split(",")]
+    prompts = [int(p) for p in ns.prompts.split(",")]
+    cases = [(b, p) for b in batches for p in prompts]  # measured in this order, round i before case i
+    model = save_model(str(scratch_dir("speed-bench-")), ns.hidden, ns.layers, ns.vocab)
+    rows_used = sorted({b * p for b in batches for p in prompts} | set(batches))
+    shape = model_shape_of(model)
+    calibration = DeviceCalibration(shape, model.weights_dtype, rows_used, cases)  # a round before each case
+    launches: list[dict] = []
+
+    def calibration_round() -> None:
+        calibration.sample()
+        launches.append(tensor_parallel_sample(model, rig, rows_used, ns.repeats))
+
+    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration_round,
+                               ns.launches)
+    calibration_round()  # the round after the last case
+
+    def priced_by(rounds: Sequence[int]) -> SpeedRig:
+        return calibrate_cpu_rig(model, rig, rows_used, device=calibration.device(rounds),
+                                 tensor_parallel=[launches[i] for i in rounds])
+
+    case_rigs = {case: priced_by([i, i + 1]) for i, case in enumerate(cases)}
+    whole = priced_by(range(len(launches)))
+    print(whole.note)
+    rows = compare(measured, whole, shape)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"rig": whole.note, "speed_rig": asdict(whole), "config": shape.config.to_dict(),
+                       "case_rigs": [{"batch": b, "prompt": p, "speed_rig": asdict(r)}
+                                     for (b, p), r in case_rigs.items()],
+                       "rows": rows, "summary": error_summary(rows)}, f, indent=2)
+    return Replayed(rows, compare_by_case(measured, case_rigs, shape))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from helpers.report import table
 
     parser = argparse.ArgumentParser(prog="python -m helpers.inference.speed_bench",
                                      description="The speed model calibrated on this (CPU) rig beside both engines "
@@ -224,49 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     if ns.launches < 1:
         parser.error(f"--launches must be at least 1, got {ns.launches}")
-    if ns.replay:
-        rows, by_case = replay(ns.replay)
-        print(table(rows))
-        print(table(error_summary(rows)))
-        print(within_summary(rows, by_case))
-        return
-    rig = detect_rig(force_cpu=True)
-    claim_cpu_device(rig)
-    batches = [int(b) for b in ns.batches.split(",")]
-    prompts = [int(p) for p in ns.prompts.split(",")]
-    model = save_model(str(scratch_dir("speed-bench-")), ns.hidden, ns.layers, ns.vocab)
-    rows_used = sorted({b * p for b in batches for p in prompts} | set(batches))
-    shape = model_shape_of(model)
-    calibration = DeviceCalibration(shape, model.weights_dtype, rows_used,  # a round before each measurement
-                                    [(b, p) for b in batches for p in prompts])
-    launches: list[dict] = []
-
-    def calibration_round() -> None:
-        calibration.sample()
-        launches.append(tensor_parallel_sample(model, rig, rows_used, ns.repeats))
-
-    measured = measure_engines(model, rig, batches, prompts, ns.new_tokens, ns.repeats, calibration_round,
-                               ns.launches)
-    calibration_round()  # the round after the last case
-
-    def priced_by(rounds: Sequence[int]) -> SpeedRig:
-        return calibrate_cpu_rig(model, rig, rows_used, device=calibration.device(rounds),
-                                 tensor_parallel=[launches[i] for i in rounds])
-
-    cases = [(b, p) for b in batches for p in prompts]  # measured in this order, round i before case i
-    case_rigs = {case: priced_by([i, i + 1]) for i, case in enumerate(cases)}
-    whole = priced_by(range(len(launches)))
-    print(whole.note)
-    rows = compare(measured, whole, shape)
+    rows, by_case = replay(ns.replay) if ns.replay else _measure_and_price(ns)
     print(table(rows))
     print(table(error_summary(rows)))
-    print(within_summary(rows, compare_by_case(measured, case_rigs, shape)))
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump({"rig": whole.note, "speed_rig": asdict(whole), "config": shape.config.to_dict(),
-                       "case_rigs": [{"batch": b, "prompt": p, "speed_rig": asdict(r)}
-                                     for (b, p), r in case_rigs.items()],
-                       "rows": rows, "summary": error_summary(rows)}, f, indent=2)
+    print(within_summary(rows, by_case))
 
 
 if __name__ == "__main__":

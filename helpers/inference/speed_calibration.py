@@ -411,12 +411,12 @@ def median_sample(samples: Sequence[dict]) -> dict:
 def calibrate_cpu_rig(model: HFModel, rig, rows: Sequence[int], repeats: int = 5,
                       device: Device | None = None, tensor_parallel: Sequence[dict] = (),
                       prefills: Sequence[tuple[int, int]] = ()) -> SpeedRig:
-    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (see the module's docstring). `rows`:
-    the row counts the workload multiplies at once (batch x prompt tokens for prefill, batch for decode);
-    `prefills`: its prefills' (batch, prompt), where a layer's work beyond its matmuls is measured too (without
-    them, prefill is priced with decode's). `device` and `tensor_parallel`: a virtual device already calibrated
-    (`DeviceCalibration`) and `tensor_parallel_sample`s, taken while the engines were measured; else `repeats`
-    rounds and one launch now."""
+    """The CPU rig as `helpers.inference.speed` sees it, measured for `model` (`DeviceCalibration`,
+    `tensor_parallel_sample`). `rows`: the row counts the workload multiplies at once (batch x prompt tokens for
+    prefill, batch for decode); `prefills`: its prefills' (batch, prompt), where a layer's work beyond its matmuls
+    is measured too (without them, prefill is priced with decode's). `device` and `tensor_parallel`: a virtual
+    device already calibrated (`DeviceCalibration`) and `tensor_parallel_sample`s, taken while the engines were
+    measured; else `repeats` rounds and one launch now."""
     _refuse_gpu_rigs(rig)
     if device is None:
         calibration = DeviceCalibration(model_shape_of(model), model.weights_dtype, rows, prefills)

@@ -1,8 +1,5 @@
-"""The two devices the speed model prices (`helpers.inference.speed`), and the links between them.
-
-`Device`: one device's roofline (bandwidth, matmul rate by rows), the host's time per op and, where measured on the
-CPU rig, what sharing the machine with the other device costs. `SpeedRig`: two devices, the hop of a hidden state
-between them and the all-reduce tensor parallelism pays per layer.
+"""The two devices the speed model prices (`helpers.inference.speed`), and the links between them: `Device`,
+`SpeedRig`.
 
 Rigs: `speed_rig("2x3090 PCIe")` and the others named in data/inference_speed.json (each GPU as
 `helpers.hardware` describes it: sustained bandwidth and matmul rate, the roofline's efficiency, the CPU's time to

@@ -14,7 +14,6 @@ from torch import nn
 
 from helpers.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.measure import synchronize
-from helpers.runtime.rig import run_together
 from helpers.simulate.calibrate_model import (WholeModelTimer, copy_seconds_per_byte, measure_workload,  # noqa: F401
                                               forward_backward_seconds, optimizer_seconds, split_backward_overhead,
                                               typical_slowdown, whole_model_seconds)  # model's names: here too
@@ -23,26 +22,15 @@ from helpers.simulate.workload import Workload
 
 def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int = 7) -> float:
     """How much slower forward + backward of (`x`, `y`) runs on two threads of this process at once (each on its
-    own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators. Each
-    copy timed alone, then both at once in threads; the typical ratio (together / alone) of the rounds (see
-    `typical_slowdown`)."""
-    import copy
-
-    models = [model, copy.deepcopy(model)]
-    fns = [lambda m=m: loss_fn(m(x), y).backward() for m in models]
-    for fn in fns:
-        fn()  # warm-up
-    ratios = []
+    own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators.
+    Timed as the bench times it beside its rows (`WholeModelTimer.slowdown`), `rounds` rounds of alone then
+    together."""
+    timer = WholeModelTimer(model, x, y, loss_fn)
     for _ in range(rounds):
-        alone = 0.0
-        for fn in fns:
-            t0 = time.perf_counter()
-            fn()
-            alone += time.perf_counter() - t0
-        ratios.append(sum(run_together(fns)) / alone)
-    for m in models:
-        m.zero_grad(set_to_none=True)
-    return max(1.0, typical_slowdown(ratios))
+        timer.sample(x.shape[0])
+        timer.sample_together(x.shape[0])
+    model.zero_grad(set_to_none=True)
+    return timer.slowdown()
 
 
 def broadcast_message_seconds(device: torch.device, repeats: int, nbytes: int = 4 * 2**20,
