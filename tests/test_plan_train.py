@@ -300,15 +300,17 @@ def test_published_runs_are_within_15_percent():
 
 def test_host_ram_is_checked_against_every_rank_loading_at_once():
     """Ranks on one machine stream their weights at the same time: the host-RAM check counts their loading peaks
-    together (70B QLoRA with offload: the NF4 quantization workspace of two ranks), not one rank's, nor only the
-    offloaded shards the training keeps afterwards."""
+    together, beside the offloaded shards the training keeps afterwards. 70B QLoRA with offload on two ranks: NF4
+    quantization's workspace is a chunk's table plus the weight's result (1.2 GiB per rank for the 235 M-element MLP
+    weights, measured), so the machine's peak is under 60 GiB and a 64 GB desktop runs it; 48 GiB does not."""
     GiB = 2**30
     plan = plan_training("llama-2-70b", method="qlora", offload="cpu", host_ram_bytes=64 * GiB)
     per_rank = [d.loading_bytes for d in plan.devices]
-    assert plan.host_peak_bytes == max(plan.host_ram_bytes, sum(per_rank)) > plan.host_ram_bytes
-    assert not plan.host_fits and "host RAM" in plan.describe()
-    roomy = plan_training("llama-2-70b", method="qlora", offload="cpu", host_ram_bytes=plan.host_peak_bytes)
-    assert roomy.host_fits
+    assert plan.host_peak_bytes == max(plan.host_ram_bytes, sum(per_rank)) < 60 * GiB
+    assert all(d.loading["NF4 quantization workspace"] < 1.5 * GiB for d in plan.devices)
+    assert plan.host_fits
+    small = plan_training("llama-2-70b", method="qlora", offload="cpu", host_ram_bytes=48 * GiB)
+    assert not small.host_fits and "host RAM" in small.describe()
 
 
 def test_the_planner_speaks_the_jobs_words_and_its_old_ones_still_plan_the_same():

@@ -138,11 +138,18 @@ def test_fully_shard_makes_a_host_nf4_weight_trainable_and_skips_a_meta_one():
 
 
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
-def test_nf4_quantization_peak_is_measured_as_the_planner_prices_it(dtype, name):
-    """The planner's NF4 quantization workspace per element is torchao's, measured (whatever the shape)."""
-    from helpers.finetune.quant import quantization_peak
+def test_nf4_quantization_workspace_is_measured_as_the_planner_prices_it(dtype, name):
+    """The planner's NF4 quantization workspace is torchao's, measured: a chunk's table and the whole weight's result,
+    re-measured here and checked on weights below a chunk and at 2.25 chunks, which the two-size fit did not see."""
+    from helpers.finetune.gpu_memory import quantization_bytes
+    from helpers.finetune.quant import quantization_peak, quantization_workspace
     from helpers.sizing.state import training_data
 
-    measured = quantization_peak(dtype, (256, 512))  # a few fixed bytes beside the per-element ones: within 0.01%
-    assert measured == pytest.approx(quantization_peak(dtype, (512, 256)), rel=1e-4)
-    assert measured == pytest.approx(training_data()["nf4_quantization"]["peak_bytes_per_element"][name], rel=1e-4)
+    data = training_data()["nf4_quantization"]
+    chunk, per_chunk, per_element = quantization_workspace(dtype)
+    assert chunk == data["chunk_elements"]
+    assert per_chunk == pytest.approx(data["per_chunk_element"][name], rel=1e-3)
+    assert per_element == pytest.approx(data["per_element"][name], rel=1e-3)
+    for shape in [(256, 512), (1536, 1536)]:
+        measured = quantization_peak(dtype, shape) * shape[0] * shape[1]
+        assert quantization_bytes(shape[0] * shape[1], name) == pytest.approx(measured, rel=1e-3)

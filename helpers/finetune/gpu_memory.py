@@ -184,10 +184,16 @@ def _loading(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: li
              "largest unit read": max(read(g) for g in _read_at_once(request, shape, mine))}
     largest = max((u.largest_quantized for u in mine), default=0)
     if quantized and largest:
-        peaks = data["nf4_quantization"]["peak_bytes_per_element"]
-        parts["NF4 quantization workspace"] = int(largest * peaks["fp32" if load == FP32 else "bf16"])
+        parts["NF4 quantization workspace"] = quantization_bytes(largest, "fp32" if load == FP32 else "bf16")
     parts["process"] = data["host_loading"]["process_bytes"]
     return parts
+
+
+def quantization_bytes(elements: int, dtype: str) -> int:
+    """torchao's NF4 quantization workspace for one weight of `elements` values in `dtype` ('bf16', 'fp32'): a
+    chunk's nearest-level table and the whole weight's packed result (data/training_memory.json nf4_quantization)."""
+    q = training_data()["nf4_quantization"]
+    return int(q["per_chunk_element"][dtype] * min(elements, q["chunk_elements"]) + q["per_element"][dtype] * elements)
 
 
 def _gathered_bytes(unit: Unit, a: int) -> int:

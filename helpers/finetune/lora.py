@@ -192,7 +192,7 @@ def adapt_linears(layer: nn.Module, linears: Mapping[str, nn.Linear], config, qu
         for name, linear in linears.items():
             parent, _, leaf = name.rpartition(".")
             setattr(layer.get_submodule(parent), leaf, quantize_linear(linear))
-            release_host_memory()  # quantization's workspace (137 bytes per fp32 element), before the next weight
+            release_host_memory()  # quantization's workspace (a chunk's level table and the result), before the next weight
     layer = inject_adapter_in_model(config, layer)
     adapters = [m for m in layer.modules() if isinstance(m, LoraLayer)]
     for m in adapters:
