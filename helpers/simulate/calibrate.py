@@ -70,15 +70,6 @@ def fit_small_messages(sizes: Sequence[float], seconds: Sequence[float], name: s
     return link
 
 
-def fsdp2_units(model: nn.Module) -> list[int]:
-    """Bytes of each unit `fully_shard` would gather for `model` sharded as the course shards it (each layer with
-    parameters its own unit, the whole model the root unit, holding no parameters of its own here)."""
-    from helpers.pipeline.stages import as_layers
-
-    return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in as_layers(model)
-            if any(True for _ in layer.parameters())]
-
-
 FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_seconds` (one sample each, about 0.1 s): with 5 its median read
 # 3.2 and 8.5 ms per collective in two quiet runs, moving the FSDP2 row's prediction by 20%
 
@@ -106,11 +97,12 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     device, world = x.device, dist.get_world_size()
     sharded = copy.deepcopy(model)
     mesh = init_device_mesh(device.type, (world,))
-    for layer in as_layers(sharded):
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
+    # each layer with parameters its own unit, the whole model the root unit (holding no parameters of its own here)
+    layers = [layer for layer in as_layers(sharded) if any(True for _ in layer.parameters())]
+    units = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]  # bytes gathered
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    units = fsdp2_units(model)
     buffers = {n: (torch.zeros(n // 4 // world * world, device=device),
                    torch.zeros(n // 4 // world, device=device)) for n in set(units)}
     gathers = units * 2  # every unit but the root (no parameters here) is resharded after forward
