@@ -329,12 +329,10 @@ def launch_groups(jobs: Sequence[TrainJob]) -> list[tuple[TrainJob, ...]]:
 
 def process_rows(config: BenchConfig, rig, progress: bool | Progress = True, timer=None,
                  reference: LaunchReference | None = None) -> list[BenchRow]:
-    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1; FSDP2's in launches of their own: `launch_groups`) in
-    one launch per round, `config.rounds` rounds in alternating order (start-up paid once a round; each job's steps
-    come from launches minutes apart), then DP x PP (`dp_x_pp_rows`). With `timer`, the whole model timed at each
-    job's micro-batch size just before and after the launch that ran it (`calibration_key`: the job's key), and on
-    both ranks at once inside that launch (`launch_jobs`); with `reference`, the one-device step too, each row's
-    speed-up then taken against its median there."""
+    """Every two-rank job (our pipelines, torch's, DDP, ZeRO-1) in one launch per round, FSDP2's apart
+    (`launch_groups`), `config.rounds` rounds in alternating order (`run_in_rounds`), then DP x PP (`dp_x_pp_rows`);
+    with `timer` and `reference`, each row's calibration and one-device step timed beside its launches and, for the
+    calibration, on both ranks inside them (`launch_jobs`)."""
     launches = {group: lambda group: launch_jobs(group, config, rig, timer)
                 for group in launch_groups(two_rank_jobs(config, rig))}
     return _rows_in_rounds(launches, config, "multi-process jobs", "processes", progress, timer, reference) + \
@@ -408,11 +406,8 @@ def run_in_rounds(launches: dict, rounds: int, desc: str, progress: bool | Progr
 
 
 def pool(launched: Sequence) -> dict:
-    """A multi-process job's launches taken together (the `TrainResult` of each), as its `BenchRow`'s fields: over
-    every launch's steps (`launch_samples`), the median step time and its `relative_spread`; over their timed steps,
-    the median seconds of each phase (`median_phases`); per rank, the median over launches of its median step's
-    thread CPU seconds; each launch's steps and recorded step, in launch order (the last one's timeline and memory
-    are the row's)."""
+    """A multi-process job's launches taken together (the `TrainResult` of each), as its `BenchRow`'s fields: every
+    launch's steps (`launch_samples`) pooled; the last launch's timeline and memory are the row's."""
     steps = [t for got in launched for t in launch_samples(got)]
     cpu = [got.thread_cpu_s for got in launched]
     return dict(step_s=statistics.median(steps), spread=relative_spread(steps),

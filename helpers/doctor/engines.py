@@ -14,7 +14,7 @@ import torch
 
 from helpers.catalog import CATALOG, Strategy
 from helpers.check import max_grad_diff
-from helpers.doctor.checks import Check, guarded, run_check
+from helpers.doctor.checks import Check, run_check
 from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig
@@ -212,10 +212,8 @@ def strategy_checks(rig: Rig, reference: Reference) -> list[tuple[str, str, str,
 
 
 def variant_checks(rig: Rig, reference: Reference, workdir: str) -> list[tuple[str, str, str, Callable[[], str]]]:
-    """(name, strategy, engine, run) for a feature each, on the strategy that shows it: blocking sends, jobs that
-    share one launch, 16-bit weights and autocast, DDP's gradients compressed, FSDP2's MixedPrecisionPolicy, a tied
-    and padded Hugging Face model on each kind of engine, and generation across the devices (`workdir` holds the
-    models they save)."""
+    """(name, strategy, engine, run) for a feature each, on the strategy that shows it (`workdir` holds the models
+    they save)."""
     bf16, fp16, bf16_weights = Precision(autocast="bf16"), Precision(autocast="fp16"), Precision(dtype="bf16")
     pipe = dict(pp=2, boundaries=CUT)
     onefoneb = dict(schedule="1f1b", microbatches=4, **pipe)
@@ -260,13 +258,14 @@ def plan_checks(rig: Rig, workdir: str) -> list[tuple[str, Support, Callable[[],
               strategy_checks(rig, reference) + variant_checks(rig, reference, workdir)]
     checks.append(("generation: tensor parallel", tensor_parallel_support(rig),
                    lambda: _generation(rig, "tensor parallel", workdir)))
+    checks.append(("CUDA paths: event timing, memory panel", Support(rig.is_cuda, "no CUDA on this rig: the CPU rig "
+                   "times with the wall clock and counts memory itself"), lambda: _cuda_paths(rig)))
     return checks
 
 
 def parity_checks(rig: Rig, workdir: str, progress: bool = True,
                   wanted: Callable[[str], bool] = lambda name: True) -> list[Check]:
-    """Every check of `plan_checks` that `wanted` keeps, run or refused, each printed as it ends; then the CUDA-only
-    paths (refused on the CPU rig)."""
+    """Every check of `plan_checks` that `wanted` keeps, run or refused, each printed as it ends."""
     checks = []
     for name, verdict, fn in plan_checks(rig, workdir):
         if not wanted(name):
@@ -274,12 +273,4 @@ def parity_checks(rig: Rig, workdir: str, progress: bool = True,
         checks.append(run_check(name, verdict, fn))
         if progress:
             print(f"  {checks[-1].status:<8} {name}", flush=True)
-    if rig.is_cuda:
-        if wanted("CUDA paths: event timing, memory panel"):
-            checks += guarded("CUDA paths: event timing, memory panel", lambda: _cuda_paths(rig))
-    else:
-        checks.append(Check("CUDA paths: event timing, copy streams, memory panel", "REFUSED",
-                            "no CUDA on this rig: the CPU rig times with the wall clock and counts memory itself"))
     return checks
-
-
