@@ -15,7 +15,7 @@ from torch import nn
 
 from helpers.measure import Timings, interleaved_medians
 from helpers.sizing.ledger import MemoryLedger, ledger_for
-from helpers.models import lm_loss
+from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
@@ -49,6 +49,13 @@ def one_device_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn:
             optimizer.step()
 
     return step
+
+
+def model_and_batch(cfg: StackConfig, batch: int, device) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """`cfg`'s block stack and the first `batch` samples of its synthetic tokens, all on `device`: what every
+    timing of the bench (its rows, the calibration, the profiles, the extras) runs."""
+    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
+    return build_stack(cfg).to(device), x.to(device), y.to(device)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 prediction calibrated in the same run; the extras; bench.json and the timelines."""
 from __future__ import annotations
 
-from helpers.bench.blocks import MachineLoad
+from helpers.bench.blocks import MachineLoad, model_and_batch
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
 from helpers.bench.records import command_line, keep, source_state
@@ -83,20 +83,16 @@ def measure(config, rig, progress: Progress, quick: bool, skip_extras: bool) -> 
     """Every row, timed with the whole model beside it (`run_bench`); the rig calibrated (links, busy-core
     slowdown) and each row predicted from it; the extras. Returns the rows, the extras, the rig's model and the
     per-layer calibrations."""
-    from helpers.models import SyntheticTokens, build_stack
     from helpers.simulate.calibrate import measure_rig
     from helpers.simulate.calibrate_model import WholeModelTimer
 
     device = rig.devices[0]
-    tx, ty = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
-    timer = WholeModelTimer(build_stack(config.cfg).to(device), tx.to(device), ty.to(device), lm_loss)
+    timer = WholeModelTimer(*model_and_batch(config.cfg, config.batch, device), lm_loss)
     rows = run_bench(config, rig, progress, timer)
 
     progress.phase("calibrating: link benchmark (point-to-point, all-reduce) and busy-core slowdown")
-    probe = build_stack(config.cfg).to(device)
     mb = min(microbatch_size(r, config.batch) for r in rows)
-    px, py = SyntheticTokens(mb, config.cfg.seq_len, config.cfg.vocab).batch(0, mb)
-    rig_model = measure_rig(rig, probe, px.to(device), py.to(device), lm_loss, config.link_sizes)
+    rig_model = measure_rig(rig, *model_and_batch(config.cfg, mb, device), lm_loss, config.link_sizes)
     calibrated = predict_rows(rows, config, rig, rig_model, progress, timer)
     extras = {"split backward": split_backward_rows(rows)}
     if not skip_extras:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Sequence
 
-from helpers.bench.blocks import PipelineRun, make_pipeline_run, one_device_step, run_rows, time_pipeline_runs
+from helpers.bench.blocks import (PipelineRun, make_pipeline_run, model_and_batch, one_device_step, run_rows,
+                                  time_pipeline_runs)
 from helpers.bench.rows import Progress, _caller_seconds, calibration_samplers, compute_drift
 from helpers.models import StackConfig, lm_loss
 from helpers.timeline import PHASES, median_phases, phase_seconds
@@ -35,7 +36,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
     """Notebook 02's four splits of the non-uniform model, each trained as a 4-micro-batch GPipe pipeline and timed
     against one device in the same interleaved rounds; with `rig_model` (a `RigModel` of this run), each row's
     prediction from the same per-layer profile the splits were chosen on."""
-    from helpers.models import SyntheticTokens, build_stack, nonuniform_config
+    from helpers.models import nonuniform_config
     from helpers.partition import compare_splits
     from helpers.profile import profile_layers
     from helpers.simulate.calibrate_model import WholeModelTimer
@@ -43,10 +44,7 @@ def split_comparison_rows(rig, quick: bool = False, rig_model=None, progress: bo
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("splits of a non-uniform model (notebook 02)")
     batch, m, repeats = (16, 4, 2) if quick else (32, 4, repeats or 6)
-    cfg = nonuniform_config(1 if rig.is_cpu else 4)
-    model = build_stack(cfg).to(rig.devices[0])
-    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
-    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    model, x, y = model_and_batch(nonuniform_config(1 if rig.is_cpu else 4), batch, rig.devices[0])
     prof = profile_layers(model, x[:batch // m], repeats=repeats, loss_fn=lm_loss, target=y[:batch // m])
     splits = compare_splits(prof.costs("time"), prof.costs("params"), prof.memory_bytes())
     runs = [make_pipeline_run(name, model, s.boundaries, rig.devices, rig.labels, "gpipe", m)
@@ -74,15 +72,11 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
     activations per device; with `rig_model`, each row's prediction (the simulator recomputes the checkpointed
     blocks' forward in backward) from one profile of the unchecked model."""
     from helpers.activation_checkpointing import checkpoint_layers, every_kth
-    from helpers.models import SyntheticTokens, build_stack
-
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     progress.phase("activation checkpointing sweep (notebook 03)")
     batch, m, repeats = (16, 4, 2) if quick else (32, 4, repeats or 6)
     cfg = StackConfig(hidden=256 if rig.is_cpu else 1024, n_blocks=8, seq_len=32)
-    model = build_stack(cfg).to(rig.devices[0])
-    x, y = SyntheticTokens(batch, cfg.seq_len, cfg.vocab).batch(0, batch)
-    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    model, x, y = model_and_batch(cfg, batch, rig.devices[0])
     blocks = list(range(1, cfg.n_blocks + 1))
     variants = {"none": [], **{f"every {k}": every_kth(blocks, k) for k in (4, 2, 1)}}
     runs = [make_pipeline_run(name, checkpoint_layers(model, which), [len(model) // 2], rig.devices, rig.labels,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from helpers.bench.blocks import bench_cut
+from helpers.bench.blocks import bench_cut, model_and_batch
 from helpers.bench.jobs import BenchConfig
 from helpers.bench.rows import BenchRow, Progress
 from helpers.catalog import strategy as catalog_entry
@@ -59,12 +59,9 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
     use: `measure_workload`), each rescaled to the whole model's time sampled with the row (`timer`, under its
     `calibration_key`), link fits and core sharing; returns the calibrations by micro-batch size (rescaled to all of
     `timer`'s samples)."""
-    from helpers.models import SyntheticTokens, build_stack
     from helpers.simulate.calibrate_model import measure_workload
 
-    model = build_stack(config.cfg).to(rig.devices[0])
-    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
-    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    model, x, y = model_and_batch(config.cfg, config.batch, rig.devices[0])
     sizes = sorted({microbatch_size(r, config.batch) for r in rows}, reverse=True)
     progress.phase(f"calibrating: per-layer profile and whole-model time at micro-batch sizes {sizes}")
     calibrated, bar = {}, progress.bar(len(sizes), "profiles")

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from helpers.bench.blocks import PipelineRun, bench_cut, make_pipeline_run, one_device_step, time_pipeline_runs
+from helpers.bench.blocks import (PipelineRun, bench_cut, make_pipeline_run, model_and_batch, one_device_step,
+                                  time_pipeline_runs)
 from helpers.bench.jobs import BenchConfig, bench_jobs, job_microbatch, threaded_pipelines, two_rank_jobs
 from helpers.catalog import CATALOG
 from helpers.measure import relative_spread
@@ -226,14 +227,10 @@ def run_bench(config: BenchConfig, rig, progress: bool | Progress = True, timer=
     (a `helpers.simulate.calibrate.WholeModelTimer` of the same model), the whole model is timed at each row's
     micro-batch size in the same interleaved rounds (threads) and around each launch (processes), each row's samples
     kept under its `calibration_key`, for the predictions."""
-    from helpers.models import SyntheticTokens, build_stack
-
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     if rig.is_cpu:
         claim_cpu_device(rig)
-    model = build_stack(config.cfg).to(rig.devices[0])
-    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
-    x, y = x.to(rig.devices[0]), y.to(rig.devices[0])
+    model, x, y = model_and_batch(config.cfg, config.batch, rig.devices[0])
     threaded = threaded_pipelines(config)
     runs = [make_pipeline_run(f"{s.name}-m{m}", model, bench_cut(s.schedule, len(model)), rig.devices, rig.labels,
                               s.schedule, m) for s, m in threaded]
@@ -275,7 +272,6 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     before it in the same processes: `launch_groups`)."""
     import torch.distributed as dist
 
-    from helpers.models import SyntheticTokens, build_stack
     from helpers.runtime.launch import rank_device
     from helpers.simulate.calibrate import receive_post_seconds
     from helpers.simulate.calibrate_model import WholeModelTimer
@@ -283,8 +279,7 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
 
     results = train_workers(jobs)
     device = rank_device()
-    x, y = SyntheticTokens(max(sizes), cfg.seq_len, cfg.vocab).batch(0, max(sizes))
-    timer = WholeModelTimer(build_stack(cfg).to(device), x.to(device), y.to(device), lm_loss)
+    timer = WholeModelTimer(*model_and_batch(cfg, max(sizes), device), lm_loss)
     for size in sizes:
         for _ in range(repeats):
             dist.barrier()

@@ -94,6 +94,7 @@ def bench_launch_check(rig: Rig) -> Check | str:
     then the whole model timed on both ranks at once and a receive's post timed, in the same processes): on GPUs
     the timer's model and micro-batches and the probe's buffers live on each rank's device, which no other check
     runs. The jobs are the bench's own (`two_rank_jobs` of its quick run), those this rig can run."""
+    from helpers.bench.blocks import model_and_batch
     from helpers.bench.jobs import default_config, two_rank_jobs
     from helpers.bench.rows import launch_jobs
     from helpers.simulate.calibrate_model import WholeModelTimer
@@ -103,9 +104,7 @@ def bench_launch_check(rig: Rig) -> Check | str:
             and job.wire == "auto"]
     if not jobs:
         return Check(BENCH_LAUNCH, "REFUSED", "none of the bench's two-rank jobs runs on this rig", 0.0)
-    x, y = SyntheticTokens(config.batch, config.cfg.seq_len, config.cfg.vocab).batch(0, config.batch)
-    device = rig.devices[0]
-    timer = WholeModelTimer(build_stack(config.cfg).to(device), x.to(device), y.to(device), lm_loss)
+    timer = WholeModelTimer(*model_and_batch(config.cfg, config.batch, rig.devices[0]), lm_loss)
     results = launch_jobs(jobs, config, rig, timer)
     posts = {job: timer.receive_post_s(job) for job in jobs}
     if any((posts[job] is not None) != (job.pp > 1) for job in jobs):
