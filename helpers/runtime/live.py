@@ -140,11 +140,14 @@ class _Reporter:
                 "max_allocated": torch.cuda.max_memory_allocated(self.device)}
 
     def publish(self, source: Any, title: str | None) -> None:
-        """A new job's source: the current one's last report is kept (finished) before it is replaced."""
+        """A new job's source: the current one's last report is kept (finished) before it is replaced, and CUDA's peak
+        starts again, so a later job's row never shows an earlier job's peak."""
         if self.source is not None and source is not self.source:
             last = self.snapshot("finished")
             del last["earlier"]
             self.earlier.append(last)
+            if self._cuda() is not None:
+                sys.modules["torch"].cuda.reset_peak_memory_stats(self.device)
         self.source, self.title = source, title
 
     def snapshot(self, status: str) -> dict:
