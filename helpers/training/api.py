@@ -92,9 +92,8 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
         loss = pipe.step(x, y, mask, loss_scale=scaler.get_scale() if scaler else 1.0, seeds=seeds)
         step_optimizer(optimizer, scaler)
         losses.append(loss.item())
-    offsets = [0, *job.cut()]
-    state = {offsets[s] + k: {n: t.detach().cpu().clone() for n, t in layer.state_dict().items()}
-             for s, stage in enumerate(split.stages) for k, layer in enumerate(stage.layers)}
+    layers = [layer for stage in split.stages for layer in stage.layers]  # in global order: stages are contiguous
+    state = {i: {n: t.detach().cpu().clone() for n, t in layer.state_dict().items()} for i, layer in enumerate(layers)}
     return Trained(losses, state, events=pipe.events())
 
 

@@ -241,10 +241,8 @@ def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
     if job.data_parallel not in DATA_PARALLEL:
         raise ValueError(f"unknown data-parallel strategy {job.data_parallel!r}; choose one of {DATA_PARALLEL}")
     try:
-        resolve_dtype(job.wire)
+        resolve_dtype(job.wire)  # with pp > 1 the pipeline's check has refused a bad wire already
     except ValueError:
-        if job.pp > 1:  # DP x PP: the wire is the pipeline's boundaries', said by its own check
-            raise
         raise ValueError(f"wire={job.wire!r}: DDP's gradient buckets cross the link as 'auto' (the gradients' own "
                          "dtype), fp32, fp16 or bf16") from None
     if job.wire != "auto" and job.fully_sharded:
