@@ -95,8 +95,22 @@ def _damage(path, how: str):
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, how):
     Run(tmp_path).train(0, 2)
     shard = _damage(step_folder(tmp_path, 2), how)
-    with pytest.raises(CheckpointError, match=f"{shard}.* {how}"):
+    with pytest.raises(CheckpointError, match=f"{shard}.* {how}.*No older checkpoint"):
         Run(tmp_path).ckpt.resume()
+
+
+def test_a_damaged_latest_checkpoint_names_the_newest_intact_one_and_how_to_resume_from_it(tmp_path):
+    """The refusal names the damaged file and the newest older checkpoint whose files all check (a damaged one
+    between them is passed over); moving the refused folders aside, as the message says, resumes from it."""
+    Run(tmp_path, keep=3).train(0, 6)
+    assert complete_steps(tmp_path) == [2, 4, 6]
+    _damage(step_folder(tmp_path, 6), "corrupted")
+    _damage(step_folder(tmp_path, 4), "truncated")
+    with pytest.raises(CheckpointError, match=r"corrupted.*newest intact checkpoint is step 2 .*mv "):
+        Run(tmp_path, keep=3).ckpt.resume()
+    for step in (6, 4):
+        step_folder(tmp_path, step).rename(f"{step_folder(tmp_path, step)}.refused")
+    assert Run(tmp_path, keep=3).ckpt.resume() == 2
 
 
 def test_another_models_or_optimizers_checkpoint_is_refused(tmp_path):

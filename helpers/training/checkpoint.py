@@ -103,6 +103,22 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return step_folder(folder, steps[-1]) if steps else None
 
 
+def _intact_before(folder: str | Path, damaged: Path) -> str:
+    """What to do when the newest checkpoint is refused: the newest older one whose files all check, and how to
+    resume from it (the run resumes from the newest complete folder, so the refused one is moved aside)."""
+    for step in reversed(complete_steps(folder)):
+        path = step_folder(folder, step)
+        if path == damaged:
+            continue
+        try:
+            verify_files(path)
+        except CheckpointError:
+            continue
+        return (f"The newest intact checkpoint is step {step} ({path}): to resume from it, move the refused one "
+                f"aside (mv {damaged} {damaged}.refused) and start the run again")
+    return "No older checkpoint in the folder is intact: move the refused one aside to start the run from step 0"
+
+
 def read_mark(path: str | Path) -> dict:
     """A checkpoint's `complete.json`, or a CheckpointError saying it is not a complete checkpoint."""
     mark = Path(path) / MARK
@@ -334,7 +350,12 @@ class Checkpointer:
         if not self.spec.resume:
             return 0
         path = latest_checkpoint(self.spec.folder)
-        return self.load(path) if path is not None else 0
+        if path is None:
+            return 0
+        try:
+            return self.load(path)
+        except CheckpointError as damaged:
+            raise CheckpointError(f"{damaged}. {_intact_before(self.spec.folder, path)}") from None
 
     def load(self, path: str | Path) -> int:
         """Load the checkpoint at `path` into the model, optimizers, scheduler, scaler and RNG; return its step.
