@@ -97,6 +97,12 @@ def _one_way(buf: torch.Tensor, peer: int, sending: bool, device: torch.device) 
     synchronize(device)
 
 
+def _round_trip(buf: torch.Tensor, rank: int, device: torch.device) -> None:
+    """Rank 0 sends `buf` to rank 1, which sends it back (`_one_way` each)."""
+    for sender in (0, 1):
+        _one_way(buf, 1 - rank, rank == sender, device)
+
+
 def timed_across_ranks(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of `fn()` over `repeats`, after one untimed warm-up, all ranks starting together (a rank
     worker: every rank calls it)."""
@@ -111,23 +117,15 @@ def process_links(sizes: list[int], repeats: int = 5) -> list[LinkSample]:
 
     rank, device, backend = dist.get_rank(), rank_device(), plain_backend()
     staged = "" if backend == "nccl" else ", through host memory" if device.type == "cuda" else ""
-    peer = 1 - rank
     warm = torch.zeros(1, device=device)
     for _ in range(3):  # the first messages pay for connection setup
-        _one_way(warm, peer, rank == 0, device)
-        _one_way(warm, peer, rank == 1, device)
+        _round_trip(warm, rank, device)
         dist.all_reduce(warm)
     samples = []
     for n in sizes:
         buf = torch.zeros(n // 4, dtype=torch.float32, device=device)
-
-        def round_trip() -> None:
-            first, second = (True, False) if rank == 0 else (False, True)
-            _one_way(buf, peer, first, device)
-            _one_way(buf, peer, second, device)
-
         samples.append(LinkSample(f"processes: point-to-point ({backend}{staged})", n,
-                                  timed_across_ranks(round_trip, repeats, device) / 2))
+                                  timed_across_ranks(lambda: _round_trip(buf, rank, device), repeats, device) / 2))
         samples.append(LinkSample(f"processes: all-reduce ({backend})", n,
                                   timed_across_ranks(lambda: dist.all_reduce(buf), repeats, device)))
     return samples if rank == 0 else []
