@@ -2,6 +2,7 @@
 chosen, damaged or foreign checkpoints refused naming the file, a failed or interrupted save leaving the previous one
 loadable. The multi-process resume matrix (kill a rank, restart, resume) is tests/test_resume.py."""
 import json
+import os
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from helpers.models import StackConfig, SyntheticTokens, lm_loss
 from helpers.models.layered import Stage
 from helpers.models.stack import StackModel
 from helpers.training.checkpoint import (MARK, CheckpointError, Checkpointer, CheckpointSpec, complete_steps,
-                                        latest_checkpoint, layer_view, step_folder)
+                                        latest_checkpoint, layer_view, read_mark, step_folder)
 
 CFG = StackConfig(hidden=32, n_blocks=2, heads=2, seq_len=8, vocab=64)
 
@@ -166,3 +167,25 @@ def test_qlora_shards_under_cpu_offload_hold_only_their_share(tmp_path):
     ratios = run(nf4_storage_over_share, LoraModel(base, LoraSpec(method="qlora")), True, rig=cpu_rig(),
                  oversubscribe=True)
     assert max(ratios) < 1.1, ratios
+
+
+def test_exact_resume_makes_cuda_kernels_deterministic_and_leaves_the_cpu_alone(monkeypatch):
+    """fp32 attention on a GPU runs the memory-efficient SDPA kernel, whose backward is not deterministic unless
+    asked: a checkpointing run on CUDA asks (cuBLAS's workspace config too); the CPU's kernels already are."""
+    from helpers.training.checkpoint import exact_on
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not exact_on(torch.device("cpu")) and not torch.are_deterministic_algorithms_enabled()
+    try:
+        assert exact_on(torch.device("cuda", 0))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_checkpoint_says_where_it_was_written(tmp_path):
+    """The mark records the device type the run trained on, so a load elsewhere (a CPU rig's checkpoint on a GPU)
+    can say what moved; DCP loads into this process's devices."""
+    Run(tmp_path).train(0, 2)
+    assert read_mark(step_folder(tmp_path, 2))["device"] == "cpu"

@@ -17,6 +17,11 @@ full) is never chosen, and the previous checkpoint is untouched because a save n
 each file is checked against the mark (missing, truncated, corrupted) and the checkpoint's tensors against the
 model and optimizer being resumed, and refused with the file and what differs.
 
+Exact on GPUs too: a run that checkpoints on CUDA sets `torch.use_deterministic_algorithms` (`exact_on`), since fp32
+attention runs the memory-efficient SDPA kernel there, whose backward is not deterministic otherwise. A checkpoint
+moves between CPU and CUDA processes: DCP loads into the template's devices, and a generator the writer did not have
+(a CPU rig's checkpoint has no CUDA RNG) is left at its seed, with a warning that says so.
+
 `async_save`: `dcp.async_save` stages the state into host memory (pinned on GPUs) and writes it from a thread over
 a gloo group of its own, so the training step is blocked only while it copies; `Checkpointer.blocked` lists the
 seconds each save blocked the step, sync or async.
@@ -30,6 +35,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +179,18 @@ def _host_default():
     return torch.device("cpu")
 
 
+def exact_on(device: torch.device) -> bool:
+    """Make this process's kernels deterministic where exact resume needs it: on CUDA (cuBLAS's workspace config,
+    read when it creates a handle, and `use_deterministic_algorithms`; warn_only, so an operator without a
+    deterministic kernel names itself in a warning instead of stopping a long run). Returns whether it did; the CPU
+    kernels the course runs are deterministic already."""
+    if device.type != "cuda":
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return True
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -235,6 +253,8 @@ class Checkpointer:
         self._async_group = None
         if self.spec.async_save and self.distributed:  # a group of its own: the background write's collectives
             self._async_group = dist.new_group(backend="gloo")  # never queue behind the training's
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        exact_on(self.device)
         if self.rank == 0:
             Path(self.spec.folder).mkdir(parents=True, exist_ok=True)
 
@@ -263,7 +283,8 @@ class Checkpointer:
         return out
 
     def _mark(self) -> dict:
-        return {"world": self.world, "optimizers": [type(o).__name__ for o in self.optimizers],
+        return {"world": self.world, "device": self.device.type,
+                "optimizers": [type(o).__name__ for o in self.optimizers],
                 "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
                 "scaler": self.scaler is not None, **self.description}
 
@@ -376,6 +397,8 @@ class Checkpointer:
             rng_key = f"rank{self.rank}"
             if f"rng.{rng_key}.cpu" not in saved:  # saved by another number of ranks: not this rank's RNG
                 del state["rng"]
+            else:
+                self._skip_generators_not_saved(path, state["rng"][rng_key], saved, mark)
             self._check_tensors(path, state, saved)
             dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
             set_state_dict(self.model, list(self.optimizers), model_state_dict=state["model"],
@@ -388,11 +411,23 @@ class Checkpointer:
                 _set_rng_state(state["rng"][rng_key])
             return int(state["progress"]["step"])
 
+    def _skip_generators_not_saved(self, path: Path, generators: dict, saved: dict, mark: dict) -> None:
+        """A generator this process has and the writer had not (a CPU rig's checkpoint loaded on a GPU: no CUDA
+        RNG) keeps its seed: weights, optimizer state and the CPU generator still load exactly."""
+        for name in [g for g in generators if f"rng.rank{self.rank}.{g}" not in saved]:
+            del generators[name]
+            warnings.warn(f"{path} was saved on {mark.get('device', 'another device')}, without a {name} generator: "
+                          f"the {name} generator keeps its seed (random draws there, e.g. dropout, differ from an "
+                          "uninterrupted run)", stacklevel=3)
+
     def _check_mark(self, path: Path, mark: dict) -> None:
         mine = self._mark()
+        moved = f" (saved on {mark['device']}, loading on {mine['device']})" \
+            if mark.get("device", mine["device"]) != mine["device"] else ""
         for key in ("optimizers", "scheduler", "scaler"):
             if key in mark and mark[key] != mine[key]:
-                raise CheckpointError(f"{path / MARK}: saved with {key} {mark[key]!r}, this run has {mine[key]!r}")
+                raise CheckpointError(f"{path / MARK}: saved with {key} {mark[key]!r}, this run has "
+                                      f"{mine[key]!r}{moved}")
 
     def _check_tensors(self, path: Path, state: dict, saved: dict) -> None:
         """Every tensor this rank would load exists in the checkpoint with its shape and dtype."""
