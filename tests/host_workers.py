@@ -68,3 +68,27 @@ def pipeline_save_growth(model_dir: str, directory: str) -> dict[str, int]:
     Path("/proc/self/clear_refs").write_text("5")
     save_pipeline(model, [stage], directory)
     return {"growth": _status_bytes("VmHWM") - before, "stage": sum(sizes), "largest": max(sizes)}
+
+
+def async_saves_staging_and_groups(folder: str) -> dict:
+    """Three async saves of one checkpointer: whether every save staged into the same host copy (the stager's
+    storages, the first save's kept), and how many process groups the rank holds after the checkpointer closed,
+    beside before it was made."""
+    from torch.distributed.distributed_c10d import _world
+
+    from helpers.training.checkpoint import Checkpointer, CheckpointSpec
+
+    groups = len(_world.pg_map)
+    model = torch.nn.Linear(8, 8, device="cpu")
+    ckpt = Checkpointer(CheckpointSpec(folder, every=1, async_save=True), model,
+                        [torch.optim.Adam(model.parameters())])
+    staged = []
+    for step in (1, 2, 3):
+        model(torch.ones(2, 8, device="cpu")).sum().backward()
+        ckpt.save(step)
+        ckpt.wait()
+        cache = ckpt._stager._state_dict_stager._cached_storage_mapping
+        staged.append(sorted(id(v) for v in cache.values()))
+    ckpt.close()
+    return {"same staging copy": staged[0] == staged[1] == staged[2] and bool(staged[0]),
+            "groups left": len(_world.pg_map) - groups}

@@ -189,3 +189,14 @@ def test_a_checkpoint_says_where_it_was_written(tmp_path):
     can say what moved; DCP loads into this process's devices."""
     Run(tmp_path).train(0, 2)
     assert read_mark(step_folder(tmp_path, 2))["device"] == "cpu"
+
+
+def test_async_saves_reuse_one_staging_copy_and_leave_no_group(tmp_path):
+    """Every async save of a run stages into the host copy the first one made (pinned on GPUs: allocating it anew
+    each save costs the step), and closing the checkpointer releases its background write's process group."""
+    from helpers.runtime.launch import run
+    from helpers.runtime.rig import cpu_rig
+    from tests.host_workers import async_saves_staging_and_groups
+
+    for rank in run(async_saves_staging_and_groups, str(tmp_path), rig=cpu_rig(), oversubscribe=True):
+        assert rank == {"same staging copy": True, "groups left": 0}

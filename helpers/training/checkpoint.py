@@ -250,7 +250,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if self.distributed else 1
         self._pending = None
         self._async_error: Exception | None = None
-        self._async_group = None
+        self._async_group = self._stager = None
         if self.spec.async_save and self.distributed:  # a group of its own: the background write's collectives
             self._async_group = dist.new_group(backend="gloo")  # never queue behind the training's
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
@@ -310,16 +310,11 @@ class Checkpointer:
                 dcp.save(state, checkpoint_id=str(path), no_dist=not self.distributed)
                 self._finish(path, step)
             else:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                      use_async_staging=False, use_non_blocking_copy=cuda))
                 future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_group,
-                                        async_stager=stager, no_dist=not self.distributed)
+                                        async_stager=self._staging(), no_dist=not self.distributed)
                 # the mark is written as soon as the write ends, not at the next save: a crash keeps it
                 marked = threading.Event()
-                future.add_done_callback(lambda f: self._finish_async(f, path, step, stager, marked))
+                future.add_done_callback(lambda f: self._finish_async(f, path, step, marked))
                 self._pending = (future, marked)
         seconds = time.perf_counter() - t0
         self.blocked.append(seconds)
@@ -337,10 +332,20 @@ class Checkpointer:
             error, self._async_error = self._async_error, None
             raise error
 
-    def _finish_async(self, future, path: Path, step: int, stager, marked: threading.Event) -> None:
+    def _staging(self):
+        """The run's one stager: its host copy of the state (pinned on GPUs) is made at the first async save and
+        refilled by every later one (DCP's stager keeps it by source storage), not allocated anew each save."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def _finish_async(self, future, path: Path, step: int, marked: threading.Event) -> None:
         """The end of a background write (in the writer's thread): mark it complete, unless it failed."""
         try:
-            stager.close()
             if future.exception() is None:
                 self._finish(path, step)
         except Exception as exc:  # noqa: BLE001 - raised to the training loop by `wait`
@@ -454,8 +459,14 @@ class Checkpointer:
         kill_if_asked(self.rank, step, self.spec.folder)
 
     def close(self) -> None:
-        """Finish the save in flight (the run's end)."""
+        """Finish the save in flight (the run's end); release the staging copy and the background write's group."""
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None
 
 
 def rank_checkpointer(job, module: nn.Module, owned: Sequence[int], optimizer, scaler) -> Checkpointer | None:
