@@ -13,6 +13,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import torch
@@ -272,9 +273,7 @@ class _Rank:
 
     def chunks(self) -> list[Stage]:
         """This rank's pipeline stages, in chunk order, sharing the layers of `module`."""
-        starts = [0]
-        for a, b in self.chunk_ranges:
-            starts.append(starts[-1] + b - a)
+        starts = [0, *accumulate(b - a for a, b in self.chunk_ranges)]
         return [Stage(self.module.layers[s:e]) for s, e in zip(starts, starts[1:])]
 
     @property

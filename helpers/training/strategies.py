@@ -23,7 +23,7 @@ from helpers.pipeline.transports import P2PTransport
 from helpers.dtypes import DTYPES
 from helpers.precision import Precision
 from helpers.runtime.launch import release_host_memory
-from helpers.runtime.host import mark_offloaded
+from helpers.runtime.host import mark_offloaded, preparing_on
 from helpers.timeline import Recorder
 
 PipelineStep = Callable[[Sequence[MicroBatch], float, float], "torch.Tensor | None"]
@@ -104,7 +104,7 @@ def apply_fsdp(module: Stage, model: LayeredModel, first_layer: int, mesh, devic
     module.to_empty(device=torch.device("cpu") if offload else device)
     rank, world = mesh.get_local_rank(), mesh.size()
     reference = model.meta_layers()
-    with host_threads():
+    with host_threads(), preparing_on(device):  # QLoRA's quantization on the rank's GPU, where it has one
         for offset, layer in enumerate(module.layers):
             model.materialize(reference, [first_layer + offset], torch.device("cpu"))
             fill_shards(layer, reference[first_layer + offset], rank, world)
@@ -271,10 +271,8 @@ def sum_replica_grads(params: list[nn.Parameter], group, rec: Recorder) -> None:
     with rec.span("allreduce"):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 # --- pipelines -----------------------------------------------------------------------------------------------------
