@@ -163,17 +163,19 @@ def meta_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def stream_checkpoint(model: torch.nn.Module, path: str, dtype: torch.dtype, rank: int, world: int,
-                      prepare=None) -> None:
+                      prepare=None, device: torch.device = torch.device("cpu")) -> None:
     """Fill `model` (a Hugging Face causal LM built on the meta device, `fully_shard`-ed per decoder layer and at
     the root, then `to_empty`-ed) with the safetensors checkpoint in `path` (one file, or sharded with
     model.safetensors.index.json), one decoder layer at a time: the layer's tensors read alone, in `dtype`, made
     ready by `prepare(layer, index)` (QLoRA: quantized to NF4 and given its adapters) and cut to this rank's shard;
     then the root (embeddings, final norm, head) the same way. A rank's host memory holds its shards and one layer,
-    never the whole model; quantizing runs on this rank's share of the cores (torchrun sets OMP_NUM_THREADS=1)."""
+    never the whole model; quantizing runs on the rank's GPU (`device`), or on the CPU rig on this rank's share of
+    the cores (torchrun sets OMP_NUM_THREADS=1)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from helpers.models.hf import load_module
+    from helpers.runtime.host import preparing_on
     from helpers.runtime.launch import release_host_memory
     from helpers.training.strategies import fill_shards, host_threads
 
@@ -186,7 +188,7 @@ def stream_checkpoint(model: torch.nn.Module, path: str, dtype: torch.dtype, ran
     parent, _, leaf = name.rpartition(".")
     setattr(host.get_submodule(parent), leaf, torch.nn.ModuleList())  # what is left is the root
     sharded = decoder_layers(model)[1]
-    with torch.device("cpu"), host_threads():
+    with torch.device("cpu"), host_threads(), preparing_on(device):  # quantize on the rank's GPU, if it has one
         for i in range(len(blocks)):
             block = load_module(blocks[i], path, f"{name}.{i}.", dtype)
             blocks[i] = None  # the host copy goes once its shard is cut

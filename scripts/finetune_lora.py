@@ -84,7 +84,7 @@ def load_model(ns, rank: int, world: int, device: torch.device) -> tuple[nn.Modu
     def prepare(block: nn.Module, index: int) -> nn.Module:  # the same NF4 bytes and adapters on every rank
         return adapt_linears(block, linears(block), config, ns.method == "qlora", layer_seed(ns.seed, index))
 
-    stream_checkpoint(model.base_model.model, ns.model, dtype, rank, world, prepare)
+    stream_checkpoint(model.base_model.model, ns.model, dtype, rank, world, prepare, device)
     if ns.offload == "cpu":  # FSDP2 keeps the parameter shards in host memory; buffers go to the GPU
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):

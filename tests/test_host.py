@@ -32,3 +32,20 @@ def test_pipeline_save_streams_one_tensor_at_a_time(tmp_path):
     assert last["stage"] > 8 * last["largest"], last  # a stage of many tensors: streaming is what keeps it small
     assert last["growth"] <= last["largest"] + 32 * MiB, {k: v / MiB for k, v in last.items()}
     assert (tmp_path / "saved" / "config.json").exists()
+
+
+def test_host_built_layers_are_prepared_on_the_ranks_gpu_only():
+    """QLoRA's quantization of a layer built on the host runs on the rank's GPU where it has one (inside
+    `preparing_on`), on the host otherwise: the CPU rig keeps the host path, which every QLoRA test runs."""
+    import torch
+
+    from helpers.runtime.host import preparation_device, preparing_on
+
+    assert preparation_device() is None
+    with preparing_on(torch.device("cpu")):
+        assert preparation_device() is None
+    with preparing_on(torch.device("cuda", 1)):
+        assert preparation_device() == torch.device("cuda", 1)
+        with preparing_on(torch.device("cpu")):
+            assert preparation_device() is None
+    assert preparation_device() is None

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.runtime.host import preparation_device
+
 BLOCK = 64  # values per NF4 block (QLoRA's and torchao's default)
 SCALER_BLOCK = 256  # scales per double-quantization block (torchao's default), or the largest that divides
 MAX_SHARDS = 8  # NF4 weights are laid out so that FSDP2 can shard them over up to this many ranks
@@ -67,10 +69,14 @@ def is_nf4(t: torch.Tensor) -> bool:
 
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as an NF4Tensor (on the meta device too: shapes only), dequantizing to the weight's dtype."""
+    """`weight` as an NF4Tensor (on the meta device too: shapes only), dequantizing to the weight's dtype; a host
+    weight is quantized on the rank's GPU inside `helpers.runtime.host.preparing_on` and comes back to the host."""
     layout = nf4_layout(weight.shape)
     if isinstance(layout, str):
         raise ValueError(f"cannot store this weight in NF4: {layout}")
+    gpu = preparation_device() if weight.device.type == "cpu" else None
+    if gpu is not None:
+        return _nf4().to_nf4(weight.detach().to(gpu).contiguous(), *layout).to(weight.device)
     return _nf4().to_nf4(weight.detach().contiguous(), *layout)
 
 
