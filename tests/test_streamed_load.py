@@ -53,8 +53,8 @@ def small_qlora_model(tmp_path_factory):
 
 def _plan(path, method):
     """The planner's loading figure for two ranks of FSDP2 with CPU offload: on the CPU rig a rank's shards live
-    in host memory, as they do on GPUs with offload."""
-    return plan_training(str(path), method, context=64, batch=1, strategy="fsdp2", offload="cpu",
+    in host memory, as they do on GPUs with offload (unpinned: the devices are named cpu)."""
+    return plan_training(str(path), method, context=64, batch=1, strategy="fsdp2", offload="cpu", gpus="2x cpu=24GiB",
                          lora_rank=None if method == "full" else 8, precision="pure" if method == "full" else "mixed",
                          dtype=run_format(method, "fp32"))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from helpers.finetune.training_request import TrainingRequest
 from helpers.partition import equal_count_split
@@ -133,9 +133,15 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
              "optimizer_step_temporaries":
                  training_data()["optimizers"][request.optimizer]["step_temporaries"] * trainable * size.state}
     host = {}
-    loading = _loading(request, shape, size, mine, parts["frozen_weights"] + parts["trainable_weights"])
+    weights = [math.ceil(b / shards) for u in mine for b in u.frozen_tensors] + [n * size.held for n in tensors]
+    pinned = {"weights": pinned_rounding(weights) if request.pins_host_memory else 0,
+              "gradients": pinned_rounding(n * size.grad for n in tensors) if request.pins_host_memory else 0}
+    loading = _loading(request, shape, size, mine, parts["frozen_weights"] + parts["trainable_weights"],
+                       pinned["weights"])
     if request.offload == "cpu":  # the shards, their gradients and the optimizer (and its step) live on the host
         host, parts = parts, dict.fromkeys(parts, 0)
+        if request.pins_host_memory:
+            host["pinned_rounding"] = pinned["weights"] + pinned["gradients"]
     whole = sum(u.constants_bytes + u.buffer_bytes for u in mine)  # never sharded, never offloaded
 
     decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
@@ -164,9 +170,23 @@ def _read_at_once(request: TrainingRequest, shape: TrainShape, mine: list[Unit])
     return decoders + [[u for u in mine if u.kind != "decoder"]]
 
 
-def _loading(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], shard: int) -> dict:
+def pinned_rounding(sizes: Iterable[int]) -> int:
+    """What pinned host buffers of these byte sizes take beyond their sizes: CUDA's caching host allocator, which
+    serves `pin_memory()` and a non-blocking copy to the host alike, rounds every allocation up to a power of two
+    (ATen/core/CachingHostAllocator.h, `allocate`: c10::llvm::PowerOf2Ceil(size) up to pinned_max_round_threshold,
+    unlimited unless PYTORCH_CUDA_ALLOC_CONF sets it). FSDP2's CPU offload pins each parameter's shard on its own
+    (_fsdp_param.py: `local_tensor.cpu().pin_memory()`) and copies each gradient's shard to the host with
+    `.to("cpu", non_blocking=True)` (_fsdp_collectives.py), which allocates pinned memory; Adam's moments are
+    `zeros_like` of the shards, which does not carry pinning over (TensorBase::options() holds dtype, device and
+    layout only): not pinned, not rounded."""
+    return sum((1 << (n - 1).bit_length()) - n for n in sizes if n > 0)
+
+
+def _loading(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: list[Unit], shard: int,
+             rounding: int = 0) -> dict:
     """One rank's host RAM at the peak of loading, by part: with CPU offload its shards (allocated before the first
-    layer is read, on the host: `shard`, the frozen and trainable weights' share); the largest group of units read
+    layer is read, on the host: `shard`, the frozen and trainable weights' share, pinned on GPUs, so with the
+    allocator's `rounding` beside them: `pinned_rounding`); the largest group of units read
     at once (`_read_at_once`), in the dtype it is loaded in (the compute dtype for a frozen base, the optimizer's for
     full fine-tuning), with its NF4 copy and its adapters beside it; torchao's NF4 quantization of its largest
     weight (measured bytes per element); and the process itself (Python, torch, transformers, peft, the process
@@ -182,6 +202,8 @@ def _loading(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: li
 
     parts = {"shards kept on the host": shard if request.offload == "cpu" else 0,
              "largest unit read": max(read(g) for g in _read_at_once(request, shape, mine))}
+    if rounding:
+        parts["their pinned rounding"] = rounding
     largest = max((u.largest_quantized for u in mine), default=0)
     if quantized and largest:
         parts["NF4 quantization workspace"] = quantization_bytes(largest, "fp32" if load == FP32 else "bf16")

@@ -42,6 +42,13 @@ class TrainingRequest:
         return self.strategy == "1f1b"
 
     @property
+    def pins_host_memory(self) -> bool:
+        """Whether CPU offload pins its host buffers: `apply_fsdp` asks FSDP2 for CPUOffloadPolicy(pin_memory=
+        device.type == "cuda"), so GPUs do; the CPU rig's devices (GPUs named 'cpu...', e.g. '2x cpu=8GiB') pin
+        nothing."""
+        return self.offload == "cpu" and not all(g.name.lower().startswith("cpu") for g in self.gpus)
+
+    @property
     def microbatch_count(self) -> int:
         return self.microbatches or (len(self.gpus) if self.pipelined else 1)
 

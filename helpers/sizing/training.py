@@ -57,6 +57,7 @@ class Unit:
     buffer_bytes: int  # of which buffers (the rotary inverse frequencies): never sharded
     trainable: tuple[int, ...]  # the element count of each trainable tensor (all parameters, or LoRA's A and B)
     largest_quantized: int = 0  # elements of the largest quantized weight: dequantized whole for each matmul
+    frozen_tensors: tuple[int, ...] = ()  # bytes of each storage of the sharded frozen parameters (`_frozen_tensors`)
 
     @property
     def trainable_params(self) -> int:
@@ -167,7 +168,7 @@ def _training_shape(base: ModelShape, method: str, rank: int | None, targets: tu
     if unknown:
         raise ValueError(f"no linear layer named {', '.join(unknown)} in {base.name}'s decoder layers; LoRA can "
                          f"target {', '.join(available)} (or 'all', 'attention')")
-    fmt, units = base.format, []
+    fmt, units, seen = base.format, [], set()
     for layer, (_, module) in zip(base.layers, placement_units(model)):
         buffers = sum(b.numel() * b.element_size() for b in module.buffers())
         linears = _linears(module, head) if layer.kind == "decoder" else []
@@ -179,10 +180,33 @@ def _training_shape(base: ModelShape, method: str, rank: int | None, targets: tu
             params = [p.numel() for p in module.parameters()] if layer.params else []
             units.append(Unit(layer.name, layer.kind, layer.params, buffers, 0, buffers, tuple(params)))
             continue
+        frozen = _frozen_tensors(module, {id(m) for _, m in linears}, fmt, seen)
         adapters = [n for part, m in linears if part in targets for n in (rank * m.in_features, m.out_features * rank)]
         units.append(Unit(layer.name, layer.kind, layer.params, layer.weight_bytes, constants, buffers,
-                          tuple(adapters), max((math.prod(s) for s in quantized), default=0)))
+                          tuple(adapters), max((math.prod(s) for s in quantized), default=0), frozen))
     return TrainShape(base, method, rank, targets, tuple(units), tuple(available))
+
+
+def _frozen_tensors(module: nn.Module, quantizable: set[int], fmt: WeightFormat, seen: set[int]) -> tuple[int, ...]:
+    """Bytes of each storage the frozen parameters of `module` hold, unsharded (a tied weight once, where it is
+    seen first), which FSDP2 shards and CPU offload pins one by one: a parameter in the base format, and for a
+    quantized linear weight its packed codes plus, for torchao's NF4, each scale tensor it keeps inside (its
+    `_pin_memory` pins quantized_data, quantized_scalers and quantization_factor separately: torchao
+    nf4_tensor.py, nf4_pin_memory over _INNER_TENSOR_NAMES_FOR_SHARDING). bitsandbytes' constants are not
+    parameters (never sharded, never offloaded): left out. They add up to the unit's `packed_bytes`."""
+    out = []
+    for owner in module.modules():
+        for pname, p in owner.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not (fmt.quantized and id(owner) in quantizable and pname == "weight"):
+                out.append(fmt.tensor_bytes(p.shape, False))
+                continue
+            out.append(math.ceil(p.numel() * fmt.weight_bits / 8))
+            if fmt.name.startswith(TORCHAO_NF4):
+                out += [math.ceil(math.ceil(p.numel() / every) * bits / 8) for every, bits in fmt.scales]
+    return tuple(out)
 
 
 # --- activations: what autograd saves ----------------------------------------------------------------------------
