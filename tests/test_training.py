@@ -143,6 +143,9 @@ def test_ddp_gradients_sent_in_bf16_stay_close_to_one_device(reference):
         check_job(TrainJob(CFG, dp=2, data_parallel="fsdp2", batch=BATCH, wire="bf16"), cpu_rig())
     with pytest.raises(ValueError, match="gradient buckets cross the link"):  # before any process starts
         check_job(TrainJob(CFG, dp=2, batch=BATCH, wire="int8"), cpu_rig())
+    with pytest.raises(ValueError, match="flushes small gradients to zero unless the loss is scaled"):
+        check_job(TrainJob(CFG, dp=2, batch=BATCH, wire="fp16"), cpu_rig())
+    check_job(TrainJob(CFG, dp=2, batch=BATCH, wire="fp16", autocast="fp16"), cpu_rig())  # its scaler scales them
 
 
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)

@@ -245,6 +245,10 @@ def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
     except ValueError:
         raise ValueError(f"wire={job.wire!r}: DDP's gradient buckets cross the link as 'auto' (the gradients' own "
                          "dtype), fp32, fp16 or bf16") from None
+    if job.wire == "fp16" and job.autocast != "fp16":
+        raise ValueError("wire='fp16' sends DDP's gradients in fp16, whose range flushes small gradients to zero unless "
+                         "the loss is scaled: use wire='bf16' (fp32's range in 16 bits), or autocast='fp16', whose "
+                         "gradient scaler scales what crosses the link")
     if job.wire != "auto" and job.fully_sharded:
         raise ValueError(f"wire={job.wire!r} compresses DDP's gradient buckets (ddp, zero1); {job.data_parallel} "
                          "reduces its gradients in MixedPrecisionPolicy's reduce_dtype")
