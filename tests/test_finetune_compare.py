@@ -82,3 +82,18 @@ def test_tables_and_the_plot_of_real_plans():
     published = published_comparison()
     assert len(published) == len(training_data()["published_runs"]["runs"])
     assert all(0.85 <= r["planner / published"] <= 1.15 for r in published)
+
+
+def test_planned_parts_takes_activation_checkpointing_and_its_old_name_warns():
+    """The job's word (`activation_checkpointing`); `checkpointing=` still plans the same, with a warning."""
+    from helpers.finetune.lora import LoraModel, LoraSpec
+    from helpers.models.hf import HFModel, hf_config, save_hf_model
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_hf_model(hf_config("llama", n_layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seq_len=32), folder)
+        model = LoraModel(HFModel(folder), LoraSpec("lora", 4, 8))
+        _, new = planned_parts(model, 2, 16, activation_checkpointing=False)
+        with pytest.warns(DeprecationWarning, match="checkpointing= is now activation_checkpointing="):
+            _, old = planned_parts(model, 2, 16, checkpointing=False)
+        assert new == old != planned_parts(model, 2, 16)[1]

@@ -91,7 +91,7 @@ def test_activation_formula_equals_the_ledger_for_full_finetuning(dtype, checkpo
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     measured = ledger_activations(model, batch=2, context=24, checkpointing=checkpointing)
     shape = training_shape(config, "full", "fp32" if dtype == torch.float32 else "bf16")
-    predicted = saved_activation_bytes(shape, 24, 2, checkpointing=checkpointing)
+    predicted = saved_activation_bytes(shape, 24, 2, activation_checkpointing=checkpointing)
     assert predicted.saved == measured  # exact: every term is a tensor autograd saves, each storage once
     assert (predicted.recompute > 0) == checkpointing
 
@@ -112,7 +112,7 @@ def test_activation_formula_equals_the_ledger_for_lora(dtype, targets, checkpoin
     adapter_bytes = next(p for p in model.parameters() if p.requires_grad).element_size()
     measured = ledger_activations(model, batch=2, context=24, checkpointing=checkpointing)
     shape = training_shape(config, "lora", "fp32" if dtype == torch.float32 else "bf16", 8, targets)
-    predicted = saved_activation_bytes(shape, 24, 2, checkpointing=checkpointing, adapter_bytes=adapter_bytes)
+    predicted = saved_activation_bytes(shape, 24, 2, activation_checkpointing=checkpointing, adapter_bytes=adapter_bytes)
     assert predicted.saved == measured
 
 

@@ -20,6 +20,7 @@ from helpers.sizing.gpus import runtime_reserve
 from helpers.sizing.shape import WeightFormat, weight_format
 from helpers.sizing.ledger import DeviceMemory, stacked_bars
 from helpers.units import GiB, fmt_bytes
+from helpers.training.job import renamed
 from helpers.dtypes import BYTES, DTYPES, NAMES
 
 ADAPTER_BYTES = BYTES["fp32"]  # helpers.finetune.lora trains the adapters in fp32 whatever the base (ADAPTER_DTYPE)
@@ -50,8 +51,8 @@ def _run_of(model) -> tuple[str, str, str, int | None, object]:
     return model.base.path, spec.method, spec.base_dtype, spec.rank, targets
 
 
-def planned_parts(model, batch: int, seq_len: int, checkpointing: bool = True,
-                  ranks: int = 2) -> tuple[TrainingPlan, DeviceMemory]:
+def planned_parts(model, batch: int, seq_len: int, activation_checkpointing: bool = True, ranks: int = 2,
+                  **old) -> tuple[TrainingPlan, DeviceMemory]:
     """The planner's plan for training `model` (a `LoraModel`, or an `HFModel` trained whole) with FSDP2 over `ranks`
     GPUs, `batch` sequences of `seq_len` tokens per rank and Adam, and one rank's figures in the ledger's parts.
 
@@ -67,16 +68,21 @@ def planned_parts(model, batch: int, seq_len: int, checkpointing: bool = True,
       (the planner assumes FSDP2 gathers them in the compute dtype), and the course's loop checkpoints the final norm
       with the decoder layers, so it keeps the norm's input where the planner keeps what the norm saves.
     Full fine-tuning keeps everything in the model's dtype (`precision="pure"`); LoRA and QLoRA keep the adapters,
-    their gradients and Adam's moments in fp32 (`precision="mixed"`)."""
+    their gradients and Adam's moments in fp32 (`precision="mixed"`). `checkpointing=` is the deprecated name of
+    `activation_checkpointing=`."""
+    options = renamed(old)
+    activation_checkpointing = options.pop("activation_checkpointing", activation_checkpointing)
+    if options:
+        raise TypeError(f"planned_parts() got unexpected keyword arguments {sorted(options)}")
     path, method, base_dtype, rank, targets = _run_of(model)
     fmt = run_format(method, base_dtype)
     plan = plan_training(path, method, context=seq_len, batch=batch, gpus=f"{ranks}x RTX 3090", strategy="fsdp2",
-                         activation_checkpointing=checkpointing, lora_rank=rank, lora_targets=targets,
+                         activation_checkpointing=activation_checkpointing, lora_rank=rank, lora_targets=targets,
                          optimizer="adamw", precision="pure" if method == "full" else "mixed", dtype=fmt)
     gpu, shape = plan.devices[0], plan.shape
     buffers = sum(u.buffer_bytes for u in shape.units)
     adapters = fmt.activation_bytes if method == "full" else ADAPTER_BYTES
-    saved = saved_activation_bytes(shape, seq_len, batch, checkpointing=checkpointing,
+    saved = saved_activation_bytes(shape, seq_len, batch, activation_checkpointing=activation_checkpointing,
                                    compute_bytes=fmt.activation_bytes, adapter_bytes=adapters).saved
     return plan, DeviceMemory(gpu.frozen_bytes - buffers + gpu.trainable_bytes, gpu.gradient_bytes,
                               gpu.optimizer_bytes, saved)

@@ -147,8 +147,9 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
     decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
     options = dict(compute_bytes=size.compute, adapter_bytes=size.adapters_in_forward(request),
                    layers=[decoders.index(k) for k in units if k in decoders], embedding=first_stage, loss=last_stage)
-    with_ckpt = saved_activation_bytes(shape, request.context, request.batch, checkpointing=True, **options)
-    without = saved_activation_bytes(shape, request.context, request.batch, checkpointing=False, **options)
+    with_ckpt = saved_activation_bytes(shape, request.context, request.batch, activation_checkpointing=True, **options)
+    without = saved_activation_bytes(shape, request.context, request.batch, activation_checkpointing=False,
+                             **options)
     checkpointed, full = with_ckpt.saved * in_flight + with_ckpt.recompute, without.saved * in_flight
 
     held = {"ddp": "all (a replica)", "fsdp2": f"all (1/{shards} of each)"}.get(request.strategy)

@@ -294,7 +294,7 @@ class Activations:
         return self.saved + self.recompute
 
 
-def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, checkpointing: bool,
+def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, activation_checkpointing: bool,
                            compute_bytes: int | None = None, adapter_bytes: int | None = None,
                            layers: Sequence[int] | None = None, embedding: bool = True,
                            loss: bool = True) -> Activations:
@@ -321,7 +321,7 @@ def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, check
         per_token += _norm_saved(b.hidden, a, True, full) + (a * b.hidden if full else 0) + FP32 * b.vocab + INT64
     grads = [full or j > 0 for j in layers]  # the layer's input needs a gradient
     layer_bytes = [layer_saved_bytes(shape, a, c, g) for g in grads]
-    if checkpointing:
+    if activation_checkpointing:
         saved = tokens * (per_token + a * b.hidden * len(layer_bytes)) + (FP32 if loss else 0)
         return Activations(saved, tokens * max(layer_bytes, default=0))
     rope = 2 * context * b.head_dim * a if layer_bytes else 0
