@@ -10,9 +10,7 @@ side streams and the receiver's stream waits for it); on the CPU rig nothing mov
 from __future__ import annotations
 
 import queue
-import threading
 import time
-from contextlib import nullcontext
 from typing import Mapping, Sequence
 
 import torch
@@ -21,7 +19,7 @@ from helpers.inference.generate import (Generation, LayerSplit, Request, StageSp
                                         stages_from_device_map, sync_devices)
 from helpers.models.hf import HFModel
 from helpers.pipeline.comm import CopyStreams, send_to
-from helpers.runtime.rig import device_thread
+from helpers.pipeline.threaded import run_on_device_threads
 
 _STOP = object()  # down the pipe: no more work
 _ABORT = object()  # to stage 0: another stage failed
@@ -144,43 +142,25 @@ class Pipelined(LayerSplit):
         p = len(self.runners)
         inboxes: list[queue.Queue] = [queue.Queue() for _ in range(p)]
         feedback: queue.Queue = queue.Queue()
-        errors: list[tuple[int, BaseException]] = []
         out: dict = {}
 
-        def worker(s: int) -> None:
-            try:
-                torch.set_grad_enabled(False)  # grad mode belongs to the thread
-                stream = self.compute[s]
-                if stream is not None:
-                    torch.cuda.set_device(self.runners[s].device)
-                    stream.wait_stream(torch.cuda.current_stream(self.runners[s].device))
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    if s == 0:
-                        self._first_stage(requests, inboxes, feedback, out)
-                    else:
-                        self._later_stage(s, requests, rule, inboxes, feedback)
-            except _Aborted:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - reported to the caller below
-                errors.append((s, exc))
-                for box in (*inboxes, feedback):
-                    box.put(_ABORT)
+        def work(s: int) -> None:
+            torch.set_grad_enabled(False)  # grad mode belongs to the thread
+            if s == 0:
+                self._first_stage(requests, inboxes, feedback, out)
+            else:
+                self._later_stage(s, requests, rule, inboxes, feedback)
 
-        threads = [threading.Thread(target=device_thread(lambda s=s: worker(s), self.runners[s].device, s, p),
-                                    name=f"stage{s}", daemon=True) for s in range(p)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for runner, stream in zip(self.runners, self.compute):
-            if stream is not None:  # the caller's stream waits for the stages
-                torch.cuda.current_stream(runner.device).wait_stream(stream)
-        sync_devices()
-        t2 = time.perf_counter()
-        for runner in self.runners:
-            runner.reset()
-        if errors:
-            s, exc = errors[0]
-            raise RuntimeError(f"stage {s} failed: {type(exc).__name__}: {exc}") from exc
+        def abort() -> None:
+            for box in (*inboxes, feedback):
+                box.put(_ABORT)
+
+        try:
+            run_on_device_threads(work, [r.device for r in self.runners], self.compute, abort, _Aborted)
+            sync_devices()
+            t2 = time.perf_counter()
+        finally:
+            for runner in self.runners:
+                runner.reset()
         tokens = [torch.cat([t.get() for t in out["tokens"][r]], dim=1).cpu() for r in range(len(requests))]
         return self._generation(requests, tokens, out["t1"] - out["t0"], t2 - out["t1"])
