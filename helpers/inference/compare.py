@@ -57,15 +57,18 @@ CASES = (Case("llama-2-7b", "fp16", 4096), Case("llama-2-13b", "fp16", 4096), Ca
 
 
 @contextmanager
-def _quiet_accelerate() -> Iterator[None]:
-    """Silence accelerate's "Device 0 is not available" warnings: on a CPU-only machine we only compute maps."""
-    log = logging.getLogger("accelerate.utils.modeling")
-    level = log.level
-    log.setLevel(logging.ERROR)
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Silence the named loggers' warnings for the block (accelerate's and transformers' "Device 0 is not available":
+    on a CPU-only machine only maps are computed)."""
+    logs = [logging.getLogger(name) for name in names]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def accelerate_dtypes(shape: ModelShape) -> dict[str, object]:
@@ -99,7 +102,7 @@ def accelerate_device_map(shape: ModelShape, strategy: str, gpus: Sequence[Gpu] 
     no_split = sorted(model._no_split_modules or ())
     dtypes = accelerate_dtypes(shape)
     max_memory: dict = {j: g.usable_bytes for j, g in enumerate(gpus)}
-    with _quiet_accelerate():
+    with quiet_loggers("accelerate.utils.modeling"):
         if strategy != "sequential":
             max_memory = get_balanced_memory(model, max_memory, no_split, special_dtypes=dtypes,
                                              low_zero=strategy == "balanced_low_0")

@@ -18,14 +18,12 @@ Everything runs on the meta device; nothing is loaded and no GPU is needed.
 from __future__ import annotations
 
 import inspect
-import logging
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from helpers.dtypes import DTYPES
-from helpers.inference.compare import CASES, DEVICE_MAP_STRATEGIES, Case, accelerate_device_map
+from helpers.inference.compare import CASES, DEVICE_MAP_STRATEGIES, Case, accelerate_device_map, quiet_loggers
 from helpers.sizing.gpus import Gpu, check_gpus
 from helpers.sizing.shape import ModelShape, model_shape
 from helpers.inference.plan import evaluate
@@ -33,18 +31,7 @@ from helpers.inference.plan import evaluate
 PUBLIC = {"balanced": "auto", "balanced_low_0": "balanced_low_0", "sequential": "sequential"}
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence "Device 0 is not available" warnings: on a CPU-only machine only maps are computed."""
-    logs = [logging.getLogger(name) for name in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
+_DEVICE_WARNINGS = ("accelerate.utils.modeling", "transformers.integrations.accelerate")  # quiet on CPU
 
 
 def _device_of(name: str, device_map: dict):
@@ -90,7 +77,7 @@ def transformers_device_map(shape: ModelShape, strategy: str, gpus: Sequence[Gpu
         raise ValueError(f"unknown strategy {strategy!r}: choose auto, balanced, balanced_low_0 or sequential")
     gpus = check_gpus(gpus)
     model = _meta_model(shape)
-    with _quiet():
+    with quiet_loggers(*_DEVICE_WARNINGS):
         return dict(_get_device_map(model, key, {j: g.usable_bytes for j, g in enumerate(gpus)}, None))
 
 
@@ -106,7 +93,7 @@ def balanced_budgets(shape: ModelShape, gpus: Sequence[Gpu] | str | None = None,
     gpus = check_gpus(gpus)
     usable = {j: g.usable_bytes for j, g in enumerate(gpus)}
     model = _meta_model(shape)
-    with _quiet():
+    with quiet_loggers(*_DEVICE_WARNINGS):
         ours = transformers_balanced(model, dict(usable), model._no_split_modules, low_zero=low_zero)
         fp32 = meta_model(shape.config)
         theirs = accelerate_balanced(fp32, dict(usable), sorted(fp32._no_split_modules or ()),
