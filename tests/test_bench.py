@@ -5,8 +5,8 @@ import torch
 
 from helpers.bench import bench_cut
 from helpers.bench.cli import main as bench_main
-from helpers.bench.predict import microbatch_size, predict_row, simulation_job
-from helpers.bench.report import display_rows, misses, timeline_name
+from helpers.bench.predict import TARGET, microbatch_size, predict_row, simulation_job
+from helpers.bench.report import BENCH_COLUMNS, EXTRA_COLUMNS, display_rows, legend, misses, timeline_name
 from helpers.bench.jobs import default_config
 from helpers.bench.rows import BenchRow, Progress
 from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL
@@ -589,3 +589,12 @@ def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():
     never = BenchRow("ddp", "torch", "processes", None, step_s=0.5, events=[], peak_activation_bytes=[0])
     reference.apply(never, "never launched")
     assert never.reference_s is None and never.as_dict(batch=32, reference_s=1.0)["speedup"] == pytest.approx(2.0)
+
+
+def test_the_printed_legend_is_docs_bench_and_names_every_column():
+    """The legend under the tables is read from docs/bench.md (its one copy): an entry for every column and extra
+    table, the target as the bench checks it."""
+    text = legend()
+    named = {c for line in text.splitlines() if not line.startswith(" ") for c in line.split("  ")[0].split(", ")}
+    assert set(BENCH_COLUMNS) <= named and set(EXTRA_COLUMNS) <= named
+    assert f"outside the {TARGET:.0%} target" in text and max(map(len, text.splitlines())) <= 120

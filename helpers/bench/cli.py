@@ -6,9 +6,9 @@ from helpers.bench.blocks import MachineLoad, model_and_batch
 from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
 from helpers.bench.records import command_line, keep, source_state
-from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, EXTRA_LEGEND, LEGEND, compare_runs, describe_against,
-                                  describe_launch_to_launch, display_rows, launch_to_launch, misses, prediction_cells,
-                                  row_dicts, write_results)
+from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, compare_runs, describe_against,
+                                  describe_launch_to_launch, display_rows, launch_to_launch, legend, misses,
+                                  prediction_cells, row_dicts, write_results)
 from helpers.bench.jobs import bench_refusals, default_config
 from helpers.bench.rows import Progress, run_bench
 from helpers.models import lm_loss
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n" + describe_against(compared, previous, ns.against))
     print("\n" + load.describe())
     print(describe_launch_to_launch(calibration["launch_to_launch"]))
-    print("\ncolumns:\n" + LEGEND + "\n" + EXTRA_LEGEND)
+    print("\ncolumns:\n" + legend())
     print(f"\nwrote {ns.out}/bench.json and {len(rows)} timeline PNGs")
     if ns.record:
         print(f"kept as {keep(f'{ns.out}/bench.json', command_line('python -m helpers.bench', argv), started)}")

@@ -2,6 +2,8 @@
 per row, and the lines that name each row outside the target."""
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
 from typing import Sequence
 
 from helpers.bench.predict import TARGET
@@ -14,42 +16,6 @@ BENCH_COLUMNS = ["strategy", "engine", "runner", "m", "optimizer", "samples/s", 
                  "forward", "backward", "speedup", "peak_activation_bytes"]
 
 
-LEGEND = f"""\
-strategy     what runs: one device, the naive split, GPipe / 1F1B pipelines (2 stages), past 1F1B (notebook 06b:
-             ZB-H1; interleaved 1F1B, ZB-V, DualPipeV with 2 stages per device), DDP, ZeRO-1, FSDP2, DP x PP;
-             "ddp, bf16 grads": DDP with each gradient bucket sent in bf16 (notebook 07's compression hook)
-engine       ours = the course's schedule interpreter; torch = PyTorch's engine (torch.distributed.pipelining,
-             DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard); none = plain autograd
-runner       one thread; threads = one thread per device in this process; processes = one process per device (gloo
-             on the CPU rig, NCCL on GPUs)
-m            micro-batches per step (pipelines; DP x PP: per replica); '-' = the whole batch at once
-optimizer    what the timed step includes after backward: none, or Adam (compare with single_adam)
-samples/s    measured: global batch / median step time over interleaved repeats (threads) or launches (processes)
-spread       the noise of that median: half the interquartile range of the step times over their median (processes:
-             pooled over every launch); an error not much larger than it is within what the machine's jitter allows
-             one run to show. With one launch per job (--quick) it cannot show how launches a minute apart differ:
-             up to 26% on the 2-core CPU rig (the same DDP job, three launches in a row)
-predicted    the simulator's samples/s for the same row (helpers.simulate), calibrated in this run: per-layer profile
-             at the row's micro-batch size rescaled to the whole model's time per micro-batch measured with that row
-             (same interleaved rounds; multi-process rows: just before and after each launch), the measured
-             optimizer step and zero_grad, the fitted point-to-point link and collectives (all-reduce, all-gather,
-             reduce-scatter, broadcast), the measured copy speed, and on the CPU rig how much slower the cores
-             compute when both are busy (threads and processes share the cores fairly: processor sharing; for
-             threads, two copies of the model timed at once in the rows' own rounds)
-error        predicted / measured - 1; '*' marks a row outside the {TARGET:.0%} target, its reason printed below
-forward, backward  how much longer the row's forward (backward, with any recomputation) passes took than the
-             simulator's, summed over devices, in the median timed step (every launch's, for processes): how fast
-             the machine computed during that row against the calibration. An error close to them is that speed; an
-             error well beyond them is in what else the step does (waiting for messages and collectives). '-' where
-             the spans include collectives: DDP's and ZeRO-1's backward (the all-reduce hook), FSDP2's forward and
-             backward
-speedup      one device's step time over the row's (single; single_adam for rows that include Adam). Threads: the
-             median of the ratios of pairs timed in the same interleaved round; processes: the median of one
-             device's step timed just before and after each of the row's launches over the row's median step in
-             them (the machine's speed drifts over a run: each row is set against the minutes it ran)
-peak_activation_bytes  saved activations at their peak, per device (rank)"""
-
-
 EXTRA_COLUMNS = {
     "split backward": ["engine", "runner", "device", "plain backward (ms)", "input pass (ms)", "weight pass (ms)",
                        "split / plain", "wall: split / plain"],
@@ -58,20 +24,18 @@ EXTRA_COLUMNS = {
     "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
                       "step vs none", "activations"],
 }
-EXTRA_LEGEND = """\
-split backward  what ZB-H1's split backward costs on each engine: per device, the median input-gradient pass and
-             weight pass of the ZB-H1 row's recorded steps (every launch's) against the median backward of the same
-             engine's 1F1B row (same stages, same micro-batches), in CPU seconds of the thread that ran them (other
-             processes on the cores do not stretch them; target at most 1.1x) and in wall time. The first stage's
-             input needs no gradient: its input pass is empty and its weight pass is the whole backward in one call,
-             nothing split, so its ratio is how far two rows' backwards differ with no split at all: read the second
-             device's against it
-splits       notebook 02's four 2-stage splits of a non-uniform model, each a 4-micro-batch GPipe pipeline on
-             threads: boundaries = first layer of stage 2; speedup vs one device; busy = compute share of the step
-             per device; predicted slowest/mean = the slowest stage's profiled cost over the mean
-checkpointing  notebook 03's sweep: checkpoint every k-th block of a 2-stage GPipe pipeline (m=4, threads); step vs
-             none = step time / the unchecked pipeline's; activations = peak saved activations per device
-             (predicted and error as above)"""
+
+
+def legend() -> str:
+    """The legend printed under the tables: the tables of docs/bench.md's "The columns" section (its one copy), each
+    entry wrapped to 120 characters with its name in the margin."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "bench.md").read_text()
+    start = text.index("### The columns")
+    rows = [line.strip("| ").split(" | ", 1) for line in text[start:text.index("\n### ", start)].splitlines()
+            if line.startswith("| ")]
+    wrap = textwrap.TextWrapper(120, subsequent_indent=" " * 13, break_on_hyphens=False)
+    return "\n".join(wrap.fill(f"{name:<11}  " + meaning.replace("`", "")) for name, meaning in rows
+                     if name not in ("column", "table"))
 
 
 def row_dicts(rows: Sequence[BenchRow], batch: int) -> list[dict]:
