@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 
 from helpers.doctor import guarded, shm_verdict
+from helpers.doctor.long_runs import ASYNC, CPU_TO_GPU, KILLED, NOTEBOOK_13, OFFLOAD, SAVE_TO, SYNC
+from helpers.runtime.rig import detect_rig
 from helpers.training.support import reference_rigs, support_markdown
 
 REPO = Path(__file__).resolve().parent.parent
+LONG_RUNS_PASS = (OFFLOAD, SYNC, ASYNC, KILLED, SAVE_TO, NOTEBOOK_13)
+CPU_REFUSED = ("CUDA paths: event timing, memory panel", "system: GPU-to-GPU copies", CPU_TO_GPU)  # need a GPU
 
 
 @pytest.mark.full
@@ -29,8 +33,11 @@ def test_doctor_passes_or_refuses_with_a_reason(tmp_path):
                  "script: finetune_lora.py on 2 ranks", "bench: calibration in its ranks",
                  "bench: a launch of its jobs", "notebook 05: GPU sizes", "notebook 11: GPU sizes",
                  "notebook 06b: GPU sizes", "threads: zbv m=4", "processes: dualpipev m=4", "torch: interleaved m=4",
-                 "processes: ddp, gradients sent in bf16"):
+                 "processes: ddp, gradients sent in bf16", *LONG_RUNS_PASS):
         assert statuses[name] == "PASS", name
+    if detect_rig().is_cpu:  # a check that turns REFUSED here fails: the CPU rig refuses only what needs a GPU
+        refused = {n for n, s in statuses.items() if s == "REFUSED"}
+        assert refused == set(CPU_REFUSED), f"refused {sorted(refused)}, expected {CPU_REFUSED}"
     paths = {link["path"] for link in report["links"]}
     assert any("point-to-point" in p for p in paths) and any("all-reduce" in p for p in paths)
     assert all(link["GB/s"] > 0 and link["latency_us"] >= 0 for link in report["links"])

@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from helpers.doctor.engines import parity_checks
 from helpers.doctor.checks import Check, guarded, print_report
+from helpers.doctor.long_runs import long_run_checks
 from helpers.doctor.scripts import (BENCH_LAUNCH, bench_launch_check, calibration_check, notebook_plan_checks,
                                     script_checks)
 from helpers.doctor.system import links, system_checks, topology
@@ -49,6 +50,8 @@ def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only
         checks += parity_checks(rig, workdir, progress, wanted)
         say("take-home scripts (two steps each) and the bench's calibration ...")
         checks += script_checks(rig, workdir, wanted)
+        say("long runs (offload, checkpoints, a restart, an export) ...")
+        checks += guarded("long run: its models", lambda: long_run_checks(rig, workdir, wanted))
     for name, check in (("bench: calibration in its ranks", calibration_check), (BENCH_LAUNCH, bench_launch_check)):
         if wanted(name):
             checks += guarded(name, lambda check=check: check(rig))
