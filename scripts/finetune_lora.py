@@ -30,8 +30,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from helpers.models.hf import enable_activation_checkpointing
 from helpers.runtime.host import mark_offloaded, to_device
 
-from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
-                     stream_checkpoint, token_loss_sum, training_steps)
+from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, exit_without_teardown, init, meta_model,
+                     parse, report, stream_checkpoint, token_loss_sum, training_steps)
 
 
 def linears(block: nn.Module) -> dict[str, nn.Linear]:
@@ -137,3 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # FSDP2 ranks may abort in the interpreter's teardown, after the work is done

@@ -16,8 +16,8 @@ from helpers.models.hf import enable_activation_checkpointing
 
 from helpers.dtypes import DTYPES
 
-from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, init, meta_model, parse, report,
-                     stream_checkpoint, token_loss_sum, training_steps, weights_dtype)
+from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, exit_without_teardown, init, meta_model,
+                     parse, report, stream_checkpoint, token_loss_sum, training_steps, weights_dtype)
 
 
 def main() -> None:
@@ -60,3 +60,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # FSDP2 ranks may abort in the interpreter's teardown, after the work is done

@@ -15,7 +15,10 @@ It prints, and with `--json PATH` writes:
    it; the CUDA-only paths (CUDA-event timelines, copy and compute streams, the NVML panel);
 5. the take-home scripts (QLoRA's included), two steps each under torchrun, and the bench's calibration in its
    ranks;
-6. each notebook's GPU sizes against this rig's memory.
+6. each notebook's GPU sizes against this rig's memory;
+7. the long-run paths where host and GPU memory differ: FSDP2 with CPU offload to its end gather, a sync and an async
+   DCP save and load, a script killed and restarted by torchrun, a `--save-to` export, a checkpoint written on the
+   CPU loaded on the GPU, notebook 13's deterministic resume.
 Every section is guarded: whatever fails is a FAIL row with its reason, and the table is printed anyway. WARN says
 what to change without failing. Exit status 1 if anything FAILed. On the CPU rig it runs the same checks there (CI
 runs it), its ranks device-strict (`helpers.runtime.strict`): a tensor that would be on the wrong device under NCCL
@@ -23,7 +26,8 @@ fails there too.
 
 The package, by section: `checks` (the rows and the printed table), `system` (the rig, the machine under it, the
 links), `engines` (the parity checks, derived from the catalog), `scripts` (the take-home scripts, the bench's
-calibration and launch, the notebooks' GPU sizes), `cli` (the command line and `--gpu-suite`).
+calibration and launch, the notebooks' GPU sizes), `long_runs` (section 7), `cli` (the command line and
+`--gpu-suite`).
 """
 from helpers.doctor.cli import main, report
 from helpers.doctor.engines import plan_checks, schedule_label
