@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from helpers.doctor import guarded, shm_verdict
-from helpers.doctor.long_runs import ASYNC, CPU_TO_GPU, KILLED, NOTEBOOK_13, OFFLOAD, SAVE_TO, SYNC
+from helpers.doctor.long_runs import ASYNC, CPU_TO_GPU, KILLED, NOTEBOOK_13, OFFLOAD, RESERVE, SAVE_TO, SYNC
 from helpers.runtime.rig import detect_rig
 from helpers.training.support import reference_rigs, support_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 LONG_RUNS_PASS = (OFFLOAD, SYNC, ASYNC, KILLED, SAVE_TO, NOTEBOOK_13)
-CPU_REFUSED = ("CUDA paths: event timing, memory panel", "system: GPU-to-GPU copies", CPU_TO_GPU)  # need a GPU
+CPU_REFUSED = ("CUDA paths: event timing, memory panel", "system: GPU-to-GPU copies", CPU_TO_GPU,  # need a GPU
+               RESERVE)
 
 
 @pytest.mark.full

@@ -18,7 +18,8 @@ It prints, and with `--json PATH` writes:
 6. each notebook's GPU sizes against this rig's memory;
 7. the long-run paths where host and GPU memory differ: FSDP2 with CPU offload to its end gather, a sync and an async
    DCP save and load, a script killed and restarted by torchrun, a `--save-to` export, a checkpoint written on the
-   CPU loaded on the GPU, notebook 13's deterministic resume.
+   CPU loaded on the GPU, notebook 13's deterministic resume, and what each GPU holds beyond PyTorch's allocator once
+   NCCL has run (its buffers, the CUDA context, the allocator's slack) against the planners' runtime reserve.
 Every section is guarded: whatever fails is a FAIL row with its reason, and the table is printed anyway. WARN says
 what to change without failing. Exit status 1 if anything FAILed. On the CPU rig it runs the same checks there (CI
 runs it), its ranks device-strict (`helpers.runtime.strict`): a tensor that would be on the wrong device under NCCL

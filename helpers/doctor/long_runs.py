@@ -1,7 +1,9 @@
 """The paths a long run takes, each once on this rig (the doctor's "long run" rows): FSDP2's CPU offload up to its
 end-of-run gather, a synchronous and an asynchronous DCP save loaded back, a take-home script killed and restarted by
-torchrun, its `--save-to` folder loaded by transformers, a checkpoint written on the CPU loaded on the GPU, and
-notebook 13's deterministic resume. Tiny models, two or three steps between saves: seconds each."""
+torchrun, its `--save-to` folder loaded by transformers, a checkpoint written on the CPU loaded on the GPU,
+notebook 13's deterministic resume, and what a GPU holds beyond PyTorch's allocator once NCCL has run (its
+communicators' buffers, the CUDA context, the allocator's slack) against the planners' runtime reserve. Tiny models,
+two or three steps between saves: seconds each."""
 from __future__ import annotations
 
 import json
@@ -29,12 +31,50 @@ KILLED = "long run: a script killed and restarted by torchrun resumes"
 SAVE_TO = "long run: --save-to loads with from_pretrained"
 CPU_TO_GPU = "long run: a checkpoint written on the CPU loads on the GPU"
 NOTEBOOK_13 = "long run: notebook 13's deterministic resume"
+RESERVE = "long run: NCCL's buffers and the allocator's slack within the reserve"
+EXACT = 0.0  # the loss difference a resume may show, on every rig: a checkpointing run on CUDA is deterministic
+# (helpers.training.checkpoint.exact_on), as notebook 13 says; a CPU checkpoint loaded on a GPU is the exception
 
 
-def exact(rig: Rig) -> float:
-    """The largest loss difference a resume may show: none on the CPU; GPUs' kernels may sum in another order
-    (notebook 13's EXACT)."""
-    return 0.0 if rig.is_cpu else 1e-4
+def beyond_allocator() -> dict[str, int]:
+    """A rank's worker (one per GPU): NCCL's first collectives and one training step of the doctor's stack, then
+    what the GPU holds outside PyTorch's caching allocator (CUDA context, NCCL's communicator buffers, cuBLAS,
+    anything else on the GPU, a desktop included: `mem_get_info` is device-wide) and the allocator's slack (reserved
+    beyond the step's allocated peak): what the planners' runtime reserve must cover."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.ones(1 << 20, device=device)
+    dist.all_reduce(x)
+    dist.all_gather([torch.empty_like(x) for _ in range(dist.get_world_size())], x)
+    model = build_stack(CFG, device=device)
+    inputs, targets = (t.to(device) for t in SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH))
+    torch.cuda.reset_peak_memory_stats(device)
+    lm_loss(model(inputs), targets).backward()
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {"outside": total - free - reserved, "slack": reserved - torch.cuda.max_memory_allocated(device)}
+
+
+def reserve_check(rig: Rig) -> Check:
+    """RESERVE on every GPU of the rig (one rank each, NCCL): PASS within the runtime reserve the planners add per
+    GPU (one CUDA context plus the allocator margin, data/inference.json), WARN with the excess otherwise."""
+    from helpers.runtime.launch import run
+    from helpers.sizing.gpus import runtime_reserve_bytes
+    from helpers.units import fmt_bytes
+
+    t0, planned = time.perf_counter(), runtime_reserve_bytes(1)
+    ranks = run(beyond_allocator, nranks=len(rig.devices), rig=rig, timeout=SCRIPT_TIMEOUT_S)
+    worst = max(r["outside"] + r["slack"] for r in ranks)
+    said = "; ".join(f"cuda:{i} outside the allocator {fmt_bytes(r['outside'])}, slack {fmt_bytes(r['slack'])}"
+                     for i, r in enumerate(ranks))
+    if worst > planned:
+        return Check(RESERVE, "WARN", f"{said}: {fmt_bytes(worst - planned)} beyond the planners' reserve of "
+                                      f"{fmt_bytes(planned)} per GPU; plan with that much less memory per GPU "
+                                      "(--gpus 'RTX 3090=...')", time.perf_counter() - t0)
+    return Check(RESERVE, "PASS", f"{said}: within the planners' reserve of {fmt_bytes(planned)} per GPU",
+                 time.perf_counter() - t0)
 
 
 def _differs(a: list[float], b: list[float], tolerance: float, what: str) -> float:
@@ -111,7 +151,7 @@ def killed_script(rig: Rig, workdir: Path, model_dir: str) -> list[Check]:
     if not (folder / "killed-at-5").exists() or sorted(again) != [3, 4, 5]:
         raise AssertionError(f"not killed after step 5 and resumed from step 3: printed steps {sorted(first)}, then "
                              f"{sorted(again)}\n{proc.stderr[-2000:]}")
-    diff = _differs([again[3], again[4]], [first[3], first[4]], exact(rig), "restarted against killed start")
+    diff = _differs([again[3], again[4]], [first[3], first[4]], EXACT, "restarted against killed start")
     killed = Check(KILLED, "PASS", f"resumed from step 3 after torchrun's restart; steps 4-5 within {diff:.2g} of "
                                    "the killed start's", t1 - t0)
     model = AutoModelForCausalLM.from_pretrained(saved).eval()
@@ -133,7 +173,8 @@ def notebook_13(rig: Rig, workdir: Path, model_dir: str) -> str:
 
     ranks = rig if support(rig, "fsdp2", "processes").ok else cpu_rig()
     run = dict(steps=5, batch=4, seq_len=16, microbatches=1, lr=3e-3, rig=ranks, timeout=SCRIPT_TIMEOUT_S)
-    whole = train(model_dir, "fsdp2", "processes", **run)
+    whole = train(model_dir, "fsdp2", "processes", checkpoint=CheckpointSpec(str(workdir / "nb13-whole"), every=2),
+                  **run)  # checkpointed too, so deterministic on CUDA as the resumed run is
     os.environ[KILL_ENV] = "1:3"
     try:
         killed = train(model_dir, "fsdp2", "processes", checkpoint=CheckpointSpec(str(workdir / "nb13"), every=2),
@@ -142,7 +183,7 @@ def notebook_13(rig: Rig, workdir: Path, model_dir: str) -> str:
         del os.environ[KILL_ENV]
     if killed.first_step != 2 or not (workdir / "nb13" / "killed-at-3").exists():
         raise AssertionError(f"rank 1 not killed after step 3, or resumed from step {killed.first_step}, not 2")
-    diff = _differs(killed.losses, whole.losses[2:], exact(ranks), "resumed against uninterrupted")
+    diff = _differs(killed.losses, whole.losses[2:], EXACT, "resumed against uninterrupted")
     return f"{ranks.kind} rig, two ranks: resumed from step 2, steps 3-5 within {diff:.2g}"
 
 
@@ -156,11 +197,15 @@ def long_run_checks(rig: Rig, workdir: str, wanted: Callable[[str], bool] = lamb
     for name, async_save, folder in ((SYNC, False, "sync"), (ASYNC, True, "async")):
         if wanted(name):
             checks += guarded(name, lambda a=async_save, f=folder: dcp_resume(
-                str(root / f), device, device, a, exact(rig)))
+                str(root / f), device, device, a, EXACT))
     if wanted(CPU_TO_GPU):
         checks += [Check(CPU_TO_GPU, "REFUSED", "needs a GPU: this rig writes and loads on its CPU (the DCP rows)")
                    ] if not rig.is_cuda else guarded(CPU_TO_GPU, lambda: dcp_resume(
                        str(root / "cpu-to-gpu"), torch.device("cpu"), device, False, 1e-4))
+    if wanted(RESERVE):
+        checks += [Check(RESERVE, "REFUSED", "needs a GPU: on the CPU rig a rank's device is host memory, with no "
+                                             "CUDA context or NCCL buffers beside the allocator")
+                   ] if not rig.is_cuda else guarded(RESERVE, lambda: reserve_check(rig))
     if not any(wanted(name) for name in (OFFLOAD, KILLED, SAVE_TO, NOTEBOOK_13)):
         return checks
     model = save_hf_model(hf_config("llama", 2, 32, 4, 64, 16, kv_heads=2), root / "llama").path
