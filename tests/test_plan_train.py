@@ -381,3 +381,23 @@ def test_70b_offload_host_ram_grows_by_the_pinned_rounding_and_stays_under_60_gi
     assert plan.host_ram_bytes == cpu.host_ram_bytes + rounding and 0.10 < rounding / pinned < 0.12
     assert f"pinned rounding {fmt_bytes(rounding)}" in plan.describe()
     assert plan.host_peak_bytes == plan.host_ram_bytes < 60 * GiB
+
+
+def test_the_70b_host_ram_figures_the_prose_quotes_are_the_planners():
+    """README, notebook 12 and INSTRUCTORS quote the 70B QLoRA + offload plan's host RAM (about 54 GiB, 4.4 of it
+    pinned rounding) and NF4 workspace (1.2 GiB per rank): they are what the planner prints."""
+    import json
+    from pathlib import Path
+
+    GiB, root = 2**30, Path(__file__).resolve().parent.parent
+    plan = plan_training("llama-2-70b", method="qlora", offload="cpu", context=2048, batch=2)
+    assert round(plan.host_peak_bytes / GiB) == 54
+    assert round(sum(d.host["pinned_rounding"] for d in plan.devices) / GiB, 1) == 4.4  # both GPUs' shards
+    assert round(plan.devices[0].loading["NF4 quantization workspace"] / GiB, 1) == 1.2
+    notebook = "".join("".join(c["source"]) for c in json.loads(
+        (root / "notebooks" / "12_finetune_bigger_than_one_card.ipynb").read_text())["cells"])
+    readme = " ".join((root / "README.md").read_text().split())
+    for text in (readme, " ".join(notebook.split()), " ".join((root / "INSTRUCTORS.md").read_text().split())):
+        assert "about 54 GiB" in text
+    for text in (readme, " ".join(notebook.split())):
+        assert "1.2 GiB" in text and "4.4 GiB" in text
