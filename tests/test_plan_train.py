@@ -394,10 +394,15 @@ def test_the_70b_host_ram_figures_the_prose_quotes_are_the_planners():
     assert round(plan.host_peak_bytes / GiB) == 54
     assert round(sum(d.host["pinned_rounding"] for d in plan.devices) / GiB, 1) == 4.4  # both GPUs' shards
     assert round(plan.devices[0].loading["NF4 quantization workspace"] / GiB, 1) == 1.2
+    assert round(sum(d.loading_bytes for d in plan.devices) / GiB) == 48  # both ranks loading at once
+    nf4 = training_data()["nf4_quantization"]  # "a million-value chunk's table, 64 MiB in bf16, plus 5 bytes"
+    assert nf4["chunk_elements"] * nf4["per_chunk_element"]["bf16"] == 64 * 2**20
+    assert round(nf4["per_element"]["bf16"]) == 5
     notebook = "".join("".join(c["source"]) for c in json.loads(
         (root / "notebooks" / "12_finetune_bigger_than_one_card.ipynb").read_text())["cells"])
     readme = " ".join((root / "README.md").read_text().split())
     for text in (readme, " ".join(notebook.split()), " ".join((root / "INSTRUCTORS.md").read_text().split())):
         assert "about 54 GiB" in text
     for text in (readme, " ".join(notebook.split())):
-        assert "1.2 GiB" in text and "4.4 GiB" in text
+        assert "1.2 GiB" in text and "4.4 GiB" in text and "64 MiB in bf16" in text
+    assert "loading at once take 48" in readme

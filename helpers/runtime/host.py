@@ -117,7 +117,8 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
     if _active and isinstance(t, torch.Tensor):
         key = _storage_key(_local(t))
         if key:
-            _marked[key] = weakref.ref(t)  # `t` itself: a DTensor's to_local() is a fresh view each time
+            # `t` itself (a DTensor's to_local() is a fresh view each time); its entry goes when `t` does
+            _marked[key] = weakref.ref(t, lambda ref, key=key: _marked.pop(key) if _marked.get(key) is ref else None)
     return t
 
 
