@@ -3,6 +3,8 @@ import json
 import re
 from pathlib import Path
 
+from tests.course_time import core_cells, exercise_numbers, learner_minutes, notebook_id
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
 
@@ -152,3 +154,59 @@ def test_course_tables_list_every_notebook_in_order():
         "README.md, The course: one row per notebook, `NN_topic` in course order"
     times = re.findall(r"^\| (\d\d[a-z]?) [^|]+\| \d+ s \|", (ROOT / "INSTRUCTORS.md").read_text(), re.MULTILINE)
     assert times == ids, "INSTRUCTORS.md, Run times: one row per notebook ('| NN name | S s | ...'), in course order"
+
+
+MAX_LINES, MAX_CHARS = 15, 1200   # a markdown cell says what to read in the output and why: a figure carries numbers
+
+
+def test_no_walls_before_going_further():
+    """On a notebook's core path (before "Going further" / "Optional") no markdown cell is over 15 non-blank lines
+    or about 1,200 characters: a learner reads it in its slot (tests/course_time.py)."""
+    walls = []
+    for path in NOTEBOOKS:
+        for cell in core_cells(path):
+            text = "".join(cell["source"])
+            lines = sum(1 for line in text.splitlines() if line.strip())
+            if cell["cell_type"] == "markdown" and (lines > MAX_LINES or len(text) > MAX_CHARS):
+                walls.append(f"{path.name}: {lines} lines, {len(text)} chars: {text.strip()[:60]!r}")
+    assert not walls, "split the cell, let a table or figure carry the numbers, or move the detail to Going " \
+                      "further / docs/:\n" + "\n".join(walls)
+
+
+def test_every_exercise_has_a_check_cell():
+    """Each numbered exercise has a cell that calls check_answer(N, ...) and so says right or wrong."""
+    missing = []
+    for path in NOTEBOOKS:
+        numbers = exercise_numbers(path)
+        code = "\n".join("".join(c["source"]) for c in core_cells(path) if c["cell_type"] == "code")
+        missing += [f"{path.name}: exercise {n}" for n in numbers if not re.search(rf"check_answer\(\s*{n}\s*,", code)]
+        assert numbers, f"{path.name} has no numbered exercises under '## Exercises'"
+    assert not missing, "no check_answer(N, ...) cell for:\n" + "\n".join(missing)
+
+
+def schedule_slots(text: str) -> dict[str, int]:
+    """Each notebook's longest slot in INSTRUCTORS.md's schedules: a table row '| 09:00 | block | 06b | ...' naming
+    one notebook alone, lasting until the next row's time in the same table."""
+    slots: dict[str, int] = {}
+    for table in re.split(r"\n(?!\|)", text):
+        rows = re.findall(r"^\| (\d\d?):(\d\d) \|[^|]*\|([^|]*)\|", table, re.MULTILINE)
+        times = [int(h) * 60 + int(m) for h, m, _ in rows]
+        assert times == sorted(times), f"schedule times out of order: {rows}"
+        for (h, m, names), start, end in zip(rows, times, times[1:]):
+            ids = re.findall(r"\b\d\d[a-z]?\b", names)
+            if len(ids) == 1:
+                slots[ids[0]] = max(slots.get(ids[0], 0), end - start)
+    return slots
+
+
+def test_every_notebook_has_a_slot_it_fits():
+    """INSTRUCTORS.md gives every notebook (06b included) a slot of its own, at least as long as its core path takes
+    a learner (tests/course_time.py: `python -m tests.course_time` prints each)."""
+    slots = schedule_slots((ROOT / "INSTRUCTORS.md").read_text())
+    problems = []
+    for path in NOTEBOOKS:
+        need = learner_minutes(path)
+        have = slots.get(notebook_id(path))
+        if have is None or have < need:
+            problems.append(f"{path.stem}: core path {need:.0f} min, slot {have or 'none'}")
+    assert not problems, "\n".join(problems)
