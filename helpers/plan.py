@@ -20,7 +20,7 @@ import sys
 from helpers.sizing.training import METHODS, default_lora_rank
 from helpers.finetune.memory_plan import PLAN_STRATEGIES, plan_training
 from helpers.sizing.state import known_optimizers
-from helpers.inference.plan import LOGITS_MODES, DoesNotFit, plan
+from helpers.inference.plan import LOGITS_MODES, LOGITS_PRICED, DoesNotFit, plan
 from helpers.inference.speed import predict_speed
 from helpers.inference.speed_rigs import speed_rigs
 from helpers.sizing.gpus import describe_gpus, parse_gpus
@@ -43,9 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--gpus", default="2 x RTX 3090",
                         help="e.g. '2 x RTX 3090', 'RTX 3090, RTX 4090', 'RTX 5090=32GiB', '2x24GiB'")
-    parser.add_argument("--logits", choices=LOGITS_MODES, default="prompt",
-                        help="logits workspace: for the whole prompt (a forward with a loss; the safe default) or "
-                             "the last position only (generate())")
+    parser.add_argument("--logits", choices=LOGITS_MODES, default="last",
+                        help="logits workspace: the last position only (generate(), the default) or the whole prompt "
+                             "(a forward that computes a loss over it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--compare", action="store_true",
                         help="our plan vs accelerate's balanced / balanced_low_0 / sequential maps on the bundled "
@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             if ns.json:
                 print(json.dumps([{k: v for k, v in r.items() if k != "placement"} for r in rows]))
             else:
-                print(f"on {describe_gpus(gpus)}, batch {ns.batch}, logits for the "
-                      f"{'whole prompt' if ns.logits == 'prompt' else 'last position'}:")
+                print(f"on {describe_gpus(gpus)}, batch {ns.batch}, logits for {LOGITS_PRICED[ns.logits]}:")
                 print(comparison_table(rows))
             return
         placement = plan(ns.model, ns.dtype or "fp16", ns.context, ns.batch, gpus, ns.logits)

@@ -247,6 +247,19 @@ def test_cli_table_names_every_part(capsys):
         assert word in out
 
 
+def test_cli_prices_generation_with_the_last_positions_logits(capsys):
+    """Planning inference is planning generate(): the logits of the last position by default, and the output says so.
+    Qwen2.5-14B in bf16 at 32k tokens fits two 3090s that way; with the whole prompt's logits (a loss over it) it
+    does not, by the 15 GiB those logits take (152k-token vocabulary x 32k positions, bf16 plus an fp32 copy)."""
+    argv = ["--model", "qwen2.5-14b", "--dtype", "bf16", "--context", "32768"]
+    plan_main(argv)
+    out = capsys.readouterr().out
+    assert "logits for the last position" in out and "fits on 2 x RTX 3090" in out
+    with pytest.raises(SystemExit):
+        plan_main([*argv, "--logits", "prompt"])
+    assert "does not fit" in capsys.readouterr().err
+
+
 def test_cli_compare_prints_accelerates_maps_beside_ours(capsys):
     plan_main(["--compare", "--logits", "last"])
     out = capsys.readouterr().out
@@ -274,7 +287,7 @@ def test_cli_bad_input_exits_nonzero_without_a_map(capsys, argv, code, message):
 
 def test_fit_form_draws_once_without_a_frontend_and_replans_on_change(capsys):
     form = FitForm().show()
-    assert "fits (planner)" in capsys.readouterr().out
+    assert "fits on 2 x RTX 3090 (planner)" in capsys.readouterr().out
     ax = form.figure.axes[0]
     assert len(ax.patches) == 5 * 2  # weights, KV cache, workspace, reserve, free for each GPU
     form.inputs["model"].value = "llama-2-70b"  # fp16: does not fit; the form shows why and the closest split

@@ -123,7 +123,7 @@ def _row(case: Case, placement: Placement) -> dict:
 
 
 def compare_with_accelerate(cases: Sequence[Case] = CASES, gpus: Sequence[Gpu] | str | None = None, batch: int = 1,
-                            logits: LogitsMode = "prompt",
+                            logits: LogitsMode = "last",
                             strategies: Sequence[str] = DEVICE_MAP_STRATEGIES) -> list[dict]:
     """For each case: our plan, then accelerate's maps, every one accounted the same way (KV cache, workspace and
     reserve included). Per row: fits, bytes per GPU by kind, room left for the KV cache, bytes offloaded, and the

@@ -118,7 +118,7 @@ def _split_text(counts: dict, n_gpus: int) -> str:
 
 
 def strategy_rows(cases: Sequence[Case] = CASES, gpus: Sequence[Gpu] | str | None = None, batch: int = 1,
-                  strategies: Sequence[str] = DEVICE_MAP_STRATEGIES, logits: str = "prompt") -> list[dict]:
+                  strategies: Sequence[str] = DEVICE_MAP_STRATEGIES, logits: str = "last") -> list[dict]:
     """Per case and strategy: decoder layers per GPU in transformers 5's map (what from_pretrained loads) and in
     accelerate's; whether transformers' map still fits once the KV cache, workspace and reserve are counted; its
     slowest stage's bandwidth-bound milliseconds per token (accounted as `compare` does). Quantised cases are

@@ -31,6 +31,8 @@ from helpers.partition import NoFeasibleSplit, Split, optimal_split
 
 LogitsMode = Literal["prompt", "last"]
 LOGITS_MODES = ("prompt", "last")
+LOGITS_PRICED = {"last": "the last position (as generate() keeps them)",
+                 "prompt": "the whole prompt (a forward with a loss over it)"}
 FOUR_BIT = "nf4"
 
 
@@ -43,12 +45,12 @@ def _check_workload(context: int, batch: int, logits: str) -> None:
 
 # --- workspace ----------------------------------------------------------------------------------------------------
 
-def logits_workspace_bytes(shape: ModelShape, context: int, batch: int, logits: LogitsMode = "prompt") -> int:
+def logits_workspace_bytes(shape: ModelShape, context: int, batch: int, logits: LogitsMode = "last") -> int:
     """Logits on the device that holds the head, in the activation dtype plus their fp32 copy.
 
-    "prompt" (the default, the safe choice): a forward over a whole `context`-token prompt with a loss, or an older
-    transformers, materialises batch x context x vocab logits. "last": generate() in transformers 5 asks for the last
-    position only (logits_to_keep=1) and copies it to fp32 for sampling.
+    "last" (the default, how the course generates): generate() in transformers 5 asks for the last position only
+    (logits_to_keep=1) and copies it to fp32 for sampling. "prompt": a forward over a whole `context`-token prompt
+    with a loss (evaluation, training), or an older transformers, materialises batch x context x vocab logits.
     """
     positions = context if logits == "prompt" else 1
     return batch * positions * shape.vocab * (shape.format.activation_bytes + BYTES["fp32"])  # and their fp32 copy
@@ -135,11 +137,12 @@ class Placement:
         kv_token = sum(layer.kv_bytes_per_token for layer in s.decoder_layers)
         windows = sorted({layer.window for layer in s.decoder_layers if layer.window})
         lines = [f"{s.name}: {s.params:,} parameters ({fmt.describe()}); context {self.context} tokens x batch "
-                 f"{self.batch}; logits for {'the whole prompt' if self.logits == 'prompt' else 'the last position'}",
+                 f"{self.batch}; logits for {LOGITS_PRICED[self.logits]}",
                  f"KV cache {fmt_bytes(kv_token)} per token per sequence ({len(s.decoder_layers)} layers x 2 x "
                  f"{s.kv_heads} KV heads x {s.head_dim} x {fmt.activation_bytes} B"
                  + (f"; sliding window: at most {', '.join(map(str, windows))} tokens per layer" if windows else "")
-                 + f"); {'fits' if self.fits else 'does NOT fit'} ({self.method})",
+                 + f"); {'fits' if self.fits else 'does NOT fit'} on {describe_gpus([d.gpu for d in self.devices])} "
+                 f"({self.method})",
                  table(self.rows())]
         if self.offloaded_bytes:
             lines.append(f"offloaded to CPU RAM or disk: {fmt_bytes(self.offloaded_bytes)} of weights")
@@ -163,7 +166,7 @@ def _device_of(name: str, device_map: dict) -> int | str:
 
 
 def evaluate(shape: ModelShape, device_map: dict, gpus: Sequence[Gpu], context: int, batch: int = 1,
-             logits: LogitsMode = "prompt", method: str = "given") -> Placement:
+             logits: LogitsMode = "last", method: str = "given") -> Placement:
     """Account a device_map (ours or accelerate's) per GPU: weights, KV cache, workspace, reserve, free.
 
     A GPU holding any module reserves the activation workspace; the head's GPU adds the logits. Modules mapped to
@@ -268,7 +271,7 @@ def _fits(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int, logi
 
 
 def plan(model="llama-2-13b", dtype: str | WeightFormat = "fp16", context: int = 4096, batch: int = 1,
-         gpus: Sequence[Gpu] | str | None = None, logits: LogitsMode = "prompt") -> Placement:
+         gpus: Sequence[Gpu] | str | None = None, logits: LogitsMode = "last") -> Placement:
     """The contiguous split of `model` over `gpus` (default: two RTX 3090s) that fits every GPU with the KV cache for
     `batch` sequences of `context` tokens, the workspace and the runtime reserve, and reads the fewest bytes per
     decoded token on its slowest GPU. Raises DoesNotFit (with what would fit) when no split fits."""
@@ -277,7 +280,7 @@ def plan(model="llama-2-13b", dtype: str | WeightFormat = "fp16", context: int =
 
 
 def plan_shape(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int = 1,
-               logits: LogitsMode = "prompt") -> Placement:
+               logits: LogitsMode = "last") -> Placement:
     """`plan` for an already priced model (what the alternatives, the comparison and the widget reuse)."""
     _check_workload(context, batch, logits)
     gpus = check_gpus(gpus)

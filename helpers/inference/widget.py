@@ -36,7 +36,7 @@ class FitForm:
     re-plans in tests); `show()` displays the live form, or prints and draws once without a frontend."""
 
     def __init__(self, model: str = "llama-2-13b", dtype: str = "fp16", context: int = 4096, batch: int = 1,
-                 gpus: str = "2 x RTX 3090", logits: str = "prompt"):
+                 gpus: str = "2 x RTX 3090", logits: str = "last"):
         import ipywidgets as w
 
         self.logits = logits
