@@ -250,7 +250,11 @@ def test_cli_table_names_every_part(capsys):
 def test_cli_prices_generation_with_the_last_positions_logits(capsys):
     """Planning inference is planning generate(): the logits of the last position by default, and the output says so.
     Qwen2.5-14B in bf16 at 32k tokens fits two 3090s that way; with the whole prompt's logits (a loss over it) it
-    does not, by the 15 GiB those logits take (152k-token vocabulary x 32k positions, bf16 plus an fp32 copy)."""
+    does not, by the 28 GiB those logits take (152k-token vocabulary x 32k positions, bf16 plus an fp32 copy: the
+    figure README quotes)."""
+    shape = model_shape("qwen2.5-14b", "bf16")
+    extra = logits_workspace_bytes(shape, 32768, 1, "prompt") - logits_workspace_bytes(shape, 32768, 1, "last")
+    assert round(extra / 2**30) == 28 and "152k-token vocabulary, 28 GiB more" in " ".join((REPO / "README.md").read_text().split())
     argv = ["--model", "qwen2.5-14b", "--dtype", "bf16", "--context", "32768"]
     plan_main(argv)
     out = capsys.readouterr().out
