@@ -1,5 +1,6 @@
-"""Split a cost vector into k contiguous stages, optimally: minimise the most expensive stage (the pipeline's
-bottleneck), subject to each device's memory.
+"""Split a cost vector into k contiguous stages, optimally: minimise the slowest stage (the pipeline's bottleneck),
+subject to each device's memory. A stage's time is its cost divided by its device's relative speed (all 1.0 for
+equal devices, where time and cost are one: a 4090 beside a 3090 takes more layers).
 
 `optimal_split` is exact (dynamic programming over prefix sums, O(k n^2)).
 The baselines are what popular tools do: equal layer count (Megatron, picotron), equal parameters (DeepSpeed's
@@ -17,21 +18,31 @@ from helpers.units import fmt_bytes
 
 @dataclass(frozen=True)
 class Split:
-    """Where each stage starts (`boundaries`, as for `split_model`) and what each stage costs."""
+    """Where each stage starts (`boundaries`, as for `split_model`), what each stage costs, and the relative speeds
+    of the devices that run them (None: equal devices)."""
 
     boundaries: tuple[int, ...]
     stage_costs: tuple[float, ...]
     method: str = "optimal"
+    speeds: tuple[float, ...] | None = None
+
+    @property
+    def stage_times(self) -> tuple[float, ...]:
+        """Each stage's cost over its device's speed: what the pipeline waits for."""
+        speeds = self.speeds or (1.0,) * len(self.stage_costs)
+        return tuple(c / v for c, v in zip(self.stage_costs, speeds))
 
     @property
     def bottleneck(self) -> float:
-        return max(self.stage_costs)
+        return max(self.stage_times)
 
     @property
     def imbalance(self) -> float:
-        """Bottleneck / mean stage cost: 1.0 is perfect balance."""
-        mean = sum(self.stage_costs) / len(self.stage_costs)
-        return self.bottleneck / mean if mean > 0 else 1.0
+        """Bottleneck / the time of a perfect balance (the whole cost over the devices' summed speed): 1.0 is
+        perfect balance; for equal devices it is the slowest stage's cost over the mean."""
+        speeds = self.speeds or (1.0,) * len(self.stage_costs)
+        ideal = sum(self.stage_costs) / sum(speeds)
+        return self.bottleneck / ideal if ideal > 0 else 1.0
 
     def ranges(self, n: int) -> list[tuple[int, int]]:
         edges = [0, *self.boundaries, n]
@@ -75,6 +86,18 @@ def _check_caps(memory: Sequence[float] | None, caps: Sequence[float] | None, n:
     return memory, [float(c) for c in caps]
 
 
+def check_speeds(speeds: Sequence[float] | None, k: int) -> tuple[float, ...] | None:
+    """One positive, finite relative speed per device (larger is faster), or None for equal devices."""
+    if speeds is None:
+        return None
+    speeds = tuple(float(v) for v in speeds)
+    if len(speeds) != k:
+        raise ValueError(f"{len(speeds)} device speeds for {k} stages: give one relative speed per device")
+    if any(not (math.isfinite(v) and v > 0) for v in speeds):
+        raise ValueError(f"device speeds must be positive and finite (relative: larger is faster), got {list(speeds)}")
+    return speeds
+
+
 def explain_infeasible(memory: Sequence[float], caps: Sequence[float], names: Sequence[str] | None = None) -> NoReturn:
     """Raise NoFeasibleSplit with the numbers (called once the search found no split).
 
@@ -104,11 +127,18 @@ def explain_infeasible(memory: Sequence[float], caps: Sequence[float], names: Se
 
 
 def optimal_split(costs: Sequence[float], k: int, memory: Sequence[float] | None = None,
-                  caps: Sequence[float] | None = None, device_names: Sequence[str] | None = None) -> Split:
-    """The contiguous split into k non-empty stages with the smallest bottleneck, stage j within caps[j]."""
+                  caps: Sequence[float] | None = None, device_names: Sequence[str] | None = None,
+                  speeds: Sequence[float] | None = None) -> Split:
+    """The contiguous split into k non-empty stages whose slowest stage takes least time, stage j within caps[j].
+
+    `speeds[j]` is device j's relative speed (larger is faster: measured by profiling the model on each device, or
+    a card's relative compute from the GPU table): stage j takes its cost / speeds[j]. The search is the same exact
+    dynamic program; only the time of a stage changes."""
     costs = check_costs(costs, k)
     n = len(costs)
     memory, caps = _check_caps(memory, caps, n, k)
+    speeds = check_speeds(speeds, k)
+    rate = speeds or (1.0,) * k
     prefix = [0.0, *accumulate(costs)]
     mprefix = [0.0, *accumulate(memory)] if memory else None
 
@@ -121,12 +151,12 @@ def optimal_split(costs: Sequence[float], k: int, memory: Sequence[float] | None
     cut = [[0] * (n + 1) for _ in range(k)]
     for i in range(1, n + 1):
         if fits(0, i, 0):
-            dp[0][i] = prefix[i]
+            dp[0][i] = prefix[i] / rate[0]
     for j in range(1, k):
         for i in range(j + 1, n + 1):
             for t in range(j, i):
                 if dp[j - 1][t] < inf and fits(t, i, j):
-                    value = max(dp[j - 1][t], prefix[i] - prefix[t])
+                    value = max(dp[j - 1][t], (prefix[i] - prefix[t]) / rate[j])
                     if value < dp[j][i]:
                         dp[j][i], cut[j][i] = value, t
     if dp[k - 1][n] == inf:
@@ -136,7 +166,7 @@ def optimal_split(costs: Sequence[float], k: int, memory: Sequence[float] | None
         i = cut[j][i]
         bounds.append(i)
     bounds.reverse()
-    return Split(tuple(bounds), _stage_costs(prefix, bounds))
+    return Split(tuple(bounds), _stage_costs(prefix, bounds), speeds=speeds)
 
 
 def equal_count_split(n_layers: int, k: int) -> tuple[int, ...]:
@@ -161,10 +191,13 @@ def greedy_split(memory: Sequence[float], k: int) -> tuple[int, ...]:
     return tuple(bounds)
 
 
-def evaluate(costs: Sequence[float], boundaries: Sequence[int], method: str) -> Split:
-    """The stage costs of a given split under `costs` (e.g. measured time for a params-balanced split)."""
+def evaluate(costs: Sequence[float], boundaries: Sequence[int], method: str,
+             speeds: Sequence[float] | None = None) -> Split:
+    """The stage costs of a given split under `costs` (e.g. measured time for a params-balanced split), on devices
+    of the given relative speeds (None: equal)."""
     prefix = [0.0, *accumulate(float(c) for c in costs)]
-    return Split(tuple(boundaries), _stage_costs(prefix, boundaries), method)
+    return Split(tuple(boundaries), _stage_costs(prefix, boundaries), method,
+                 check_speeds(speeds, len(boundaries) + 1))
 
 
 def compare_splits(time_costs: Sequence[float], param_costs: Sequence[float], memory: Sequence[float],

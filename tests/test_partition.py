@@ -8,14 +8,15 @@ from helpers.partition import (NoFeasibleSplit, compare_splits, equal_count_spli
                                optimal_split)
 
 
-def brute_force(costs, k, memory=None, caps=None):
+def brute_force(costs, k, memory=None, caps=None, speeds=None):
     n, best = len(costs), math.inf
+    speeds = speeds or [1.0] * k
     for bounds in itertools.combinations(range(1, n), k - 1):
         edges = [0, *bounds, n]
         stages = list(zip(edges, edges[1:]))
         if memory is not None and any(sum(memory[a:b]) > caps[j] for j, (a, b) in enumerate(stages)):
             continue
-        best = min(best, max(sum(costs[a:b]) for a, b in stages))
+        best = min(best, max(sum(costs[a:b]) / speeds[j] for j, (a, b) in enumerate(stages)))
     return best
 
 
@@ -48,6 +49,44 @@ def test_optimal_with_caps_matches_brute_force(seed):
         assert split.bottleneck == pytest.approx(expected)
         for j, (a, b) in enumerate(split.ranges(n)):
             assert sum(memory[a:b]) <= caps[j]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_optimal_with_unequal_speeds_matches_brute_force(seed):
+    """Devices of unequal speed (and memory): the split minimises the slowest stage's time, cost / speed."""
+    rng = random.Random(2000 + seed)
+    n = rng.randint(2, 9)
+    k = rng.randint(2, min(n, 4))
+    costs = [rng.choice([0.0, rng.random() * 10]) for _ in range(n)]
+    speeds = [rng.choice([1.0, 0.5, 2.0, 0.3 + rng.random() * 3]) for _ in range(k)]
+    memory = [rng.randint(1, 10) for _ in range(n)] if seed % 2 else None
+    caps = [rng.randint(5, 40) for _ in range(k)] if memory else None
+    expected = brute_force(costs, k, memory, caps, speeds)
+    if expected == math.inf:
+        with pytest.raises(NoFeasibleSplit):
+            optimal_split(costs, k, memory, caps, speeds=speeds)
+        return
+    split = optimal_split(costs, k, memory, caps, speeds=speeds)
+    assert split.bottleneck == pytest.approx(expected)
+    assert split.stage_times == pytest.approx([c / v for c, v in zip(split.stage_costs, speeds)])
+    assert split.bottleneck == pytest.approx(evaluate(costs, split.boundaries, "same", speeds).bottleneck)
+
+
+def test_a_faster_device_takes_more_layers():
+    """Twice as fast, twice the layers: 9 equal layers on a 1:2 pair split 3 | 6, a perfect balance (3 units of
+    time each), where the equal-layers split 5 | 4 waits 5 units for the slower device."""
+    split = optimal_split([1.0] * 9, 2, speeds=[1.0, 2.0])
+    equal = evaluate([1.0] * 9, equal_count_split(9, 2), "equal layers", speeds=[1.0, 2.0])
+    assert split.boundaries == (3,) and split.stage_times == (3.0, 3.0) and split.imbalance == pytest.approx(1.0)
+    assert equal.boundaries == (5,) and equal.bottleneck == 5.0 and equal.imbalance == pytest.approx(5 / 3)
+    assert optimal_split([1.0] * 9, 2, speeds=[2.0, 4.0]).boundaries == (3,), "speeds are relative"
+
+
+@pytest.mark.parametrize("speeds, msg", [([1.0], "2 device speeds|1 device speeds"), ([1.0, 0.0], "positive"),
+                                         ([1.0, math.inf], "finite")])
+def test_bad_speeds_are_refused(speeds, msg):
+    with pytest.raises(ValueError, match=msg):
+        optimal_split([1.0] * 4, 2, speeds=speeds)
 
 
 def test_unequal_devices_shift_the_cut():
