@@ -639,3 +639,21 @@ def test_predictions_next_to_published_results_run():
 def test_recipes_are_the_memory_modules():
     assert Workload.from_lists([1.0], [1.0]).bytes_per_param == BYTES_PER_PARAM["fp32 + Adam"]
     assert FREE_LINK.seconds(1e12) == 0.0
+
+
+def test_one_ddp_or_1f1b_answer_for_two_pcie_3090s_is_the_one_instructors_quotes():
+    """Notebooks 08 and 10 print `ddp_or_pipeline()`'s sentence; INSTRUCTORS.md quotes it: the quote is the
+    simulator's answer, and the flip it states is consistent (DDP's hidden step under the threshold, the whole
+    all-reduce over it)."""
+    from pathlib import Path
+
+    from helpers.simulate.guide import ddp_or_pipeline
+
+    answer = ddp_or_pipeline()
+    assert answer.choice == "DDP" and answer.flips and answer.flipped.startswith("1F1B")
+    assert answer.ddp_s - answer.one_gpu_s <= answer.flip_s < answer.allreduce_s
+    instructors = " ".join((Path(__file__).resolve().parent.parent / "INSTRUCTORS.md").read_text().split())
+    assert " ".join(answer.sentence().split()) in instructors, \
+        f"INSTRUCTORS.md must quote the simulator's answer word for word: {answer.sentence()}"
+    nvlink = ddp_or_pipeline(rig="2x3090 NVLink")  # notebook 08's exercise 1: the bridge keeps DDP either way
+    assert nvlink.choice == nvlink.flipped == "DDP"

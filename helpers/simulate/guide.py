@@ -266,3 +266,64 @@ def decision_table(rig: str = "2x3090 PCIe", batch: int = 16, seq: int = 1024, a
         row["choose"] = rec.choice
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class TwoCardAnswer:
+    """DDP or a pipeline for one model on two GPUs: the guide's choice with DDP's gradient all-reduce hidden behind
+    the backward (PyTorch's design), the choice with it exposed (what every published two-GPU run the course checks
+    paid, `exposed_exchange`), and the condition that flips the one into the other, all simulated."""
+
+    model: str
+    rig: str
+    batch: int
+    seq: int
+    choice: str               # the all-reduce hidden behind the backward (`recommend`'s default)
+    flipped: str              # the all-reduce exposed (`recommend(..., overlap=False)`)
+    ddp_s: float              # DDP's simulated step, the all-reduce hidden
+    one_gpu_s: float          # one GPU's step on its share of the batch (batch / 2 sequences): DDP without exchange
+    allreduce_s: float        # DDP's whole gradient all-reduce, exposed: its exposed step minus one_gpu_s
+    rival_s: float            # the fastest other strategy's step with everything exposed (what DDP must stay near)
+    flip_s: float             # DDP stays the choice while at most this much of its all-reduce shows in its step
+
+    @property
+    def flips(self) -> bool:
+        """Whether exposing the exchange changes the answer at all."""
+        return self.choice != self.flipped
+
+    def sentence(self) -> str:
+        """The answer in one sentence: notebooks 08 and 10 print it, INSTRUCTORS.md quotes it."""
+        head = f"{self.model} (batch {self.batch} x {self.seq}) on {self.rig}: {self.choice}"
+        if not self.flips:
+            return (f"{head}, whether DDP's {self.allreduce_s * 1e3:.0f} ms gradient all-reduce hides behind the "
+                    f"backward or not.")
+        return (f"{head} while its gradient all-reduce ({self.allreduce_s * 1e3:.0f} ms) hides behind the backward; "
+                f"{self.flipped} once more than {self.flip_s * 1e3:.0f} ms of it shows, i.e. once a DDP step takes "
+                f"{self.flip_s * 1e3:.0f} ms longer than one GPU's step on its {self.batch // 2} sequences.")
+
+
+def ddp_or_pipeline(model: str = "GPT-2 medium", rig: TargetRig | str = "2x3090 PCIe", batch: int = 16,
+                    seq: int = 1024, tolerance: float = 0.05) -> TwoCardAnswer:
+    """The course's one answer to "DDP or 1F1B for GPT-2 medium on two PCIe 3090s?", and the condition that flips it.
+
+    Both choices are `recommend_model`'s rule (the fastest that fits, the simplest within `tolerance`), once with
+    DDP's all-reduce overlapping the backward and once exposed. The flip: a DDP step is one GPU's step on its half
+    of the batch plus the part of the all-reduce that shows; DDP stays the choice while that step is within
+    `tolerance` of the fastest other strategy's with nothing hidden, so the threshold is
+    (1 + tolerance) x that step - one GPU's step. A learner measures the same difference on the cards: a DDP step
+    against one GPU's step on the same per-GPU batch (no exchange)."""
+    rig = target_rig(rig) if isinstance(rig, str) else rig
+    workload = transformer_workload(MODELS[model], seq, rig.gpu)
+    hidden = recommend(workload, rig, batch, model=model, tolerance=tolerance)
+    exposed = recommend(workload, rig, batch, model=model, tolerance=tolerance, overlap=False)
+    ddp = next(o for o in hidden.options if o.job.strategy == "ddp")
+    ddp_exposed = next(o for o in exposed.options if o.job.strategy == "ddp")
+    if not (ddp.fits and ddp_exposed.fits):
+        raise ValueError(f"DDP does not fit {model} on {rig.name}: the question is not DDP or a pipeline "
+                         f"({hidden.choice})")
+    alone = Job("single", batch // rig.devices, microbatches=ddp.job.microbatches,
+                activation_checkpointing=ddp.job.activation_checkpointing)
+    one_gpu_s = simulate(workload, alone).step_s
+    rival_s = min(o.step_s for o in exposed.options if o.fits and o.job.strategy != "ddp")
+    return TwoCardAnswer(model, rig.name, batch, seq, hidden.choice, exposed.choice, ddp.step_s, one_gpu_s,
+                         ddp_exposed.step_s - one_gpu_s, rival_s, (1 + tolerance) * rival_s - one_gpu_s)
