@@ -169,6 +169,25 @@ def optimal_split(costs: Sequence[float], k: int, memory: Sequence[float] | None
     return Split(tuple(bounds), _stage_costs(prefix, bounds), speeds=speeds)
 
 
+def proportional_shares(total: int, speeds: Sequence[float], unit: int = 1) -> tuple[int, ...]:
+    """`total` items (a global batch) dealt to devices in proportion to their speeds, in whole multiples of `unit`
+    (each replica's micro-batches), at least one unit each: the largest remainders get the units rounding left over.
+    Data parallelism with these shares waits for no card: each finishes its share in about the same time."""
+    speeds = check_speeds(speeds, len(speeds))
+    if unit < 1 or total % unit or total // unit < len(speeds):
+        raise ValueError(f"cannot deal {total} items to {len(speeds)} devices in whole units of {unit}, one at least "
+                         "each")
+    units = total // unit
+    exact = [units * v / sum(speeds) for v in speeds]
+    whole = [max(1, math.floor(e)) for e in exact]
+    by_remainder = sorted(range(len(speeds)), key=lambda j: exact[j] - whole[j], reverse=True)
+    for j in by_remainder[:units - sum(whole)]:
+        whole[j] += 1
+    while sum(whole) > units:  # the one-unit floor took more than was left: give back from the largest
+        whole[max((j for j in range(len(whole)) if whole[j] > 1), key=lambda j: whole[j] - exact[j])] -= 1
+    return tuple(w * unit for w in whole)
+
+
 def equal_count_split(n_layers: int, k: int) -> tuple[int, ...]:
     """Megatron/picotron style: the same number of layers per stage (the first stages take the remainder)."""
     check_costs([1.0] * n_layers, k)

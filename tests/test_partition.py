@@ -5,7 +5,7 @@ import random
 import pytest
 
 from helpers.partition import (NoFeasibleSplit, compare_splits, equal_count_split, evaluate, greedy_split,
-                               optimal_split)
+                               optimal_split, proportional_shares)
 
 
 def brute_force(costs, k, memory=None, caps=None, speeds=None):
@@ -120,3 +120,23 @@ def test_baselines():
     assert splits["optimal time"].bottleneck == 5
     assert all(s.bottleneck >= splits["optimal time"].bottleneck for s in splits.values())
     assert evaluate([1, 2, 3], (1,), "x").stage_costs == (1, 5)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_proportional_shares_add_up_in_whole_units_close_to_the_speeds(seed):
+    """Each share a whole number of units, at least one, adding up to the total, and no device more than one unit
+    away from its exact proportion (beyond the one-unit floor)."""
+    rng = random.Random(3000 + seed)
+    n, unit = rng.randint(2, 4), rng.choice([1, 2, 4])
+    units = rng.randint(n, 20)
+    speeds = [rng.choice([1.0, 2.0, 0.1 + rng.random() * 5, 100.0]) for _ in range(n)]
+    shares = proportional_shares(units * unit, speeds, unit)
+    assert sum(shares) == units * unit and all(s >= unit and s % unit == 0 for s in shares)
+    exact = [units * v / sum(speeds) for v in speeds]
+    assert all(abs(s // unit - max(1.0, e)) < 1 + sum(max(0.0, 1 - x) for x in exact) for s, e in zip(shares, exact))
+    assert proportional_shares(12, [1, 2]) == (4, 8) and proportional_shares(32, [1, 2], 4) == (12, 20)
+
+
+def test_proportional_shares_refuse_too_few_items():
+    with pytest.raises(ValueError, match="one at least"):
+        proportional_shares(2, [1.0, 1.0, 1.0])

@@ -8,6 +8,7 @@ from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL, TRAINED, strategy as cat
 from helpers.check import grads_of, max_grad_diff
 from helpers.models import StackConfig, StackModel, SyntheticTokens, build_stack, count_params, lm_loss
 from helpers.models.layered import boundary_shapes, is_meta, owned_layers
+from helpers.partition import proportional_shares
 from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.job import TrainJob, check_job
@@ -175,6 +176,28 @@ def test_gradient_accumulation_equals_one_device(strategy, reference):
     res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, timed_steps=1,
                                 return_grads=True), cpu_rig())
     assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_unequal_replica_batches_equal_one_device(strategy, reference):
+    """A faster card takes a larger share of the global batch (proportional_shares): the loss is normalised by the
+    global batch's tokens, so gradients still equal one device's on the same global batch (DDP and FSDP2 average over
+    replicas; each rank's loss is scaled to undo it)."""
+    loss, grads, _ = reference
+    shares = proportional_shares(BATCH, [1.0, 2.0], unit=2)
+    assert shares[0] < shares[1]
+    res = run_training(TrainJob(CFG, dp=2, data_parallel=strategy, microbatches=2, batch=BATCH, shares=shares,
+                                timed_steps=1, return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
+
+
+@pytest.mark.parametrize("fields, msg", [({"shares": (4, 2)}, "add up to 6"), ({"shares": (BATCH,)}, "give 2"),
+                                         ({"shares": (3, BATCH - 3), "microbatches": 2}, "divide into 2"),
+                                         ({"shares": (4, BATCH - 4), "pp": 2, "dp": 1}, "dp >= 2 and pp = 1")])
+def test_bad_shares_are_refused_before_launch(fields, msg):
+    fields = {"dp": 2, **fields}
+    with pytest.raises(ValueError, match=msg):
+        check_job(TrainJob(CFG, batch=BATCH, **fields), cpu_rig())
 
 
 def test_dp_x_pp_on_a_2x2_mesh_equals_one_device(reference):

@@ -69,6 +69,8 @@ class TrainJob:
     dtype: str = "fp32"  # weights: fp32 | bf16 | fp16
     autocast: str | None = None  # None | bf16 | fp16 (fp32 weights, 16-bit matmuls; fp16 adds loss scaling)
     batch: int = 32  # global batch
+    shares: tuple[int, ...] = ()  # rows of the global batch per replica (dp only), e.g. by speed (proportional_shares:
+    # a faster card takes more); () = equal. The loss is normalised by the global batch's tokens either way
     seq_len: int | None = None  # default: the model's
     padding: str = "none"  # none | right | left: seeded lengths, padded positions masked and ignored by the loss
     timed_steps: int = 3  # after one warm-up step (the parity check) and before one recorded step: train()'s
@@ -210,7 +212,22 @@ def _positive(job: TrainJob) -> None:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
+def _check_shares(job: TrainJob) -> None:
+    """Unequal replica batches: one whole, positive share per replica, adding up to the global batch, each split
+    into the job's micro-batches; pipelines keep equal micro-batches (their stages exchange fixed shapes)."""
+    if job.pp > 1 or job.dp == 1:
+        raise ValueError("shares= gives data-parallel replicas unequal batches: it needs dp >= 2 and pp = 1")
+    if len(job.shares) != job.dp or any(not isinstance(r, int) or r < 1 for r in job.shares):
+        raise ValueError(f"shares={job.shares}: give {job.dp} whole numbers >= 1, one batch share per replica")
+    if sum(job.shares) != job.batch:
+        raise ValueError(f"shares={job.shares} add up to {sum(job.shares)}, not the global batch {job.batch}")
+    if any(r % job.microbatches for r in job.shares):
+        raise ValueError(f"shares={job.shares}: each replica's share must divide into {job.microbatches} micro-batches")
+
+
 def _check_batches(job: TrainJob) -> None:
+    if job.shares:
+        return _check_shares(job)
     if job.batch % job.dp:
         raise ValueError(f"global batch {job.batch} is not divisible by the data-parallel size {job.dp}")
     per_replica = job.batch // job.dp

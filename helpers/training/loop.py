@@ -141,8 +141,8 @@ def global_batch(job: TrainJob, step: int, rows: torch.Tensor | None):
 def _replica_batch(job: TrainJob, replica: int, device: torch.device, step: int = 0,
                    rows: torch.Tensor | None = None) -> _Batch:
     x, y, mask = global_batch(job, step, rows)
-    per = job.batch // job.dp
-    rows = slice(replica * per, (replica + 1) * per)
+    shares = job.shares or (job.batch // job.dp,) * job.dp
+    rows = slice(sum(shares[:replica]), sum(shares[:replica + 1]))
     # copy=True: on the CPU rig a slice of the token windows would otherwise stay a view of the whole corpus, and the
     # ledger would count the corpus among the activations when the embedding saves its input ids (full training)
     xs = x[rows].to(device, copy=True).chunk(job.microbatches)
