@@ -46,11 +46,22 @@ class Event:
 
 
 class Recorder:
-    """Records spans for one device. On CUDA the spans are CUDA events on the current stream (no sync per span)."""
+    """Records spans for one device. On CUDA the spans are CUDA events on the current stream (no sync per span).
 
-    def __init__(self, device_index: int, torch_device: torch.device | None = None):
+    `slowdown` (the CPU rig only) emulates a slower card: each outermost compute span (forward, backward, weight,
+    recompute, optimizer, ...) is stretched to `slowdown` times its measured length by waiting at its end, the way a
+    host thread waits on a slower GPU. Memory is unchanged and the device's core stays free for the other device
+    while it waits; a 3090 beside a 4090 is about a 1.6x slowdown (compute), 1.0 is none."""
+
+    def __init__(self, device_index: int, torch_device: torch.device | None = None, slowdown: float = 1.0):
         self.device_index = device_index
         self._cuda = torch_device is not None and torch_device.type == "cuda" and torch.cuda.is_available()
+        if not (math.isfinite(slowdown) and slowdown >= 1.0):
+            raise ValueError(f"slowdown must be a factor >= 1 (2.0: half as fast), got {slowdown!r}")
+        if self._cuda and slowdown != 1.0:
+            raise ValueError("a slower card is emulated on the CPU rig only: on GPUs each card runs at its own speed")
+        self.slowdown = slowdown
+        self._compute_depth = 0
         self._events: list[Event] = []
         self._pending: list[tuple[str, int | None, object, object, int | None]] = []
         if self._cuda:
@@ -88,8 +99,15 @@ class Recorder:
             yield
             self.finish(mark, kind, microbatch, stage)
             return
+        stretch = self.slowdown != 1.0 and kind in COMPUTE_KINDS and self._compute_depth == 0
         cpu, start = time.thread_time(), time.perf_counter()
-        yield
+        self._compute_depth += kind in COMPUTE_KINDS
+        try:
+            yield
+        finally:
+            self._compute_depth -= kind in COMPUTE_KINDS
+        if stretch:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
         end = time.perf_counter()
         self._events.append(Event(self.device_index, kind, start, end, microbatch, stage, time.thread_time() - cpu))
 

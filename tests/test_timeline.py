@@ -97,3 +97,24 @@ def test_a_cpu_span_records_the_threads_cpu_seconds_apart_from_waiting():
     waited, worked = rec.events()
     assert waited.duration >= 0.05 and waited.cpu < waited.duration / 2
     assert worked.cpu > 0 and Event(0, "forward", 0.0, 1.0).cpu is None
+
+
+def test_a_slowed_recorder_stretches_each_outermost_compute_span(monkeypatch):
+    """The emulated slower card waits (slowdown - 1) x the span's own length at the end of each outermost compute
+    span: once for a backward that holds a recompute, never for communication (no wall time asserted: the waits
+    asked for are)."""
+    waits = []
+    monkeypatch.setattr("helpers.timeline.time.sleep", waits.append)
+    rec = Recorder(0, slowdown=2.0)
+    with rec.span("backward", 0):
+        with rec.span("recompute", 0):
+            sum(range(1000))
+    with rec.span("send", 0):
+        pass
+    assert len(waits) == 1 and waits[0] >= 0
+    backward = next(e for e in rec.events() if e.kind == "backward")
+    assert waits[0] <= backward.duration
+    assert Recorder(0).slowdown == 1.0
+    for bad in (0.5, float("nan")):
+        with pytest.raises(ValueError, match="factor >= 1"):
+            Recorder(0, slowdown=bad)

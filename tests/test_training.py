@@ -191,6 +191,16 @@ def test_unequal_replica_batches_equal_one_device(strategy, reference):
     assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
 
 
+def test_an_emulated_slower_rank_computes_the_same_gradients(reference):
+    """slowdown= stretches rank 1's compute spans (a card half as fast), nothing else: one device's gradients."""
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, "1f1b", microbatches=2, batch=BATCH, slowdown=(1.0, 2.0), timed_steps=1,
+                                return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5 and max_grad_diff(grads, res.grads) <= 1e-5
+    with pytest.raises(ValueError, match="2 factors >= 1"):
+        check_job(TrainJob(CFG, "1f1b", microbatches=2, batch=BATCH, slowdown=(2.0,)), cpu_rig())
+
+
 @pytest.mark.parametrize("fields, msg", [({"shares": (4, 2)}, "add up to 6"), ({"shares": (BATCH,)}, "give 2"),
                                          ({"shares": (3, BATCH - 3), "microbatches": 2}, "divide into 2"),
                                          ({"shares": (4, BATCH - 4), "pp": 2, "dp": 1}, "dp >= 2 and pp = 1")])

@@ -87,6 +87,8 @@ class TrainJob:
     # stage); not to be confused with `checkpoint`, the training state saved to disk
     offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
     checkpoint: CheckpointSpec | None = None  # save / resume training state with DCP (helpers.training.checkpoint)
+    slowdown: tuple[float, ...] = ()  # per rank, the CPU rig only: emulate slower cards (2.0: each compute span
+    # takes twice as long, helpers.timeline.Recorder); () = none
 
     def __post_init__(self):
         """The strategy's layout filled in, or the layout's strategy named; a layout the strategy does not run is
@@ -321,9 +323,20 @@ def _check_extras(job: TrainJob) -> None:
                          "NF4, adapters in fp32): leave the job's dtype at 'fp32' and autocast at None")
 
 
+def _check_slowdown(job: TrainJob, rig: Rig) -> None:
+    """An emulated slower card: one factor >= 1 per rank, on the CPU rig (real cards run at their own speed)."""
+    if not job.slowdown:
+        return
+    if not rig.is_cpu:
+        raise ValueError("slowdown= emulates slower cards on the CPU rig; on GPUs each card runs at its own speed")
+    if len(job.slowdown) != job.world or any(not (isinstance(f, (int, float)) and f >= 1) for f in job.slowdown):
+        raise ValueError(f"slowdown={job.slowdown}: give {job.world} factors >= 1, one per rank (2.0: half as fast)")
+
+
 def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
     """Everything that cannot run, refused with the reason before any process starts."""
     _positive(job)
+    _check_slowdown(job, rig)
     job.precision  # refuses an unknown dtype, or autocast on 16-bit weights
     if job.padding not in PADDING:
         raise ValueError(f"unknown padding {job.padding!r}; choose one of {PADDING}")

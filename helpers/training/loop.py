@@ -213,7 +213,7 @@ class _Rank:
         self.job, self.rank, self.device = job, dist.get_rank(), rank_device()
         self.mesh = init_device_mesh(self.device.type, (job.dp, job.pp), mesh_dim_names=("dp", "pp"))
         self.replica, self.stage = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("pp")
-        self.rec = Recorder(self.rank, self.device)
+        self.rec = Recorder(self.rank, self.device, job.slowdown[self.rank] if job.slowdown else 1.0)
         self.precision = job.precision
         model = job.layered
         ranges = stage_ranges(job.n_layers, job.cut())
