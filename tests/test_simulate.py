@@ -43,6 +43,34 @@ def test_gpipe_step_is_m_plus_p_minus_1_slots(p, m):
     assert sim.in_flight == {s: m for s in range(p)}
 
 
+def test_a_2_to_1_pair_balanced_by_speed_gains_what_the_arithmetic_says():
+    """Twelve equal layers on a card twice as fast as the other (speeds 1 : 0.5), free links. Balanced, the fast
+    card takes 8 layers: both take 8 units of time where the equal split's take 6 and 12. A plain layer split (naive:
+    one micro-batch, the stages one after the other) is then 1.125x faster (18 units against 16); 1F1B tends to 1.5x
+    as micro-batches grow (its slowest stage sets the pace: 12 against 8); data parallelism with shares by speed is
+    1.5x equal shares (each replica waits for the slower one's share)."""
+    work = Workload.from_lists([F] * 12, [B] * 12)
+    speeds = (1.0, 0.5)
+
+    def ratio(strategy: str, m: int) -> float:
+        equal = simulate(work, Job(strategy, batch=m, microbatches=m, boundaries=(6,), speeds=speeds))
+        balanced = simulate(work, Job(strategy, batch=m, microbatches=m, speeds=speeds))
+        return equal.step_s / balanced.step_s
+
+    assert ratio("naive", 1) == pytest.approx(9 / 8)
+    assert ratio("1f1b", 64) == pytest.approx(1.5, rel=0.02) and ratio("1f1b", 4) < ratio("1f1b", 64) < 1.5
+    dp_equal = simulate(work, Job("ddp", batch=12, speeds=speeds))
+    dp_shares = simulate(work, Job("ddp", batch=12, shares=(8, 4), speeds=speeds))
+    assert dp_equal.step_s / dp_shares.step_s == pytest.approx(1.5, rel=0.02)
+
+
+def test_speeds_and_shares_are_refused_unless_they_fit_the_job():
+    with pytest.raises(ValueError, match="2 positive relative speeds"):
+        Job("1f1b", batch=4, microbatches=4, speeds=(1.0,))
+    with pytest.raises(ValueError, match="adding up to 12"):
+        Job("ddp", batch=12, shares=(8, 5))
+
+
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (3, 5), (4, 8)])
 def test_1f1b_same_time_and_p_minus_s_in_flight(p, m):
     act = 1000.0

@@ -71,6 +71,9 @@ class Job:
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
     host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
     fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
+    speeds: tuple[float, ...] | None = None  # per device, relative (larger is faster): a device's compute takes
+    # the workload's time / its speed; None: equal devices
+    shares: tuple[int, ...] | None = None  # samples of the global batch per data-parallel replica; None: equal
 
     def __post_init__(self):
         for name, value in zip(("pp", "dp"), devices(self.entry, self.pp, self.dp, self.microbatches)):
@@ -90,7 +93,15 @@ class Job:
             raise ValueError(f"unknown wire dtype {self.wire!r}; choose auto or one of {list(BYTES)}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
-        if self.samples_per_microbatch * self.dp * self.microbatches != self.batch:
+        if self.speeds is not None and (len(self.speeds) != self.world or not all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.speeds)):
+            raise ValueError(f"speeds={self.speeds}: give {self.world} positive relative speeds, one per device")
+        if self.shares is not None:
+            if self.pp > 1 or len(self.shares) != self.dp or sum(self.shares) != self.batch or any(
+                    not isinstance(r, int) or r < 1 or r % self.microbatches for r in self.shares):
+                raise ValueError(f"shares={self.shares}: {self.dp} replica batches (pp = 1) adding up to {self.batch}, "
+                                 f"each a multiple of {self.microbatches} micro-batches")
+        elif self.samples_per_microbatch * self.dp * self.microbatches != self.batch:
             split = f"{self.microbatches} micro-batches"
             if self.dp > 1:
                 split = f"{self.dp} replicas x {split}"
@@ -109,7 +120,9 @@ class Job:
         return cls(strategy, job.batch, job.microbatches, pp=job.pp, dp=job.dp,
                    activation_checkpointing=job.activation_checkpointing,
                    schedule=job.schedule, boundaries=job.cut() if job.pp > 1 else None, bucket_mb=job.bucket_mb,
-                   wire=job.wire if job.pp == 1 else "auto")
+                   wire=job.wire if job.pp == 1 else "auto",
+                   speeds=tuple(1.0 / f for f in job.slowdown) if job.slowdown else None,
+                   shares=job.shares or None)
 
     @property
     def world(self) -> int:
@@ -223,7 +236,10 @@ class _Builder:
                              f"{len(workload.layers)} layers")
         self.layers = workload.layers
         self.graph = TaskGraph()
-        self.size = job.samples_per_microbatch
+        self.size = job.samples_per_microbatch  # the pipeline's (equal) micro-batch
+        self.sizes = {d: (job.shares[d // job.pp] // job.microbatches if job.shares else self.size)
+                      for d in range(job.world)}  # each device's micro-batch: a replica's share / micro-batches
+        self.speeds = job.speeds or (1.0,) * job.world
         self.traces = {d: _Trace() for d in range(job.world)}
         self.state: dict[int, DeviceMemory] = {}
 
@@ -231,21 +247,21 @@ class _Builder:
     def _sum(self, a: int, b: int, attr: str) -> float:
         return sum(getattr(layer, attr) for layer in self.layers[a:b])
 
-    def held(self, a: int, b: int) -> float:
+    def held(self, dev: int, a: int, b: int) -> float:
         """Bytes a micro-batch keeps on the device until its backward: every saved activation, or for a
         checkpointed layer only its input."""
         ck = self.job.checkpoints
-        return self.size * sum((self.layers[i - 1].output if i > 0 else 0.0) if ck(i) else self.layers[i].activations
-                               for i in range(a, b))
+        return self.sizes[dev] * sum((self.layers[i - 1].output if i > 0 else 0.0) if ck(i)
+                                     else self.layers[i].activations for i in range(a, b))
 
-    def transient(self, a: int, b: int) -> float:
+    def transient(self, dev: int, a: int, b: int) -> float:
         """Extra bytes during backward: one checkpointed layer's recomputed activations at a time."""
-        return self.size * max((self.layers[i].activations for i in range(a, b) if self.job.checkpoints(i)),
+        return self.sizes[dev] * max((self.layers[i].activations for i in range(a, b) if self.job.checkpoints(i)),
                                default=0.0)
 
-    def recompute_s(self, a: int, b: int) -> float:
+    def recompute_s(self, dev: int, a: int, b: int) -> float:
         """The forward of the checkpointed layers in [a, b), run again in backward."""
-        return self.size * sum(self.layers[i].forward_s for i in range(a, b) if self.job.checkpoints(i))
+        return self.sizes[dev] * sum(self.layers[i].forward_s for i in range(a, b) if self.job.checkpoints(i))
 
     def params(self, a: int, b: int) -> int:
         return int(self._sum(a, b, "params"))
@@ -253,13 +269,15 @@ class _Builder:
     # --- tasks --------------------------------------------------------------------------------------------------
     def compute(self, dev: int, seconds: float, kind: str, after=(), mb: int | None = None,
                 stage: int | None = None) -> int:
-        """A task on `dev`'s compute stream (the device's own work, in the order it is added)."""
+        """A task on `dev`'s compute stream (the device's own work, in the order it is added); its compute kinds
+        (`helpers.timeline.COMPUTE_KINDS`) at the device's speed, copies and receive posts as they are."""
+        seconds = seconds / self.speeds[dev] if kind in COMPUTE_KINDS else seconds
         return self.graph.add(seconds, [("compute", dev)], kind, [dev], after, microbatch=mb, stage=stage)
 
     def forward(self, dev: int, a: int, b: int, mb: int, after, stage: int | None = None) -> int:
         """Forward of layers [a, b) (pipeline `stage`: the device's trace counts each stage's micro-batches)."""
-        self.traces[dev].forward(self.held(a, b), mb if stage is None else (stage, mb))
-        return self.compute(dev, self.size * self._sum(a, b, "forward_s"), "forward", after, mb, stage)
+        self.traces[dev].forward(self.held(dev, a, b), mb if stage is None else (stage, mb))
+        return self.compute(dev, self.sizes[dev] * self._sum(a, b, "forward_s"), "forward", after, mb, stage)
 
     def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True, extra_s: float = 0.0,
                  stage: int | None = None, weights_later: bool = False) -> int:
@@ -268,27 +286,29 @@ class _Builder:
         input-gradient part, and the activations stay for `backward_weights`."""
         trace = self.traces[dev]
         if weights_later:
-            trace.peak = max(trace.peak, trace.alive + self.transient(a, b))
+            trace.peak = max(trace.peak, trace.alive + self.transient(dev, a, b))
         else:
-            trace.backward(self.held(a, b), self.transient(a, b), mb if stage is None else (stage, mb), last)
-        recompute = self.recompute_s(a, b)
+            trace.backward(self.held(dev, a, b), self.transient(dev, a, b), mb if stage is None else (stage, mb),
+                           last)
+        recompute = self.recompute_s(dev, a, b)
         if recompute:
             after = [self.compute(dev, recompute, "recompute", after, mb, stage)]
-        seconds = self.size * self._sum(a, b, "backward_s") - (self.weight_s(a, b) if weights_later else 0.0)
+        seconds = self.sizes[dev] * self._sum(a, b, "backward_s") - (
+            self.weight_s(dev, a, b) if weights_later else 0.0)
         return self.compute(dev, seconds + extra_s, "backward", after, mb, stage)
 
-    def weight_s(self, a: int, b: int) -> float:
+    def weight_s(self, dev: int, a: int, b: int) -> float:
         """The weight-gradient part of layers [a, b)'s backward; all of it for a stage whose input needs no
         gradient (the first: it gets token ids), which has no input gradient to compute first."""
-        return self.size * self._sum(a, b, "backward_s" if a == 0 else "weight_s")
+        return self.sizes[dev] * self._sum(a, b, "backward_s" if a == 0 else "weight_s")
 
     def backward_weights(self, dev: int, a: int, b: int, mb: int, after, stage: int) -> int:
         """The weight gradients a split backward left for later; they free the micro-batch's activations. Where the
         stage's input needs a gradient (not the first: its weight pass is its whole backward, one call), the split
         costs the workload's `split_overhead` of the backward beyond it, paid in the weight pass."""
-        self.traces[dev].backward(self.held(a, b), 0.0, (stage, mb), True)
-        overhead = self.w.split_overhead * self.size * self._sum(a, b, "backward_s") if a > 0 else 0.0
-        return self.compute(dev, self.weight_s(a, b) + overhead, "weight", after, mb, stage)
+        self.traces[dev].backward(self.held(dev, a, b), 0.0, (stage, mb), True)
+        overhead = self.w.split_overhead * self.sizes[dev] * self._sum(a, b, "backward_s") if a > 0 else 0.0
+        return self.compute(dev, self.weight_s(dev, a, b) + overhead, "weight", after, mb, stage)
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
@@ -322,8 +342,10 @@ class _Builder:
     def ranges(self) -> list[tuple[int, int]]:
         """[(first, end)) layers of each model stage (devices x stages per device of them)."""
         p, n = self.job.layout.stages, len(self.layers)
-        if self.job.boundaries is None:
-            cut = optimal_split(self.w.time_costs(), p).boundaries
+        if self.job.boundaries is None:  # time-balanced on the first replica's devices, at their speeds
+            layout = self.job.layout
+            cut = optimal_split(self.w.time_costs(), p,
+                                speeds=[self.speeds[layout.device_of(j)] for j in range(p)]).boundaries
         else:
             cut = tuple(self.job.boundaries)
             if len(cut) != p - 1 or list(cut) != sorted(set(cut)) or (cut and not 0 < cut[0] <= cut[-1] < n):
