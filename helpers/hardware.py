@@ -229,7 +229,8 @@ def gpu_named(name: str) -> Gpu:
 @dataclass(frozen=True)
 class TargetRig:
     """A named machine to predict: `devices` copies of `gpu` joined pairwise by `link` (copies, point to point);
-    NCCL's all-reduce over them runs at `collectives`' bus bandwidth and latency (nccl-tests where published)."""
+    NCCL's all-reduce over them runs at `collectives`' bus bandwidth and latency (nccl-tests where published). A
+    mixed rig lists its cards in `gpus` (`gpu` is the first, the one its workload is priced on)."""
 
     name: str
     gpu: Gpu
@@ -237,6 +238,16 @@ class TargetRig:
     devices: int
     collectives: Link
     note: str = ""
+    gpus: tuple[Gpu, ...] = ()
+
+    @property
+    def cards(self) -> tuple[Gpu, ...]:
+        """Each device's GPU, in device order."""
+        return self.gpus or (self.gpu,) * self.devices
+
+    @property
+    def mixed(self) -> bool:
+        return len({card.name for card in self.cards}) > 1
 
 
 def target_rigs() -> list[str]:
@@ -259,8 +270,23 @@ def allreduce_link(name: str) -> Link:
 def target_rig(name: str) -> TargetRig:
     """A rig from data/hardware.json (`rigs`): '2x3090 PCIe', '2x3090 NVLink', '2x4090', '2xA100', ..."""
     entry = _known("rig", name, load_data("hardware")["rigs"])
+    cards = tuple(gpu_named(card) for card in entry.get("gpus", ()))
+    if cards and len(cards) != entry["devices"]:
+        raise ValueError(f"rig {name!r} lists {len(cards)} GPUs for {entry['devices']} devices")
     return TargetRig(name, gpu_named(entry["gpu"]), link_named(entry["link"]), entry["devices"],
-                     allreduce_link(entry["link"]), entry.get("note", ""))
+                     allreduce_link(entry["link"]), entry.get("note", ""), cards)
+
+
+def rig_of_gpus(gpus: Sequence[Gpu]) -> TargetRig:
+    """The named rig (data/hardware.json `rigs`) whose cards are these, in this order, on the stock driver (no
+    peer-to-peer): what `--gpus "RTX 3090, RTX 4090"` trains on."""
+    names = [g.name for g in gpus]
+    for rig_name in target_rigs():
+        rig = target_rig(rig_name)
+        if [c.name for c in rig.cards] == names and ("no_p2p" in rig.link.name or rig.mixed):
+            return rig
+    raise ValueError(f"no training rig of {' + '.join(names)} in data/hardware.json; known rigs: "
+                     f"{', '.join(target_rigs())}")
 
 
 @dataclass(frozen=True)

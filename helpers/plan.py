@@ -23,6 +23,9 @@ from helpers.sizing.state import known_optimizers
 from helpers.inference.plan import LOGITS_MODES, LOGITS_PRICED, DoesNotFit, plan
 from helpers.inference.speed import predict_speed
 from helpers.inference.speed_rigs import speed_rigs
+from helpers.hardware import rig_of_gpus
+from helpers.report import table
+from helpers.simulate.guide import MODELS, recommend_model
 from helpers.sizing.gpus import describe_gpus, parse_gpus
 from helpers.sizing.shape import known_formats, known_models
 from helpers.units import parse_size
@@ -39,8 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None,
                         help=f"weight format: {', '.join(known_formats())} (or 4bit, 8bit); default fp16 (inference); "
                              "with --train the frozen base's format, default bf16 (full, lora) or nf4 (qlora)")
-    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence: prompt + generated (with --train: the training sequence length)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens per sequence: prompt + generated, default 4096 (with --train: the training "
+                             "sequence length; with --guide, default 1024)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences decoded together, default 1 (with --guide: the global batch, default 16)")
     parser.add_argument("--gpus", default="2 x RTX 3090",
                         help="e.g. '2 x RTX 3090', 'RTX 3090, RTX 4090', 'RTX 5090=32GiB', '2x24GiB'")
     parser.add_argument("--logits", choices=LOGITS_MODES, default="last",
@@ -60,7 +66,34 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--prompt", type=int, help="prompt tokens for prefill (default: --context)")
     speed.add_argument("--requests", type=int, default=2, help="requests in flight for the pipelined split")
     _training_arguments(parser)
+    parser.add_argument("--guide", action="store_true",
+                        help="which way to train --model (" + ", ".join(MODELS) + ") on --gpus, from the simulator: "
+                             "DDP, ZeRO-1, FSDP2 or a 1F1B pipeline, each balanced by speed on unequal cards "
+                             "(batch 16 x 1024 tokens unless --batch / --context say otherwise)")
     return parser
+
+
+def _model_named(name: str) -> str:
+    """One of the guide's MODELS from the user's spelling ('gpt2-medium', 'GPT-2 medium', 'llama-2-7b')."""
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    found = [m for m in MODELS if "".join(ch for ch in m.lower() if ch.isalnum()) == key]
+    if not found:
+        raise ValueError(f"the guide knows {', '.join(MODELS)}, not {name!r}")
+    return found[0]
+
+
+def _guide(ns: argparse.Namespace) -> None:
+    """Print the guide's options for the model on the GPUs, its choice, and on unequal cards how it splits."""
+    rig = rig_of_gpus(parse_gpus(ns.gpus))
+    rec = recommend_model(_model_named(ns.model), rig, batch=ns.batch or 16, seq=ns.context or 1024)
+    if ns.json:
+        print(json.dumps({"model": rec.model, "rig": rec.rig, "choice": rec.choice, "why": rec.why(),
+                          "options": rec.rows()}))
+        return
+    print(f"{rec.model} on {rec.rig} (batch {ns.batch or 16} x {ns.context or 1024} tokens, bf16 mixed precision "
+          f"+ Adam, simulated):")
+    print(table(rec.rows()))
+    print(f"choose: {rec.choice}" + (f"\n{rec.why()}" if rec.why() else ""))
 
 
 def _speed(ns: argparse.Namespace) -> None:
@@ -126,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         if given:
             parser.error(f"{', '.join(given)} plan a fine-tune: add --train")
     try:
+        if ns.guide:
+            return _guide(ns)
+        ns.context = 4096 if ns.context is None else ns.context
+        ns.batch = 1 if ns.batch is None else ns.batch
         if ns.train:
             return _train(parser, ns)
         if ns.speed:

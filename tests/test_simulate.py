@@ -685,3 +685,32 @@ def test_one_ddp_or_1f1b_answer_for_two_pcie_3090s_is_the_one_instructors_quotes
         f"INSTRUCTORS.md must quote the simulator's answer word for word: {answer.sentence()}"
     nvlink = ddp_or_pipeline(rig="2x3090 NVLink")  # notebook 08's exercise 1: the bridge keeps DDP either way
     assert nvlink.choice == nvlink.flipped == "DDP"
+
+
+def test_the_guide_on_a_3090_beside_a_4090_deals_the_work_by_speed():
+    """A mixed pair: the 4090 is faster on the model (its workload priced on each card), so DP gives it the larger
+    share of the batch and a pipeline gives it more layers; the choice's step is faster than the same strategy
+    dealt equally, which waits for the 3090; each card is held to its own memory."""
+    rec = recommend_model("GPT-2 medium", "3090 + 4090 PCIe")
+    assert rec.cards == ("RTX 3090", "RTX 4090") and rec.speeds[0] == 1.0 and rec.speeds[1] > 1.3
+    for option in rec.options:
+        if option.job.shares:
+            assert option.job.shares[1] > option.job.shares[0] and sum(option.job.shares) == 16
+        elif option.job.entry.pipeline:
+            first, second = option.job.boundaries[0], option.n_layers - option.job.boundaries[0]
+            assert second > first, option.split
+    assert rec.chosen is not None and rec.chosen.step_s < rec.equal_step_s
+    assert "RTX 4090" in rec.why() and rec.chosen.split in rec.why()
+    equal = recommend_model("GPT-2 medium", "2x3090 PCIe")
+    assert equal.why() == "" and all(o.split == "" for o in equal.options)
+
+
+def test_plan_cli_guide_names_the_split_for_unequal_cards(capsys):
+    from helpers.plan import main as plan_main
+
+    plan_main(["--guide", "--model", "gpt2-medium", "--gpus", "RTX 3090, RTX 4090"])
+    out = capsys.readouterr().out
+    assert "3090 + 4090 PCIe" in out and "split by speed" in out and "choose:" in out and "dealt equally" in out
+    with pytest.raises(SystemExit):
+        plan_main(["--guide", "--model", "gpt2-medium", "--gpus", "RTX 3090 Ti, RTX 4090"])
+    assert "no training rig of RTX 3090 Ti + RTX 4090" in capsys.readouterr().err

@@ -12,12 +12,13 @@ ZeRO-1, FSDP2, a pipeline).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from helpers.catalog import CATALOG, names, strategy as catalog_entry
+from helpers.partition import equal_count_split, optimal_split, proportional_shares
 from helpers.units import fmt_bytes
 from helpers.sizing.activations import transformer_activation_bytes
 from helpers.sizing.gpus import Gpu
@@ -144,16 +145,29 @@ class Option:
     peak_bytes: int
     fits: bool
     simulation: Simulation | None
+    n_layers: int = 0  # the workload's layers (embedding, blocks, norm, head): to name a pipeline's split
 
     @property
     def step_s(self) -> float | None:
         return self.simulation.step_s if self.simulation else None
 
+    @property
+    def split(self) -> str:
+        """How the work is dealt to unequal cards: the batch's shares, or the pipeline's layers per card ('' when
+        the cards are equal)."""
+        if self.job.shares:
+            return "batch " + " + ".join(map(str, self.job.shares))
+        if self.job.speeds and self.job.boundaries:
+            edges = [0, *self.job.boundaries, self.n_layers]
+            return "layers " + " | ".join(f"{a}-{b - 1}" for a, b in zip(edges, edges[1:]))
+        return ""
+
     def row(self) -> dict:
         return {"strategy": self.job.entry.label, "micro-batches": self.job.microbatches,
                 "checkpointing": self.job.activation_checkpointing, "peak per GPU": fmt_bytes(self.peak_bytes),
                 "fits": self.fits, "step (s)": self.step_s,
-                "samples/s": self.simulation.samples_per_s if self.simulation else None}
+                "samples/s": self.simulation.samples_per_s if self.simulation else None,
+                **({"split by speed": self.split} if self.job.speeds else {})}
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,21 @@ class Recommendation:
     n_params: int
     options: tuple[Option, ...]
     choice: str
+    cards: tuple[str, ...] = ()  # a mixed rig's GPUs, in device order
+    speeds: tuple[float, ...] | None = None  # their relative speeds on this model
+    equal_step_s: float | None = None  # the chosen option's step with the work dealt equally (a mixed rig)
+
+    def why(self) -> str:
+        """On a mixed rig: the cards' speeds, how the choice deals its work to them, and what the equal split
+        would cost ('' on equal cards)."""
+        chosen = self.chosen
+        if not self.speeds or chosen is None:
+            return ""
+        speeds = ", ".join(f"{card} {v:.2f}" for card, v in zip(self.cards, self.speeds))
+        slower = self.cards[self.speeds.index(min(self.speeds))]
+        return (f"relative speed on {self.model}: {speeds}; {self.choice} deals the work by speed ({chosen.split}), "
+                f"a step of {chosen.step_s:.3f} s; dealt equally, every step would wait for the {slower}: "
+                f"{self.equal_step_s:.3f} s")
 
     def rows(self) -> list[dict]:
         return [option.row() for option in self.options]
@@ -173,15 +202,26 @@ class Recommendation:
         return next((o for o in self.options if o.fits and o.job.label() == self.choice), None)
 
 
-def _candidates(strategy: str, batch: int, devices: int) -> list[Job]:
-    """Every micro-batch count that divides the batch, without and then with checkpointing."""
+def relative_speeds(workloads: Sequence[Workload]) -> tuple[float, ...]:
+    """Each card's speed relative to the first on the same model (its workload priced on that card): the first
+    card's forward + backward time over this card's."""
+    totals = [sum(layer.forward_s + layer.backward_s for layer in w.layers) for w in workloads]
+    return tuple(totals[0] / t for t in totals)
+
+
+def _candidates(strategy: str, batch: int, devices: int, speeds: tuple[float, ...] | None = None) -> list[Job]:
+    """Every micro-batch count that divides the batch, without and then with checkpointing. On cards of unequal
+    `speeds` a data-parallel job deals the batch by speed (`proportional_shares`) and a pipeline splits by time
+    at those speeds (the simulator's time-balanced split)."""
     jobs = []
     entry = catalog_entry(strategy)
     sizes = {"pp": devices if entry.pipeline else 1, "dp": devices if entry.data_parallel else 1}
     for checkpointing in (False, True):
         for m in MICROBATCHES:
             try:
-                job = Job(strategy, batch, microbatches=m, activation_checkpointing=checkpointing, **sizes)
+                shares = proportional_shares(batch, speeds, m) if speeds and entry.data_parallel else None
+                job = Job(strategy, batch, microbatches=m, activation_checkpointing=checkpointing, speeds=speeds,
+                          shares=shares, **sizes)
             except ValueError:
                 continue  # the batch does not split this way
             if strategy == "1f1b" and m < devices:
@@ -201,36 +241,47 @@ def exposed_exchange(job: Job) -> Job:
     return replace(job, host_waits=True) if job.entry.fully_sharded else job
 
 
-def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int,
-                overlap: bool = True) -> Option:
-    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (simulated: messages over the rig's
-    link, collectives at the rig's all-reduce, the one the published checks use), or if none fits the one with the
-    smallest footprint. `overlap=False`: no communication hidden behind compute (`exposed_exchange`)."""
+def best_option(workload: Workload, rig: TargetRig, strategy: str, batch: int, capacity: int | Sequence[int],
+                overlap: bool = True, speeds: tuple[float, ...] | None = None) -> Option:
+    """The fastest configuration of `strategy` that fits `capacity` bytes per GPU (or one capacity per GPU: a mixed
+    rig's) (simulated: messages over the rig's link, collectives at the rig's all-reduce, the one the published
+    checks use), or if none fits the one with the smallest footprint. `overlap=False`: no communication hidden
+    behind compute (`exposed_exchange`). `speeds`: the cards' relative speeds on a mixed rig."""
+    caps = [capacity] * rig.devices if isinstance(capacity, int) else list(capacity)
     best, smallest = None, None
-    for job in _candidates(strategy, batch, rig.devices):
+    for job in _candidates(strategy, batch, rig.devices, speeds):
         job = job if overlap else exposed_exchange(job)
-        peak = max(m.total for m in simulate_memory(workload, job).values())
+        if speeds and job.entry.pipeline:  # the split by time at the cards' speeds, named in the job
+            layout = job.layout
+            per_stage = [speeds[layout.device_of(j)] for j in range(layout.stages)]
+            job = replace(job, boundaries=optimal_split(workload.time_costs(), layout.stages, speeds=per_stage)
+                          .boundaries)
+        memory = simulate_memory(workload, job)
+        peak = max(m.total for m in memory.values())
         if smallest is None or peak < smallest.peak_bytes:
-            smallest = Option(job, peak, False, None)
-        if peak <= capacity:
+            smallest = Option(job, peak, False, None, len(workload.layers))
+        if all(memory[d].total <= caps[d % len(caps)] for d in memory):
             sim = simulate(workload, job, rig.link, rig.collectives)
             if best is None or sim.step_s < best.step_s:
-                best = Option(job, peak, True, sim)
+                best = Option(job, peak, True, sim, len(workload.layers))
     if best is None and smallest is None:
         raise ValueError(f"global batch {batch} cannot be split for {catalog_entry(strategy).label} on {rig.devices} GPUs")
     return best or smallest
 
 
 def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, model: str = "model",
-              reserve_bytes: int | None = None, tolerance: float = 0.05, overlap: bool = True) -> Recommendation:
+              reserve_bytes: int | None = None, tolerance: float = 0.05, overlap: bool = True,
+              speeds: tuple[float, ...] | None = None) -> Recommendation:
     """Best option per strategy on `rig` for one optimizer step of `batch` samples, and the choice. Each GPU keeps
     `reserve_bytes` for the runtime (default: the CUDA context and allocator margin, helpers.sizing.gpus). DDP, ZeRO-1
     and FSDP2 overlap their exchange with compute as PyTorch designs them to (`overlap`, the default);
     `overlap=False` exposes it (`exposed_exchange`), as every published two-GPU run the course checks against shows:
-    plan with both where they choose differently."""
+    plan with both where they choose differently. On a mixed rig, `speeds` (`relative_speeds`) balance each
+    strategy by the cards' speeds and each card is held to its own memory."""
     rig = target_rig(rig) if isinstance(rig, str) else rig
-    capacity = rig.gpu.capacity_bytes - (rig.gpu.reserve_bytes if reserve_bytes is None else reserve_bytes)
-    options = tuple(best_option(workload, rig, s, batch, capacity, overlap) for s in GUIDE_STRATEGIES)
+    caps = [card.capacity_bytes - (card.reserve_bytes if reserve_bytes is None else reserve_bytes)
+            for card in rig.cards]
+    options = tuple(best_option(workload, rig, s, batch, caps, overlap, speeds) for s in GUIDE_STRATEGIES)
     fitting = [o for o in options if o.fits]
     if not fitting:
         choice = (f"does not fit {rig.devices} {rig.gpu.name}s: more GPUs or machines (DP x PP, torchrun), "
@@ -238,7 +289,14 @@ def recommend(workload: Workload, rig: TargetRig | str = "2x3090 PCIe", batch: i
     else:
         fastest = min(o.step_s for o in fitting)
         choice = next(o.job.label() for o in fitting if o.step_s <= fastest * (1 + tolerance))
-    return Recommendation(model, rig.name, workload.n_params, options, choice)
+    rec = Recommendation(model, rig.name, workload.n_params, options, choice,
+                         tuple(card.name for card in rig.cards) if speeds else (), speeds)
+    if speeds and rec.chosen is not None:
+        equal = replace(rec.chosen.job, shares=None, boundaries=(
+            equal_count_split(len(workload.layers), rec.chosen.job.layout.stages)
+            if rec.chosen.job.entry.pipeline else None))
+        rec = replace(rec, equal_step_s=simulate(workload, equal, rig.link, rig.collectives).step_s)
+    return rec
 
 
 def recommend_model(name: str, rig: TargetRig | str = "2x3090 PCIe", batch: int = 16, seq: int = 1024,
@@ -248,8 +306,8 @@ def recommend_model(name: str, rig: TargetRig | str = "2x3090 PCIe", batch: int 
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
     rig = target_rig(rig) if isinstance(rig, str) else rig
-    workload = transformer_workload(MODELS[name], seq, rig.gpu, dtype, attention, recipe)
-    return recommend(workload, rig, batch, model=name)
+    workloads = [transformer_workload(MODELS[name], seq, card, dtype, attention, recipe) for card in rig.cards]
+    return recommend(workloads[0], rig, batch, model=name, speeds=relative_speeds(workloads) if rig.mixed else None)
 
 
 def decision_table(rig: str = "2x3090 PCIe", batch: int = 16, seq: int = 1024, attention: str = "sdpa") -> list[dict]:
