@@ -34,8 +34,6 @@ BLOCK = 64  # values per NF4 block (QLoRA's and torchao's default)
 SCALER_BLOCK = 256  # scales per double-quantization block (torchao's default), or the largest that divides
 MAX_SHARDS = 8  # NF4 weights are laid out so that FSDP2 can shard them over up to this many ranks
 
-BACKEND = "torchao"
-
 
 def nf4_missing() -> str | None:
     """Why NF4 cannot be used here, or None when it can (torchao is an optional dependency)."""
