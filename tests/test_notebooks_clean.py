@@ -1,4 +1,5 @@
 """Notebooks are committed with outputs stripped and named NN_topic.ipynb in course order."""
+import importlib
 import json
 import re
 from pathlib import Path
@@ -182,6 +183,21 @@ def test_every_exercise_has_a_check_cell():
         missing += [f"{path.name}: exercise {n}" for n in numbers if not re.search(rf"check_answer\(\s*{n}\s*,", code)]
         assert numbers, f"{path.name} has no numbered exercises under '## Exercises'"
     assert not missing, "no check_answer(N, ...) cell for:\n" + "\n".join(missing)
+
+
+def test_every_answer_slot_has_a_reference_answer():
+    """Each `my_... = None` a learner fills in has a reference answer in tests/exercise_answers/nbNN.py, which the
+    full tier runs in its place (tests/test_exercises.py): a check cell that would say wrong to the right answer fails
+    there, whichever notebook it is in."""
+    missing = []
+    for path in NOTEBOOKS:
+        code = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+        slots = set(re.findall(r"^(my_\w+) = None\b", code, re.MULTILINE))
+        answers = Path(__file__).parent / "exercise_answers" / f"nb{notebook_id(path)}.py"
+        given = set(importlib.import_module(f"tests.exercise_answers.nb{notebook_id(path)}").ANSWERS) \
+            if answers.exists() else set()
+        missing += [f"{path.name}: {name}" for name in sorted(slots - given)]
+    assert not missing, "no reference answer (tests/exercise_answers/nbNN.py) for:\n" + "\n".join(missing)
 
 
 def schedule_slots(text: str) -> dict[str, int]:
