@@ -191,7 +191,8 @@ class Recommendation:
         slower = self.cards[self.speeds.index(min(self.speeds))]
         return (f"relative speed on {self.model}: {speeds}; {self.choice} deals the work by speed ({chosen.split}), "
                 f"a step of {chosen.step_s:.3f} s; dealt equally, every step would wait for the {slower}: "
-                f"{self.equal_step_s:.3f} s")
+                f"{self.equal_step_s:.3f} s. Tensor parallelism (not among these) splits every layer in halves: "
+                f"each waits for the {slower}'s")
 
     def rows(self) -> list[dict]:
         return [option.row() for option in self.options]
