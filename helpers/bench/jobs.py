@@ -48,7 +48,7 @@ def left_out(config: BenchConfig, strategy: str, engine: str) -> bool:
     - FSDP2 without resharding after forward (ZeRO-2): FSDP2 with one knob turned, and like FSDP2 in a launch of
       its own (`launch_groups`);
     - DP x PP: 4 ranks, refused on two GPUs; on the CPU rig they share the 2 cores and the prediction is excluded
-      from the target (27-34 s of the run)."""
+      from the target."""
     entry = catalog_entry(strategy)
     return not config.every_row and ((engine == "threads" and strategy in BEYOND_1F1B)
                                      or (entry.kind == "pipeline" and entry.schedule != entry.name)
@@ -155,10 +155,8 @@ def schedule_microbatches(schedule: str, config: BenchConfig) -> int:
     """Micro-batches a step of `schedule` past 1F1B gets in the bench: 1F1B's count where it runs one stage per
     device (ZB-H1); where it runs two (interleaved 1F1B, ZB-V, DualPipeV), half as many micro-batches of twice the
     samples, and at least one per stage. Each device then runs as many passes a step as in 1F1B, each the same
-    FLOPs (twice the samples through half the blocks), where 1F1B's count would give each pass half the work at half
-    the samples, which computes slower per sample: on the CPU rig the whole model runs about 19% slower per sample
-    at 4 samples than at 32 (the bench's calibration), and DualPipeV and ZB-V step 8-11% faster at m=4 than at
-    m=8."""
+    FLOPs (twice the samples through half the blocks): 1F1B's count would halve each pass's samples, which computes
+    slower per sample (docs/bench.md, `schedule_microbatches`)."""
     chunks = chunks_of(schedule)
     stages = 2 * chunks  # the bench's pipelines run on two devices
     return max(stages, config.onefoneb_microbatches // chunks)

@@ -168,13 +168,9 @@ def _caller_seconds(run: PipelineRun) -> float:
 class LaunchReference:
     """One device's step (the `single` row's closure), timed again in this process just before and just after every
     multi-process launch: the reference of those rows' speed-ups, the median of the one-device steps timed around a
-    row's launches over the row's median step in them (`seconds`). The machine's speed drifts over a run (the whole
-    model timed beside the launches ran from 4% faster to 7% slower than in the same run's threaded rounds), so each
-    row is set against its own minutes. Pooled rather than launch by launch: with the default run's two launches a
-    median of per-launch ratios is their mean, each from two single one-device steps, so one slow step or launch
-    moves it; pooled, fewer rows' speed-ups move more than 5% between two runs. Not timed by rank 0 inside the
-    launch, before each job: a rank that has run other jobs took 20-50% longer for the same step while the jobs
-    themselves ran at their calibrated speed, so it is no reference. Rows with Adam
+    row's launches over the row's median step in them. The machine's speed drifts over a run, so each row is set
+    against its own minutes; pooled rather than launch by launch (one slow step moves a per-launch ratio), and not
+    timed by a rank, whose step slows once it has run other jobs (docs/bench.md, `LaunchReference`). Rows with Adam
     add one device's Adam step, measured (`adam_s`)."""
 
     step: Callable[[], None]
@@ -263,13 +259,10 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     model's forward and backward timed on both ranks at once (released by a barrier), `repeats` times at each
     micro-batch size of `sizes`: how fast a rank computes while the other rank computes too, in its launch's
     minutes. The parent times the same model alone beside the launch (`_rows_in_rounds`); the ratio is the busy-core
-    slowdown of the launch's rows. A fresh pair of processes measures it steady (about 1.03), yet one figure for
-    the whole run, timed in a launch of its own, priced a run whose pipelines' passes ran 6-16% slower than
-    calibrated. Where a job is a pipeline, then what posting a receive costs while both ranks compute
-    (`receive_post_seconds`, a hidden state of the pipelines' micro-batch), for the same reason: one reading for the
-    whole run, from a launch of its own, moved from run to run (0.59-2.24 ms), and the runs that read it low were
-    over-predicted more. Timed after the last job, so that no job runs after it (a job's step can depend on what ran
-    before it in the same processes: `launch_groups`)."""
+    slowdown of the launch's rows. Where a job is a pipeline, then what posting a receive costs while both ranks
+    compute (`receive_post_seconds`, a hidden state of the pipelines' micro-batch). Both are read inside each launch
+    because one reading for the whole run, from a launch of its own, mispriced the rows (docs/bench.md). Timed after
+    the last job, so that no job runs after it (a job's step can depend on what ran before it: `launch_groups`)."""
     import torch.distributed as dist
 
     from helpers.runtime.launch import rank_device
@@ -315,9 +308,7 @@ def launch_jobs(jobs: Sequence[TrainJob], config: BenchConfig, rig, timer=None) 
 def launch_groups(jobs: Sequence[TrainJob]) -> list[tuple[TrainJob, ...]]:
     """The bench's two-rank jobs as launches: every job in one launch (one start-up a round), less the strategies
     built on FSDP2's `fully_shard` (the catalog's `fully_sharded`), each in a launch of its own: their step depends
-    on what ran before it in the same processes (FSDP2 took 0.75-0.85 s a step in fresh processes, 0.93 s late in
-    the bench's shared launch, and 1.07-1.25 s there once the earlier jobs' process groups were destroyed as they
-    ended; quiet machine, cause not found)."""
+    on what ran before it in the same processes (cause not found; docs/bench.md, `launch_groups`)."""
     shared = tuple(k for k in jobs if not k.fully_sharded)
     return [group for group in [shared, *((k,) for k in jobs if k.fully_sharded)] if group]
 

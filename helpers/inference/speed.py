@@ -252,10 +252,8 @@ def pipelined(shape: ModelShape, phase: Phase, rig: SpeedRig, ops: OpCounts, req
     lasts max(one request's round trip, requests x the slower stage), both devices busy throughout: the steady
     state of a long generation. With `steps` (> 0), a decode phase of that many steps per request as the engine
     times it: it starts with the pipeline empty, so the last stage waits while the first stage computes its first
-    step alone (the fill), once per phase: seconds per cycle are the steady cycle plus that step over `steps`.
-    Measured on the CPU rig (timelines of the engine, 7 steps, batch 16, 64-token prompts): 94-96 ms per cycle,
-    where the steady cycle is priced 86 ms and the first stage's step 41 ms (86 + 41 / 7 = 92); the last stage
-    busy from its first step to its last. Prefill: the prompts fill the pipeline and drain from it: the first stage
+    step alone (the fill), once per phase: seconds per cycle are the steady cycle plus that step over `steps`
+    (docs/bench.md, `pipelined`). Prefill: the prompts fill the pipeline and drain from it: the first stage
     takes the first prompt alone, then both stages work at once (the first on prompt k + 1, the second on prompt k:
     `requests` - 1 overlaps, each as long as the slower stage while both are busy), then the second stage takes
     the last prompt alone. Only the overlaps pay for sharing the memory (the CPU rig's busy rates)."""

@@ -108,11 +108,9 @@ def compare_by_case(measured: Sequence[dict], rigs: Mapping[tuple[int, int], Spe
                     shape: ModelShape) -> list[dict]:
     """`compare`, each row priced by the rig of its case, (batch, prompt): on the command line, the calibration
     rounds taken just before and just after that case was measured. What the bench prints beside the whole run's
-    pricing, to show whether the machine's speed moved during the run: a slow minute put one case's rows 12-37% over
-    their prediction on every engine at once (batch 16 x 16 tokens, priced by the whole run). On a steady machine the
-    whole run prices better, two rounds being noisier than seven: in six quiet runs 34-36 of 36 rows came within 15%
-    priced by the whole run (mean absolute error 3.6-5.4%), 34-36 case by case (4.3-5.5%: the rounds' readings move,
-    the interpreter lock's wait 2.4-8.9 us per op from one pair of rounds to the next)."""
+    pricing, to show whether the machine's speed moved during the run (a slow minute puts one case's rows over
+    their prediction on every engine at once); on a steady machine the whole run prices better, two rounds being
+    noisier than seven (docs/bench.md, `compare_by_case`)."""
     return [row for case, rig in rigs.items()
             for row in compare([m for m in measured if (m["batch"], m["prompt"]) == case], rig, shape)]
 

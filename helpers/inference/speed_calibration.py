@@ -64,9 +64,8 @@ def _sweep(mats: Sequence[torch.Tensor], rows: int, dtype: torch.dtype):
 class DeviceCalibration:
     """The CPU virtual device's micro-benchmarks for one model, sampled in rounds: `sample()` times each once,
     `device()` is the medians of the rounds so far. The speed bench takes a round before each of the engines'
-    measurements, so that the calibration and the engines share the same minutes of the machine (in two runs with
-    the calibration all before the engines, the engines' rows moved 3% (median) from one run to the other, the
-    calibration's matmul rates 3-16%). Per round:
+    measurements, so that the calibration and the engines share the same minutes of the machine (docs/bench.md,
+    `DeviceCalibration`). Per round:
 
     - weight streaming: one row through every matrix of the working set, as decoding one token reads every weight
       once, alone and while the other virtual device streams too;
@@ -81,7 +80,7 @@ class DeviceCalibration:
       at each decode batch and, where `prefills` names them, at each prefill's (batch, prompt) rows.
 
     Each row count alone then together, all in the same round: a slow moment of the machine hurts alone and together
-    alike and spreads over all row counts (a 16-row point read 30 GFLOP/s in one run, 41 in three others)."""
+    alike and spreads over all row counts."""
 
     def __init__(self, shape: ModelShape, dtype: torch.dtype, rows: Sequence[int],
                  prefills: Sequence[tuple[int, int]] = ()):
@@ -154,13 +153,9 @@ class DeviceCalibration:
     def _activation_seconds(self, device: Device, phase: Phase, seconds: float) -> float:
         """A decoder layer's work at `phase`'s rows beyond its weights' roofline and its ops' dispatch: the
         stage-sized model's forward (`seconds`, the rounds' median) less what `device` prices for it without that
-        work, per decoder layer. Profiled on this rig (the model of the speed bench, layer split decode): the ops
-        other than the weights' matmuls took 2.5, 5.0 and 7.4 ms per step at batches 1, 4 and 16 (attention over
-        the cache, the elementwise multiplies, the cache's append first), where their dispatch accounts for 2.3 ms;
-        it grows with the rows a prefill multiplies (one round: 0.3, 1.0, 2.6-7.2 and 19 ms per layer at 16, 64,
-        256 and 1,024 rows, where the decode points alone gave 0.35 ms beyond 16). Measured as a difference, it also
-        takes up what the rounds' matmul rates miss of the model's own matmuls: 0.06-0.36 ms per layer at batch 1
-        and 0.34-1.41 at 16 in two runs."""
+        work, per decoder layer: it grows with the batch and with the rows a prefill multiplies, so it is measured at
+        each. Measured as a difference, it also takes up what the rounds' matmul rates miss of the model's own
+        matmuls (docs/bench.md, `_activation_seconds`)."""
         rig = SpeedRig("calibrating", (device, device), FREE_LINK, FREE_LINK, host_overlaps=False)
         priced = model_seconds(self.shape, phase, device, rig, op_counts(self.shape.config.model_type),
                                self.forwards.layers)
@@ -236,10 +231,9 @@ class StageForwards:
         process, as the pipelined engine's two stage threads do, every op takes the lock to dispatch and gives it
         back while it computes, and a thread whose op ended waits while the other holds it; measured as the wall
         time the thread's CPU time does not account for, both devices at once less alone, per op (layers x ops per
-        layer, and the ops outside the layers), the median over the batches. Eight runs on this rig: 3-17 us per
-        op, 7 typical (the host's own time: 6 us); the engine's stage spans waited 1.1-2.5 ms per decode step at
-        batches 1 and 16 (6-13 us per op); with a streaming sweep (a few large matmuls) on the other thread, 0.2-0.3
-        us: the wait comes with the other thread's many small ops, which the sweep does not have."""
+        layer, and the ops outside the layers), the median over the batches. The other thread decodes the same
+        model because the wait comes with its many small ops: a streaming sweep beside it waits almost nothing
+        (docs/bench.md, `StageForwards.sample`)."""
         waits, steps = [], {}
         for batch, work in zip(self.batches, self.works):
             (both, both_cpu), (alone, alone_cpu) = run_together_with_cpu(work)[0], run_together_with_cpu(work[:1])[0]
@@ -271,14 +265,9 @@ def lockstep_allreduce_link(sizes: Sequence[int], mesh, device: torch.device, dt
     smallest size of `sizes` (ascending) after every piece of work, and after every k pieces for each k of
     `stretches` (longer work between two all-reduces, as in prefill); at the largest size after every piece.
     Latency: the smallest message's time after one piece; waits: what each longer stretch adds; bandwidth: what the
-    largest message adds over the smallest.
-
-    Measured on the CPU rig: one all-reduce of 4 KiB just after a barrier took 0.5 to 3.6 ms from one run to the
-    next; between about 1 ms of work `dist.all_reduce` took 1.3-1.6 ms and the same sum through RowwiseParallel
-    1.7-2.5 ms (DTensor's redistribution costs the host as much as the wait); inside the engine's own decode (2.4
-    ms of work between two) 2.3 ms. Two calibrations with 1, 4 and 16 pieces (0.8, 3.1 and 12.6 ms of work): 1.9,
-    2.8 and 5.2 ms; 1.5, 2.6 and 4.7 ms. A rank that waits sleeps (5% of a core busy in a loop of all-reduces), and
-    the longer the work, the further the ranks drift apart."""
+    largest message adds over the smallest. Timed between work and through RowwiseParallel, not after a barrier
+    with `dist.all_reduce`: the wait depends on the work before it, and DTensor's redistribution costs the host as
+    much as the wait (docs/bench.md, `lockstep_allreduce_link`)."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
@@ -393,9 +382,8 @@ def tensor_parallel_sample(model: HFModel, rig, rows: Sequence[int], repeats: in
 
 def median_sample(samples: Sequence[dict]) -> dict:
     """Field by field medians of `tensor_parallel_sample`s, the waits and DTensor's times point by point (each
-    sample's waits never shrink with more work, and neither do their medians). One launch's waits moved from one
-    run to the next by up to 4x (after 13 ms of work: 0.8 ms in one run, 3.4 ms in the next), pricing tensor
-    parallelism's rows 16-30% off."""
+    sample's waits never shrink with more work, and neither do their medians): one launch's waits move too much
+    from one run to the next to price with (docs/bench.md, `median_sample`)."""
     def median(key: str) -> float:
         return statistics.median(s[key] for s in samples)
 

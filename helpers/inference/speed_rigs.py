@@ -122,9 +122,8 @@ class SpeedRig:
     def allreduce_wait(self, work_s: float) -> float:
         """Seconds an all-reduce waits for the later rank after `work_s` seconds of work since the last one:
         interpolated between the measured points, none below the first (where `allreduce` was measured), the last
-        point's beyond the last: not extrapolated (one calibration on the CPU rig: 0.9 ms more after 3.1 ms of work,
-        3.3 ms more after 12.6 ms; a linear drift fitted on two short stretches charged prefill's long ones 20% too
-        much)."""
+        point's beyond the last: not extrapolated, as a linear drift fitted on short stretches overcharges prefill's
+        long ones (docs/bench.md, `allreduce_wait`)."""
         return interpolated(self.allreduce_waits, work_s)
 
     def sharded_linear_seconds(self, rows: int) -> float:

@@ -35,9 +35,9 @@ class Throughput(Rates):
 
     @classmethod
     def pooled(cls, parts: Sequence["Throughput"]) -> "Throughput":
-        """Several launches of one engine on one workload as one figure: the medians of their medians (a launch of
-        tensor parallelism moved 10-20% from the next on the CPU rig: ten launches at batch 1 x 64 tokens read
-        prefill 369-451 tok/s and decode 15.6-21.4), the repeats of all, the last launch's last run."""
+        """Several launches of one engine on one workload as one figure: the medians of their medians (one launch
+        of tensor parallelism moves too far from the next: docs/bench.md, `pooled`), the repeats of all, the last
+        launch's last run."""
         if not parts:
             raise ValueError("no launches to pool")
         return cls._medians(parts[-1].engine, parts, sum(t.repeats for t in parts), parts[-1].last)

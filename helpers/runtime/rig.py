@@ -125,12 +125,10 @@ def keep_freed_memory() -> bool:
     """Make this process keep the memory it frees for its next tensors, as PyTorch's CUDA caching allocator does on
     a GPU, instead of handing it back to the operating system. glibc's malloc (Linux) maps each block of 128 KiB or
     more afresh (its threshold then adapts) and returns the top of its heap once enough is free, so the next step's
-    activations page-fault their memory in again: on the course's CPU rig the bench model's one-device forward pass
-    faulted 13-26 thousand pages (50-100 MiB) in every step, and the whole model's forward took 0.50-0.52 s in the
-    steps that faulted against 0.38-0.47 s in those that did not; the simulator's calibration, timed in between,
-    faulted less, and the bench's misses had forward passes 14-40% slower than predicted. Blocks up to 32 MiB
-    (glibc's limit) now come from a heap that is never trimmed; PyTorch's CPU tuning guide recommends an allocator
-    that reuses memory (jemalloc, TCMalloc) for the same reason. Returns False, changing nothing, without glibc."""
+    activations page-fault their memory in again, slowing the steps that fault and not the calibration timed between
+    them (docs/bench.md, `keep_freed_memory`). Blocks up to 32 MiB (glibc's limit) now come from a heap that is never
+    trimmed; PyTorch's CPU tuning guide recommends an allocator that reuses memory (jemalloc, TCMalloc) for the same
+    reason. Returns False, changing nothing, without glibc."""
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
@@ -143,10 +141,8 @@ def device_thread(fn: Callable[[], T], device: torch.device | None = None, index
                   world: int = 1) -> Callable[[], T]:
     """`fn` made to run in a new thread as one virtual device: with this process's intra-op thread count (one per
     virtual device on the CPU rig). A new thread's OpenMP starts with as many threads as cores until
-    `torch.set_num_threads` is called in it (measured on the 2-core rig: a GELU over 4 M values in a fresh thread ran
-    1.9 CPU-seconds per second, in the main thread 1.05; a 256-row matmul in a fresh thread used both cores too,
-    while the bench model's whole training step used 1.0), so two such "devices" at once could run four threads on
-    two cores. Every thread that computes as a device starts here: the threaded pipelines' stages (training and
+    `torch.set_num_threads` is called in it (docs/bench.md, `device_thread`), so two such "devices" at once could
+    run four threads on two cores. Every thread that computes as a device starts here: the threaded pipelines' stages (training and
     inference) and the calibration's runs together. A thread that computes on CPU `device`, device `index` of
     `world`, also gets that device's cores (`pin_to_device_cores`), as a rank does; a GPU's host thread is never
     pinned."""
@@ -204,13 +200,9 @@ def pin_to_device_cores(index: int, world: int, threads_per_device: int, cores: 
 
     A rank pins its main thread once it has joined the group (`helpers.runtime.launch.init_rank`): the default
     group's gloo threads, started meanwhile, stay free to run on whichever core is idle, as a GPU's communication does
-    not take its compute; the groups a job makes later (its mesh) start theirs on the rank's core (letting those run
-    free changed no step time of six bench jobs, three launches each: 0.97-1.03x). Measured on the 2-core
-    rig (default bench runs, quiet machine): with every thread of a rank pinned,
-    ZeRO-1 fell from 1.56x one device to 1.38-1.40x (its all-reduce thread queued behind the backward on one core);
-    unpinned, a rank migrates and wakes late from its all-reduces: inside tensor-parallel decode 1.5-2.8 ms per
-    all-reduce (2.3 typical) unpinned against 1.5-2.1 ms (1.7 typical) with the main threads pinned, and two
-    unpinned runs' threaded splits and checkpointing ratios differed by up to 19% (5% pinned)."""
+    not take its compute (pinned, an all-reduce thread queues behind the backward on one core); the groups a job
+    makes later (its mesh) start theirs on the rank's core. Unpinned, a rank migrates and wakes late from its
+    all-reduces, and runs differ more (docs/bench.md, `pin_to_device_cores`)."""
     cores = list(cores) if cores is not None else _usable_core_ids()
     if os.environ.get(PIN_CORES_ENV, "1").strip() == "0" or world < 2 or world * threads_per_device > len(cores):
         return False

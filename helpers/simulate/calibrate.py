@@ -38,9 +38,7 @@ def broadcast_message_seconds(device: torch.device, repeats: int, nbytes: int = 
     """Rank worker: what each further tensor adds to a broadcast sent tensor by tensor, as ZeroRedundancyOptimizer
     sends parameters (every broadcast issued with async_op=True, then all waited for): `nbytes` as `messages`
     tensors against `nbytes` in one, the difference per extra message. A fit over message sizes cannot give it:
-    its intercept is decided by the large messages' noise (on gloo it came out 0 us, clamped), while the bench
-    model's 102 parameter tensors, broadcast so from one rank of the CPU rig, took 30-34 ms where their bytes alone
-    take 17 ms."""
+    its intercept is decided by the large messages' noise (docs/bench.md, `broadcast_message_seconds`)."""
     import torch.distributed as dist
 
     from helpers.pipeline.comm import timed_across_ranks
@@ -82,10 +80,9 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     for every unit resharded after forward) and reduce-scatters made by hand; the difference, less the copies in
     and out of the collectives' buffers at this device's measured copy speed, shared over the collectives.
     What the profiler found it to be on the course's CPU rig: DTensor dispatch, copies slower than a plain copy,
-    the collectives' wrappers, page faults; measured there 5.5-12.6 ms per collective over four runs, which brought
-    the bench's FSDP2 row from +21-31% to within 7% of measured. The median of each round's difference, not the
-    difference of the medians: the compute is subtracted within a round, so the minute's speed cancels (with the
-    medians' difference two quiet runs measured 8 and 17 ms)."""
+    the collectives' wrappers, page faults (docs/bench.md, `fsdp2_host_seconds`). The median of each round's
+    difference, not the difference of the medians: the compute is subtracted within a round, so the minute's speed
+    cancels."""
     import copy
 
     import torch.distributed as dist
@@ -143,10 +140,9 @@ def receive_post_seconds(model: nn.Module, x: torch.Tensor, posts: int = RECEIVE
     exchanges, as a pipeline's stages do. Each rank runs `model`'s forward on `x`, then posts one send of the
     forward's hidden state (the embedding's output: what crosses a stage boundary) to the other rank and one receive
     from it in one `batch_isend_irecv`, as the process engine does, and waits for the receive; returns the mean
-    seconds of the posts over both ranks. On the CPU rig gloo's post took 2.3-2.8 ms on average inside the bench's
-    GPipe, 0.25 ms of it on the CPU, the rest blocked (likely on the connection's lock, which its transport thread
-    holds while it reads and writes and which competes for the busy cores; not shown); NCCL only enqueues on the
-    stream. The mean moves from launch to launch: 0.24-1.82 ms in six launches of 40 posts."""
+    seconds of the posts over both ranks. On the CPU rig gloo's post blocks most of its time (likely on the
+    connection's lock, which its transport thread holds while it reads and writes; not shown) and moves from launch
+    to launch (docs/bench.md, `receive_post_seconds`); NCCL only enqueues on the stream."""
     import torch.distributed as dist
 
     from helpers.runtime.strict import plain_backend

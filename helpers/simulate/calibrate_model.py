@@ -75,14 +75,12 @@ def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
 class WholeModelTimer:
     """The whole model's forward and backward at micro-batch sizes, timed one micro-batch at a time whenever asked:
     between the measurements a calibration is for, so that both see the same machine (a shared or virtual machine's
-    speed drifts by several percent over minutes; measured on the course's CPU rig). A sample taken with a `key`
-    also counts for that key alone: e.g. the samples around one bench row's launches, which calibrate that row for
-    the minutes it ran (on the course's CPU rig the same forward and backward took a median 1.30 s over one
-    half-minute and 1.13 s a minute later). On the CPU rig it can also time two copies of the model at once, in two
-    threads (`sample_together`): how much slower the virtual devices compute while both are busy in those same
-    minutes (`slowdown`), as the compute speed is: measured once per run, minutes away from the rows, it read 1.06x
-    in a run whose threaded pipelines computed 10-24% slower than simulated. Each forward runs as the engines run
-    theirs, with a memory ledger counting what autograd saves (`_loss`)."""
+    speed drifts by several percent over minutes). A sample taken with a `key` also counts for that key alone: e.g.
+    the samples around one bench row's launches, which calibrate that row for the minutes it ran. On the CPU rig it
+    can also time two copies of the model at once, in two threads (`sample_together`): how much slower the virtual
+    devices compute while both are busy in those same minutes (`slowdown`), which once per run mispriced the rows
+    (docs/bench.md, `WholeModelTimer`). Each forward runs as the engines run theirs, with a memory ledger counting
+    what autograd saves (`_loss`)."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
         self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
@@ -100,8 +98,8 @@ class WholeModelTimer:
 
     def _loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The forward pass (and loss) of `model` (this timer's model or its twin) as every engine the bench times
-        runs it: inside its memory ledger's `track_activations`, whose hook handles each tensor autograd saves (205
-        per forward of the bench's model: 2.7 ms, 5% of its forward at micro-batch 4 on the course's CPU rig)."""
+        runs it: inside its memory ledger's `track_activations`, whose hook handles each tensor autograd saves (about
+        5% of a forward: docs/bench.md, "How a prediction is calibrated")."""
         if id(model) not in self.ledgers:
             self.ledgers[id(model)] = ledger_for([model], ["model"])
         with self.ledgers[id(model)].track_activations("model"):
@@ -152,9 +150,8 @@ class WholeModelTimer:
     def add_receive_posts(self, seconds: float, keys: Sequence[Hashable]) -> None:
         """What posting a receive cost a rank while both ranks computed (`receive_post_seconds`), measured inside the
         launch that ran `keys` (the bench's two ranks, after its jobs), kept under each of `keys`: like the compute's
-        speed, it moves from minute to minute, and ranks that have run jobs read it higher than fresh ones (on the
-        course's CPU rig, six bench runs: 1.54-2.03 ms in the pipelines' launches, 0.78-1.37 ms in the link
-        calibration's fresh processes beside them)."""
+        speed, it moves from minute to minute, and ranks that have run jobs read it higher than fresh ones
+        (docs/bench.md, `receive_post_seconds`)."""
         for key in keys:
             self.receive_posts.setdefault(key, []).append(seconds)
 
@@ -281,10 +278,8 @@ def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
 
 def typical_slowdown(ratios: Sequence[float]) -> float:
     """The busy-core slowdown from rounds of (together / alone) ratios: their median. Each ratio divides two noisy
-    times, and on a shared or virtual machine either can be disturbed: measured on the course's 2-core CPU rig,
-    single rounds ranged from 0.70 to 1.40 around a median of 1.05 (processes) and 0.92 to 1.20 around 1.13
-    (threads). The smallest ratio, used before, picks the round whose "alone" was slowed and made every
-    two-device prediction 5-25% too fast."""
+    times, and on a shared or virtual machine either can be disturbed; the smallest ratio picks the round whose
+    "alone" was slowed and makes every two-device prediction too fast (docs/bench.md, `typical_slowdown`)."""
     if not ratios:
         raise ValueError("no rounds measured")
     return statistics.median(ratios)
