@@ -22,14 +22,12 @@ its weight half is the whole backward. torch.distributed.pipelining does the sam
 `stage_backward_weight`) with the same autograd calls, grouped its own way.
 
 What it costs, and why a stage is split layer by layer. The two halves compute exactly a plain backward's FLOPs; what
-they add is host work: each group's autograd call, and autograd's engine walks the whole graph below a call's
-starting points before it runs anything. One call per fork over one stage-long graph makes that quadratic in the
-layers of a stage: on the CPU rig, 1.0 ms more than a plain backward per block at 4 blocks a stage, 2.6 ms per block
-at 32 (hidden 32, where the host work shows). So the engine runs a split micro-batch's forward one layer at a time,
-each layer's input cut from the previous one's output (`forward_cut`, as stages are cut from each other), and splits
-each layer's backward: the input pass is one call per layer, walking that layer only; the weight pass takes the k-th
-group of every layer together in one call (their graphs share no node), so it makes as many calls as the layer with
-the most forks has groups, each walking only the layers it starts in (`backward_input_cut`, `WeightGradients.together`).
+they add is host work: autograd's engine walks the whole graph below a call's starting points before it runs
+anything, so one call per fork over a stage-long graph is quadratic in the stage's layers (docs/bench.md). So the
+engine runs a split micro-batch's forward one layer at a time, each layer's input cut from the previous one's output
+(`forward_cut`), and splits each layer's backward: the input pass is one call per layer, walking that layer only;
+the weight pass takes the k-th group of every layer together in one call (their graphs share no node), as many
+calls as the layer with the most forks has groups (`backward_input_cut`, `WeightGradients.together`).
 """
 from __future__ import annotations
 

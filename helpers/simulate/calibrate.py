@@ -68,8 +68,7 @@ def fit_small_messages(sizes: Sequence[float], seconds: Sequence[float], name: s
     return link
 
 
-FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_seconds` (one sample each, about 0.1 s): with 5 its median read
-# 3.2 and 8.5 ms per collective in two quiet runs, moving the FSDP2 row's prediction by 20%
+FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_seconds` (one sample each): fewer leave its median too noisy
 
 
 def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
