@@ -38,8 +38,7 @@ class Timings(dict):
     def paired_ratio(self, reference: str, name: str) -> float:
         """The median over rounds of `reference`'s time over `name`'s, each pair timed in the same round: a minute
         in which the machine runs slower slows both and cancels in their ratio, which the ratio of the two medians
-        keeps (on the 2-core CPU rig a one-device step and a pipeline's step timed 60 times in turn moved together,
-        correlation 0.7, and their paired ratios spread 2.5% where the pipeline's own times spread 3.6%)."""
+        keeps (docs/bench.md, `paired_ratio`)."""
         return statistics.median(a / b for a, b in zip(self.samples[reference], self.samples[name], strict=True))
 
 

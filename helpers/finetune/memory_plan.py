@@ -13,11 +13,8 @@ The planner prices a Hugging Face decoder exactly where exactness is possible an
 - workspace (estimates, each named): the loss's logits and their gradients, one layer's transient tensors, the
   dequantized 4-bit weight, FSDP2's gathered layers and gradient buffers, pipeline boundary buffers.
 - reserve: the CUDA context and an allocator margin per GPU (data/inference.json, as the inference planner uses).
-- loading (host RAM, per rank): what a rank holds while it streams its weights from the safetensors checkpoint (built
-  on the meta device, sharded, then filled one unit at a time, as the scripts and `helpers` load): its shards with CPU
-  offload, the largest unit it reads at once, torchao's NF4 quantization workspace for its largest weight (measured
-  bytes per element) and the process itself (measured on the CPU rig). tests/test_streamed_load.py checks it within
-  15% of each rank's VmHWM.
+- loading (host RAM, per rank): what a rank holds while it streams its weights from the safetensors checkpoint, part
+  by part in `gpu_memory._loading`; tests/test_streamed_load.py checks it within 15% of each rank's VmHWM.
 
 Strategies (N GPUs; the assumptions the figures rest on):
 - DDP: a full replica per GPU, each GPU runs `batch` sequences; DistributedDataParallel's gradient buckets are a second
@@ -28,9 +25,8 @@ Strategies (N GPUs; the assumptions the figures rest on):
   are all-gathered at once (the running one and the prefetched next) and the root (embedding, final norm, head) stays
   gathered from its forward to its backward. With CPU offload (CPUOffloadPolicy) the shards, gradients and optimizer
   state live in host RAM and the optimizer step runs there; the GPU keeps the gathered layers, activations and the
-  constants. On GPUs the parameter shards and their gradients are pinned, one allocation per tensor, which CUDA's
-  caching host allocator rounds up to a power of two: counted per tensor as "pinned rounding" (about 11% of them for
-  Llama-2-70B in NF4; `gpu_memory.pinned_rounding`). The CPU rig pins nothing.
+  constants. On GPUs the parameter shards and their gradients are pinned, each allocation rounded up to a power of
+  two (`gpu_memory.pinned_rounding`); the CPU rig pins nothing.
 - pipeline: one stage per GPU, decoder layers split evenly (earlier stages take the remainder), the embedding on the
   first stage and the final norm, head and loss on the last. `batch` is the micro-batch; under 1F1B stage j of p holds
   the activations of min(m, p - j) micro-batches (m micro-batches per step, `microbatches`).

@@ -4,9 +4,8 @@ What the `device_map` strings of `from_pretrained` do (transformers' integration
 accelerate's utils/modeling.py `get_balanced_memory` and `infer_auto_device_map`):
 
 - "auto" and "balanced" are one code path. `get_balanced_memory` gives every GPU but the last a budget of
-  (parameter + buffer bytes) / number of GPUs plus a buffer (accelerate: 1.25 x the larger of the first no-split block
-  and the mean leaf module; transformers 5 ships its own copy that takes the biggest no-split block and the biggest
-  leaf instead); the last GPU keeps its whole max_memory "just in case the buffer is not enough".
+  (parameter + buffer bytes) / number of GPUs plus a buffer (accelerate's and transformers 5's own copy differ in it:
+  `helpers.inference.hf_maps`); the last GPU keeps its whole max_memory "just in case the buffer is not enough".
 - "balanced_low_0": the same, but GPU 0 only gets what the other GPUs cannot hold (room for generate's work there).
 - "sequential": no balancing: fill GPU 0 up to max_memory, then GPU 1, and so on.
 

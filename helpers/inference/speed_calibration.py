@@ -34,8 +34,7 @@ CONTEXT = 8  # the stage-sized model's prompt: its decode steps attend over 9 po
 
 def _extra_seconds(fn, base, repeats: int, warmup: int = 1) -> float:
     """Median over `repeats` interleaved pairs of `fn`'s time less `base`'s: a slow moment of the machine hurts both
-    of a pair alike (timed one after the other, DTensor's host time per linear read 150 us in three runs, 460 in a
-    fourth)."""
+    of a pair alike (docs/bench.md, `_extra_seconds`)."""
     def seconds(f) -> float:
         t0 = time.perf_counter()
         f()
@@ -325,8 +324,7 @@ def tensor_parallel_calibration(sizes: list[int], shape: ModelShape, dtype: torc
                                 rows: Sequence[int] = (1,)) -> dict:
     """Rank worker: the all-reduce at hidden-state sizes inside a decode step's work, and DTensor's host time per
     column-parallel linear at each of `rows` (the same matmul through parallelize_module against on plain tensors;
-    it grows with the rows: two launches read 160 us at 1 row, 310-540 at 64, 570-800 at 256 and 800-990 at
-    1,024), both ranks at once. Fewer pairs at more rows, where each matmul takes longer."""
+    it grows with the rows), both ranks at once. Fewer pairs at more rows, where each matmul takes longer."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh

@@ -101,10 +101,9 @@ class SpeedRig:
     whole tensor over both devices, as a Link whose latency is the small-message cost; `host_overlaps`: True on GPUs
     (the host launches ahead of the kernels), False on the CPU rig (the thread that dispatches also computes);
     `sharded_linear_s`: (rows, seconds) points of the host time DTensor adds to each column-parallel linear of that
-    many rows (measured on the CPU rig, `sharded_linear_seconds`: it grows with the rows, 160 us at 1 row, 310-540
-    at 64 and 800-990 at 1,024 in two launches; none where unknown). The row-parallel ones' host work comes with
-    their all-reduce: the CPU rig's `allreduce` is measured
-    through a row-parallel linear, as the engine issues it. `allreduce_waits`: (seconds of work since the last
+    many rows (measured on the CPU rig, `sharded_linear_seconds`: it grows with the rows; none where unknown). The
+    row-parallel ones' host work comes with their all-reduce: the CPU rig's `allreduce` is measured through a
+    row-parallel linear, as the engine issues it. `allreduce_waits`: (seconds of work since the last
     all-reduce, seconds the next one waits beyond `allreduce`) points: the ranks drift apart while they work and
     the earlier waits for the later (`allreduce_wait`; measured on the CPU rig, where a rank's time slices vary;
     none on GPUs, where kernels keep time)."""
