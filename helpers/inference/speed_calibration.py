@@ -25,7 +25,7 @@ from helpers.models.hf import HFModel
 from helpers.runtime.rig import run_together, run_together_with_cpu
 from helpers.sizing.shape import ModelShape, model_shape
 
-LOCKSTEP_PAIRS = 25  # steps with and without all-reduces at the shortest work (7 moved the latency 1.6-2.4 ms)
+LOCKSTEP_PAIRS = 25  # steps with and without all-reduces at the shortest work (fewer leave the latency noisy)
 STRETCHES = (4, 16)  # the longer work between two all-reduces the calibration measures: 4 and 16 pieces
 STAGE_BATCHES = (1, 4, 16)  # decode batches of the stage-sized model (the lock's wait, the layers' activation work)
 DECODE_STEPS = 4  # per timing of a stage-sized model's decode (StageForwards)
@@ -252,21 +252,15 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 def lockstep_allreduce_link(sizes: Sequence[int], mesh, device: torch.device, dtype: torch.dtype, work: Sequence,
                             hidden: int, stretches: Sequence[int] = STRETCHES) -> dict:
-    """Rank worker: the all-reduce tensor parallelism pays, as it issues it inside a decode step: {"latency_s",
-    "bandwidth"} (seconds = latency + bytes / bandwidth, after the shortest work) and "waits": (seconds of work
-    since the last all-reduce, seconds the next waits beyond that) points: the two ranks drift apart while they
-    work, and each all-reduce waits for the later one (`SpeedRig.allreduce_waits`). After each of `work` (what a
-    rank computes between two all-reduces: its half of half a layer, weights from memory) one row-parallel linear
-    (`RowwiseParallel`, as the engine's o and down projections: the local matmul, then DTensor turns the partial
-    sums into whole ones with an all-reduce through functional collectives), the whole step timed, less the same
-    step with the same local matmul on plain tensors, per all-reduce (median of `LOCKSTEP_PAIRS` such pairs; with an
-    all-reduce every k pieces, of `LOCKSTEP_PAIRS` / k, at least 3: the same work in all; the wake-ups vary). At the
-    smallest size of `sizes` (ascending) after every piece of work, and after every k pieces for each k of
-    `stretches` (longer work between two all-reduces, as in prefill); at the largest size after every piece.
-    Latency: the smallest message's time after one piece; waits: what each longer stretch adds; bandwidth: what the
-    largest message adds over the smallest. Timed between work and through RowwiseParallel, not after a barrier
-    with `dist.all_reduce`: the wait depends on the work before it, and DTensor's redistribution costs the host as
-    much as the wait (docs/bench.md, `lockstep_allreduce_link`)."""
+    """Rank worker: the all-reduce tensor parallelism pays inside a decode step: {"latency_s", "bandwidth"} (seconds
+    = latency + bytes / bandwidth) and "waits", (seconds of work since the last all-reduce, seconds the next waits
+    beyond that) points, as the ranks drift apart while they work (`SpeedRig.allreduce_waits`). After each of `work`
+    (a rank's half of half a layer, weights from memory) one row-parallel linear (`RowwiseParallel`, as the engine's
+    o and down projections), the step timed less the same step on plain tensors, per all-reduce (median of
+    `LOCKSTEP_PAIRS` pairs; every k pieces, of `LOCKSTEP_PAIRS` / k, at least 3). The smallest of `sizes` after one
+    piece (latency) and after k pieces for each k of `stretches` (waits, as in prefill); the largest after one piece
+    (bandwidth). Timed between work and through RowwiseParallel, not after a barrier with `dist.all_reduce`: the wait
+    depends on the work before it, and DTensor's redistribution costs the host as much as the wait (docs/bench.md)."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module

@@ -479,9 +479,8 @@ class _Builder:
         device still computes (`forward_prefetch=True`); on the CPU rig the host computes each layer itself, so the
         next gather starts only as that layer begins (`forward_prefetch=False`).
         Where the host computes, the collectives also hold it (`host_waits=True`): FSDP2 issues them with
-        async_op=False (`unshard_async_op`, `DefaultAllGather`, `DefaultReduceScatter` in
-        torch/distributed/fsdp/_fully_shard), which on gloo waits for the result in the calling thread, so no
-        gather and no reduce-scatter overlaps compute (docs/bench.md, `run_fsdp2`).
+        async_op=False (`unshard_async_op` in torch/distributed/fsdp/_fully_shard), which on gloo waits in the
+        calling thread, so nothing overlaps compute (docs/bench.md, `run_fsdp2`).
         Before each collective the host does `fsdp2_host_s` of work of its own (DTensor dispatch, the collectives'
         wrappers: measured in the same run by `calibrate.fsdp2_host_seconds`); it holds the compute where the host
         computes, and runs beside the device elsewhere."""
