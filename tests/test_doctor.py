@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers.doctor import guarded, shm_verdict
+from helpers.doctor.speeds import SPEEDS, speed_check
 from helpers.doctor.long_runs import ASYNC, CPU_TO_GPU, KILLED, NOTEBOOK_13, OFFLOAD, RESERVE, SAVE_TO, SYNC
 from helpers.runtime.rig import detect_rig
 from helpers.training.support import reference_rigs, support_markdown
@@ -34,7 +35,7 @@ def test_doctor_passes_or_refuses_with_a_reason(tmp_path):
                  "script: finetune_lora.py on 2 ranks", "bench: calibration in its ranks",
                  "bench: a launch of its jobs", "notebook 05: GPU sizes", "notebook 11: GPU sizes",
                  "notebook 06b: GPU sizes", "threads: zbv m=4", "processes: dualpipev m=4", "torch: interleaved m=4",
-                 "processes: ddp, gradients sent in bf16", *LONG_RUNS_PASS):
+                 "processes: ddp, gradients sent in bf16", SPEEDS, *LONG_RUNS_PASS):
         assert statuses[name] == "PASS", name
     if detect_rig().is_cpu:  # a check that turns REFUSED here fails: the CPU rig refuses only what needs a GPU
         refused = {n for n, s in statuses.items() if s == "REFUSED"}
@@ -79,3 +80,30 @@ def test_the_doctor_runs_every_schedule_on_every_engine(tmp_path):
     missing = [f"{engine}: {schedule_label(s)} m=4" for s in SCHEDULES for engine in ("threads", "processes", "torch")
                if f"{engine}: {schedule_label(s)} m=4" not in names]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("kind, seconds, status, says", [
+    ("cpu", (0.1, 0.2), "PASS", "emulated with slowdown (1.0, 2.0)"),
+    ("cpu", (0.1, 0.11), "FAIL", "did not stretch"),  # the emulation did not show: device 1 as fast as device 0
+    ("two_gpus", (0.1, 0.16), "PASS", "unequal: split by speed"),
+    ("two_gpus", (0.1, 0.101), "PASS", "equal within 10%")])
+def test_the_doctor_times_each_device_and_names_the_split(monkeypatch, kind, seconds, status, says):
+    """Each device's speed from the same timed forward + backward (given here: the measurement itself is
+    tests/test_unequal.py's), and the split by speed beside the one for equal devices: the slower device never gets
+    more layers; the CPU rig's emulated pair fails where device 1 does not measure slower."""
+    import re
+    from dataclasses import replace
+
+    import helpers.unequal
+    from helpers.models import StackConfig
+    from helpers.runtime.rig import cpu_rig
+
+    rig = replace(cpu_rig(), kind=kind)
+    monkeypatch.setattr(helpers.unequal, "measure_speeds",
+                        lambda *a, **k: helpers.unequal.DeviceSpeeds(rig.labels, seconds, a[6] if len(a) > 6 else ()))
+    small = StackConfig(vocab=64, hidden=32, n_blocks=6, seq_len=8, heads=2)
+    check = speed_check(rig, say=lambda line: None, cfg=small)
+    assert check.name == SPEEDS and check.status == status and says in check.detail, check.detail
+    by_speed, equal = (int(first) for first in re.search(r"by speed (\d+) \| \d+, for equal devices (\d+)",
+                                                         check.detail).groups())
+    assert by_speed >= equal, "device 1, the slower, holds the layers from the cut on: never more by speed"

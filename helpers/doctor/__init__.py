@@ -9,6 +9,9 @@ It prints, and with `--json PATH` writes:
 3. the links: the multi-process engines' point-to-point and all-reduce (NCCL, or gloo), and on GPUs the threaded
    engine's GPU-to-GPU copies and host transfers, over a size sweep, fitted as latency + bytes / bandwidth (the
    all-reduce fitted again over hidden-state sizes alone: the small-message latency tensor parallelism pays);
+   and each device's speed: the same timed forward + backward of a small model on each, the relative speeds and
+   the split `optimal_split(costs, 2, speeds=...)` would give it (on the CPU rig the emulated pair, device 1 at
+   slowdown 2.0: the check fails if the emulation does not show);
 4. a one-step parity check of every strategy of the catalog (helpers.catalog) on every engine it lists (threads,
    processes, torch.distributed.pipelining), and of chosen features (16-bit precision, compressed gradients, a
    Hugging Face model, generation), against one device: PASS, FAIL, or REFUSED with the reason this rig cannot run
@@ -26,9 +29,9 @@ runs it), its ranks device-strict (`helpers.runtime.strict`): a tensor that woul
 fails there too.
 
 The package, by section: `checks` (the rows and the printed table), `system` (the rig, the machine under it, the
-links), `engines` (the parity checks, derived from the catalog), `scripts` (the take-home scripts, the bench's
-calibration and launch, the notebooks' GPU sizes), `long_runs` (section 7), `cli` (the command line and
-`--gpu-suite`).
+links), `speeds` (each device's speed and the split), `engines` (the parity checks, derived from the catalog),
+`scripts` (the take-home scripts, the bench's calibration and launch, the notebooks' GPU sizes), `long_runs`
+(section 7), `cli` (the command line and `--gpu-suite`).
 """
 from helpers.doctor.cli import main, report
 from helpers.doctor.engines import plan_checks, schedule_label

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from helpers.doctor.engines import parity_checks
 from helpers.doctor.checks import Check, guarded, print_report
 from helpers.doctor.long_runs import long_run_checks
+from helpers.doctor.speeds import SPEEDS, speed_check
 from helpers.doctor.scripts import (BENCH_LAUNCH, bench_launch_check, calibration_check, notebook_plan_checks,
                                     script_checks)
 from helpers.doctor.system import links, system_checks, topology
@@ -45,6 +46,9 @@ def report(rig: Rig, sizes: list[int], repeats: int, progress: bool = True, only
     if wanted("links: point-to-point and all-reduce"):
         say("links ...")
         checks += into("links: point-to-point and all-reduce", "links", lambda: links(rig, sizes, repeats))
+    if wanted(SPEEDS):
+        say("unequal cards: each device's forward + backward, timed ...")
+        checks += guarded(SPEEDS, lambda: speed_check(rig, say=say))
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as workdir:
         say("parity checks (one training step against one device):")
         checks += parity_checks(rig, workdir, progress, wanted)
