@@ -19,6 +19,7 @@ import sys
 
 from helpers.sizing.training import METHODS, default_lora_rank
 from helpers.finetune.memory_plan import PLAN_STRATEGIES, plan_training
+from helpers.finetune.training_request import TECHNIQUES
 from helpers.sizing.state import known_optimizers
 from helpers.inference.plan import LOGITS_MODES, LOGITS_PRICED, DoesNotFit, plan
 from helpers.inference.speed import predict_speed
@@ -108,7 +109,7 @@ def _speed(ns: argparse.Namespace) -> None:
 
 
 TRAINING_FLAGS = ("method", "strategy", "offload", "activation_checkpointing", "lora_rank", "lora_targets",
-                  "optimizer", "precision", "microbatches", "host_ram")
+                  "optimizer", "precision", "microbatches", "host_ram", "techniques")
 
 
 def _training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,11 +128,14 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lora-rank", type=int, help=f"LoRA rank (default {default_lora_rank()}, QLoRA's)")
     train.add_argument("--lora-targets", help="all (every decoder linear, the default), attention (q, k, v, o), or "
                                               "module names: q_proj,v_proj")
-    train.add_argument("--optimizer", help=f"{', '.join(known_optimizers())} (default adamw: fp32 moments)")
+    train.add_argument("--optimizer", help=f"{', '.join(known_optimizers())} (default adamw: fp32 moments; "
+                                           "adamw-8bit is bitsandbytes', adamw-4bit torchao's)")
     train.add_argument("--precision", help="mixed (fp32 optimizer, the default) or pure (all in bf16)")
     train.add_argument("--microbatches", "--grad-accum", type=int, dest="microbatches",
                        help="micro-batches per optimizer step (default 1; 1f1b: one per stage; --grad-accum: its old "
                             "name)")
+    train.add_argument("--technique", "--techniques", action="append", dest="techniques",
+                       help="a memory technique, repeatable or comma separated: " + ", ".join(TECHNIQUES))
     train.add_argument("--host-ram",
                        help="host memory to check CPU offload against, e.g. 128GiB (default: report only)")
 

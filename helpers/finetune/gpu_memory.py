@@ -13,7 +13,8 @@ from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import GpuShare
 from helpers.sizing.shape import span
 from helpers.sizing.state import moment_bytes, training_data
-from helpers.sizing.training import FP32, TORCHAO_NF4, TrainShape, Unit, saved_activation_bytes
+from helpers.sizing.training import (FP32, TORCHAO_NF4, TrainShape, Unit, chunked_loss_tokens,
+                                     saved_activation_bytes)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,12 @@ class GpuTraining(GpuShare):
     def state_bytes(self) -> int:
         return self.frozen_bytes + self.trainable_bytes + self.gradient_bytes + self.optimizer_bytes
 
+    in_backward: bool = False  # the optimizer steps during backward (optimizer-in-backward): beside the activations
+
     @property
     def used_bytes(self) -> int:
+        if self.in_backward:
+            return self.state_bytes + self.activation_bytes + self.workspace_bytes + self.step_bytes
         return self.state_bytes + max(self.activation_bytes + self.workspace_bytes, self.step_bytes)
 
     @property
@@ -117,6 +122,36 @@ class _Bytes:
         return self.compute if request.strategy == "fsdp2" else self.held
 
 
+def optimizer_state_bytes(tensors: Sequence[int], state_bytes: int, optimizer: str) -> int:
+    """Bytes of `optimizer`'s moments (data/training_memory.json "optimizers") for trainable tensors of these
+    element counts (each GPU's shard), `state_bytes` per value where they are not quantized. Quantized blockwise
+    (bitsandbytes' and torchao's low-bit AdamW): per tensor of at least min_elements values (torchao: also a whole
+    number of blocks) the codes (bits per value), one scale per block and the lookup table; smaller tensors keep
+    small_tensor_bytes per value (bitsandbytes: fp32), or the parameter's dtype (torchao: zeros_like)."""
+    spec = training_data()["optimizers"][optimizer]
+    q = spec["quantized_moments"]
+    if q is None:
+        return moment_bytes(tensors, state_bytes, optimizer)
+    total = 0
+    for n in tensors:
+        if n >= q["min_elements"] and (not q.get("whole_blocks") or n % q["block"] == 0):
+            total += math.ceil(n * q["bits"] / 8) + math.ceil(n / q["block"]) * q["absmax_bits"] // 8 \
+                + q.get("qmap_entries", 0) * q.get("qmap_bits", 0) // 8
+        else:
+            total += n * (q["small_tensor_bytes"] or state_bytes)
+    return spec["moment_tensors"] * total
+
+
+def step_temporary_bytes(tensors: Sequence[int], state_bytes: int, optimizer: str, in_backward: bool) -> int:
+    """The optimizer step's temporaries: foreach AdamW's sqrt(exp_avg_sq) for every tensor it steps at once (the
+    whole group, or one tensor when it steps in backward), plus per-tensor work (torchao: fp32 moments of the
+    tensor being stepped, an estimate) for the largest tensor."""
+    spec = training_data()["optimizers"][optimizer]
+    at_once = max(tensors, default=0) if in_backward else sum(tensors)
+    return spec["step_temporaries"] * at_once * state_bytes \
+        + spec.get("largest_tensor_temporaries_bytes_per_element", 0) * max(tensors, default=0)
+
+
 def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units: list[int], in_flight: int,
                  first_stage: bool, last_stage: bool) -> GpuTraining:
     """One GPU's parts for the units it holds (all of them for DDP and FSDP2, sharded 1/N by FSDP2; a stage's)."""
@@ -128,10 +163,12 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
     parts = {"frozen_weights": math.ceil(sum(u.packed_bytes for u in mine) / shards),
              "trainable_weights": trainable * size.held,
              "gradients": trainable * size.grad * (2 if request.strategy == "ddp" else 1),  # DDP: + its buckets
-             "optimizer_state": moment_bytes(tensors, size.state, request.optimizer)
+             "optimizer_state": optimizer_state_bytes(tensors, size.state, request.optimizer)
              + (trainable * size.state if size.held != size.state else 0),  # the fp32 master copy
-             "optimizer_step_temporaries":
-                 training_data()["optimizers"][request.optimizer]["step_temporaries"] * trainable * size.state}
+             "optimizer_step_temporaries": step_temporary_bytes(tensors, size.state, request.optimizer,
+                                                                request.uses("optimizer-in-backward"))}
+    if request.uses("optimizer-in-backward"):  # one unit's gradient shard alive until its parameters are stepped
+        parts["gradients"] = max(sum(_sharded(u.trainable, shards)) for u in mine) * size.grad
     host = {}
     weights = [math.ceil(b / shards) for u in mine for b in u.frozen_tensors] + [n * size.held for n in tensors]
     pinned = {"weights": pinned_rounding(weights) if request.pins_host_memory else 0,
@@ -146,11 +183,19 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
 
     decoders = [k for k, u in enumerate(shape.units) if u.kind == "decoder"]
     options = dict(compute_bytes=size.compute, adapter_bytes=size.adapters_in_forward(request),
-                   layers=[decoders.index(k) for k in units if k in decoders], embedding=first_stage, loss=last_stage)
+                   layers=[decoders.index(k) for k in units if k in decoders], embedding=first_stage, loss=last_stage,
+                   chunked_loss=request.uses("chunked-loss"))
     with_ckpt = saved_activation_bytes(shape, request.context, request.batch, activation_checkpointing=True, **options)
     without = saved_activation_bytes(shape, request.context, request.batch, activation_checkpointing=False,
                              **options)
-    checkpointed, full = with_ckpt.saved * in_flight + with_ckpt.recompute, without.saved * in_flight
+    offload = request.uses("activation-offload")
+    checkpointed, full = (_on_gpu(acts, in_flight, offload) for acts in (with_ckpt, without))
+    if offload:  # every layer's saved activations in pinned host RAM, the GPU keeping one layer's in flight
+        chosen = with_ckpt if request.activation_checkpointing else without
+        host["activations (offloaded)"] = chosen.layers * in_flight
+        if request.activation_checkpointing and chosen.largest_layer:  # one pinned tensor per layer input
+            count = round(chosen.layers / chosen.largest_layer) * in_flight
+            host["activations' pinned rounding"] = pinned_rounding([chosen.largest_layer] * count)
 
     held = {"ddp": "all (a replica)", "fsdp2": f"all (1/{shards} of each)"}.get(request.strategy)
     return GpuTraining(device, request.gpus[device], held or span([u.name for u in mine]),
@@ -158,7 +203,15 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
                        parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
                        checkpointed if request.activation_checkpointing else full, checkpointed, full,
                        _workspace(request, shape, size, mine, first_stage, last_stage),
-                       parts["optimizer_step_temporaries"], host, loading)
+                       parts["optimizer_step_temporaries"], host, loading, request.uses("optimizer-in-backward"))
+
+
+def _on_gpu(acts, in_flight: int, offload: bool) -> int:
+    """Activation bytes on the GPU for `in_flight` micro-batches (and the layer recomputed under checkpointing):
+    with activation offload the decoder layers' saved tensors leave but for one layer's in flight."""
+    if not offload:
+        return acts.saved * in_flight + acts.recompute
+    return (acts.saved - acts.layers) * in_flight + acts.largest_layer + acts.recompute
 
 
 def _read_at_once(request: TrainingRequest, shape: TrainShape, mine: list[Unit]) -> list[list[Unit]]:
@@ -240,7 +293,10 @@ def _workspace(request: TrainingRequest, shape: TrainShape, size: _Bytes, mine: 
     a, b = size.compute, shape.base
     tokens = request.context * request.batch
     space = {"layer transient": activation_workspace_bytes(b, request.context, request.batch)}
-    if last_stage:  # the logits the output holds, the gradient of the fp32 log-softmax and of its input
+    if last_stage and request.uses("chunked-loss"):  # one chunk recomputed: its logits, fp32 log-softmax, gradients
+        chunk = chunked_loss_tokens(tokens)
+        space[f"logits (one chunk of {chunk} tokens)"] = chunk * b.vocab * (a + 3 * FP32)
+    elif last_stage:  # the logits the output holds, the gradient of the fp32 log-softmax and of its input
         space["logits"] = tokens * b.vocab * (a + 2 * FP32)
     quantized = max((u.largest_quantized for u in mine), default=0)
     if quantized:

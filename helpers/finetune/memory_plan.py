@@ -133,7 +133,7 @@ class TrainingPlan:
                 "strategy": r.strategy, "offload": r.offload, "activation_checkpointing": r.activation_checkpointing,
                 "context": r.context, "batch": r.batch, "microbatches": r.microbatch_count,
                 "global_batch": r.global_batch, "lora_rank": s.lora_rank, "lora_targets": list(s.lora_targets),
-                "optimizer": r.optimizer, "precision": r.precision,
+                "optimizer": r.optimizer, "precision": r.precision, "techniques": list(r.techniques),
                 "params": {"total": s.total_params, "frozen": s.frozen_params, "trainable": s.trainable_params},
                 "devices": [d.as_dict() for d in self.devices],
                 "host_ram_bytes": self.host_ram_bytes, "host_ram_available_bytes": r.host_ram_bytes,
@@ -160,7 +160,9 @@ class TrainingPlan:
                  f"{r.strategy}{' + CPU offload' if r.offload == 'cpu' else ''} on {describe_gpus(r.gpus)}; context "
                  f"{r.context} x batch {r.batch} x {r.microbatch_count} micro-batch(es) (global batch "
                  f"{r.global_batch}); {r.optimizer}, {r.precision} precision, activation checkpointing "
-                 f"{'on' if r.activation_checkpointing else 'off'}: {'fits' if self.fits else 'does NOT fit'}",
+                 f"{'on' if r.activation_checkpointing else 'off'}"
+                 + (f", {', '.join(r.techniques)}" if r.techniques else "")
+                 + f": {'fits' if self.fits else 'does NOT fit'}",
                  table(self.rows())]
         for d in self.devices:
             estimates = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.workspace.items())
@@ -172,8 +174,10 @@ class TrainingPlan:
         if self.host_ram_bytes or r.host_ram_bytes:
             parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(sum(d.host.get(k, 0) for d in self.devices))}"
                               for k in self.devices[0].host)
-            pinned = "pinned, " if r.pins_host_memory else ""
-            lines.append(f"host RAM ({pinned}CPU offload), all GPUs' shards: {fmt_bytes(self.host_ram_bytes)}"
+            pinned = "pinned, " if r.pins_host_memory or r.uses("activation-offload") else ""
+            what = " and ".join(x for x, on in (("CPU offload", r.offload == "cpu"),
+                                                ("activation offload", r.uses("activation-offload"))) if on)
+            lines.append(f"host RAM ({pinned}{what or 'CPU offload'}), all GPUs': {fmt_bytes(self.host_ram_bytes)}"
                          + ("" if r.host_ram_bytes is None else f" of {fmt_bytes(r.host_ram_bytes)}")
                          + (f" ({parts})" if parts else ""))
         worst = max(self.devices, key=lambda d: d.loading_bytes)
@@ -219,12 +223,16 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
                   gpus: Sequence[Gpu] | str | None = None, strategy: str = "fsdp2", offload: str = "none",
                   activation_checkpointing: bool = True, lora_rank: int | None = None, lora_targets: str = "all",
                   optimizer: str = "adamw", precision: str = "mixed", dtype: str | WeightFormat | None = None,
-                  microbatches: int | None = None, host_ram_bytes: int | None = None, **old) -> TrainingPlan:
+                  microbatches: int | None = None, host_ram_bytes: int | None = None,
+                  techniques: Sequence[str] | str = (), **old) -> TrainingPlan:
     """Per-GPU memory of fine-tuning `model` (a bundled name, a Hugging Face id, a directory holding a config.json, or
     a transformers config) with `method` on `gpus` (default two RTX 3090s), and, when it does not fit, the changes
     that would (`TrainingPlan.suggestions`, each re-planned, cheapest first). `dtype`: a format's name, or a
     `WeightFormat` (e.g. NF4 computing in fp32, as on the CPU rig). `strategy`: a catalog name (ddp, fsdp2, or
     1f1b: a pipeline of one stage per GPU); `microbatches` per optimizer step (accumulated, or the pipeline's).
+    `techniques`: memory techniques (training_request.TECHNIQUES: optimizer-in-backward, chunked-loss,
+    activation-offload; data/training_memory.json "techniques" says what each changes). `optimizer` adamw-8bit is
+    bitsandbytes'; torchao's low-bit AdamW are adamw-8bit-torchao and adamw-4bit-torchao (or adamw-4bit).
     `old`: the deprecated `checkpointing=` and `grad_accum=` (helpers.training.job.RENAMED)."""
     old = renamed(old)
     if set(old) - {"activation_checkpointing", "microbatches"}:
@@ -236,7 +244,7 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
         gpus=tuple(check_gpus(gpus)), strategy=strategy, offload=offload,
         activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, lora_targets=lora_targets,
         optimizer=optimizer, precision=precision, dtype=dtype, microbatches=microbatches,
-        host_ram_bytes=host_ram_bytes))
+        host_ram_bytes=host_ram_bytes, techniques=techniques))
     plan = _plan(request)
     return plan if plan.fits else dataclasses.replace(plan, suggestions=suggestions(plan))
 

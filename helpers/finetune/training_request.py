@@ -15,6 +15,9 @@ PLAN_STRATEGIES = ("ddp", "fsdp2", "1f1b")  # catalog names: replicas, shards, o
 OLD_STRATEGIES = {"pipeline": "1f1b"}  # accepted with a warning for a release
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("mixed", "pure")
+# memory techniques the planner prices (data/training_memory.json "techniques"), as the training loop names them
+TECHNIQUES = ("optimizer-in-backward", "chunked-loss", "activation-offload")
+OPTIMIZER_ALIASES = {"adamw-4bit": "adamw-4bit-torchao"}  # the training loop's name; torchao has the only 4-bit AdamW
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class TrainingRequest:
     dtype: str | WeightFormat | None = None  # the base's weight format; None: bf16 (full, lora) or nf4-torchao (qlora)
     microbatches: int | None = None  # per optimizer step (accumulated, or a pipeline's); None: 1, or the stages (1f1b)
     host_ram_bytes: int | None = None  # None: host RAM is reported, not checked
+    techniques: tuple[str, ...] = ()  # of TECHNIQUES (a comma-separated string is accepted)
+
+    def uses(self, technique: str) -> bool:
+        return technique in self.techniques
 
     @property
     def pipelined(self) -> bool:
@@ -59,6 +66,19 @@ class TrainingRequest:
         return self.batch * self.microbatch_count * replicas
 
 
+def check_techniques(techniques) -> tuple[str, ...]:
+    """Techniques as a tuple of TECHNIQUES' names, in TECHNIQUES' order: from None, a comma list or an iterable."""
+    if techniques is None:
+        return ()
+    items = techniques.split(",") if isinstance(techniques, str) else \
+        [t for item in techniques for t in str(item).split(",")]
+    names = {str(t).strip().lower() for t in items if str(t).strip()}
+    unknown = sorted(names - set(TECHNIQUES))
+    if unknown:
+        raise ValueError(f"unknown technique(s) {', '.join(unknown)}: choose from {', '.join(TECHNIQUES)}")
+    return tuple(t for t in TECHNIQUES if t in names)
+
+
 def check_request(request: TrainingRequest) -> TrainingRequest:
     """The request with names normalised and the GPUs resolved; ValueError, in the user's terms, for bad input."""
     method = check_method(request.method)
@@ -69,7 +89,9 @@ def check_request(request: TrainingRequest) -> TrainingRequest:
         strategy = OLD_STRATEGIES[strategy]
     strategy = check_choice("strategy", strategy, PLAN_STRATEGIES)
     offload = check_choice("offload", request.offload, OFFLOADS)
-    optimizer = check_choice("optimizer", request.optimizer, known_optimizers())
+    optimizer = str(request.optimizer).strip().lower()
+    optimizer = check_choice("optimizer", OPTIMIZER_ALIASES.get(optimizer, optimizer), known_optimizers())
+    techniques = check_techniques(request.techniques)
     precision = check_choice("precision", request.precision, PRECISIONS)
     check_workload(request.context, request.batch)
     gpus = tuple(check_gpus(list(request.gpus) or None))
@@ -81,5 +103,13 @@ def check_request(request: TrainingRequest) -> TrainingRequest:
         raise ValueError(f"micro-batches per step must be a whole number, at least 1, got {m!r}")
     if request.host_ram_bytes is not None and request.host_ram_bytes <= 0:
         raise ValueError(f"host RAM must be positive, got {request.host_ram_bytes!r}")
+    if "optimizer-in-backward" in techniques:
+        if strategy != "fsdp2" or offload != "none":
+            raise ValueError("optimizer-in-backward steps each parameter's shard on the GPU as its gradient arrives: "
+                             f"use --strategy fsdp2 without --offload cpu (not {strategy}"
+                             f"{', offload cpu' if offload == 'cpu' else ''})")
+        if (m or 1) > 1:
+            raise ValueError(f"optimizer-in-backward steps during each backward, so gradients cannot accumulate over "
+                             f"{m} micro-batches: use --microbatches 1 (a larger --batch instead)")
     return dataclasses.replace(request, method=method, strategy=strategy, offload=offload, optimizer=optimizer,
-                               precision=precision, gpus=gpus)
+                               precision=precision, gpus=gpus, techniques=techniques)

@@ -288,6 +288,8 @@ class Activations:
 
     saved: int
     recompute: int = 0
+    layers: int = 0  # of `saved`, what the decoder layers keep (activation offload moves it to host RAM)
+    largest_layer: int = 0  # of `layers`, the most one decoder layer keeps (offloading keeps it on the GPU)
 
     @property
     def peak(self) -> int:
@@ -297,7 +299,7 @@ class Activations:
 def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, activation_checkpointing: bool,
                            compute_bytes: int | None = None, adapter_bytes: int | None = None,
                            layers: Sequence[int] | None = None, embedding: bool = True,
-                           loss: bool = True) -> Activations:
+                           loss: bool = True, chunked_loss: bool = False) -> Activations:
     """Activations of `batch` sequences of `context` tokens through the decoder layers `layers` (default all), the
     embedding (if `embedding`) and the final norm, head and loss (if `loss`).
 
@@ -306,7 +308,9 @@ def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, activ
     positions, the int64 labels and one fp32 scalar; RoPE's cos and sin (context x head_dim each, shared by every
     layer). With checkpointing (non-reentrant, on every decoder layer) a layer keeps only its input (compute dtype),
     cos and sin are held inside the checkpoints (not counted), and backward recomputes one layer at a time: that
-    layer's saved tensors are `recompute`.
+    layer's saved tensors are `recompute`. `chunked_loss`: the head and loss run per chunk under checkpoint, so the
+    loss keeps the head's input (compute dtype) and the labels instead of the fp32 log-softmax of every position
+    (the chunk recomputed in backward is the workspace's: `chunked_loss_tokens`).
     """
     b = shape.base
     a = compute_bytes or shape.compute_bytes
@@ -317,12 +321,22 @@ def saved_activation_bytes(shape: TrainShape, context: int, batch: int, *, activ
     per_token = 0
     if embedding and full:
         per_token += INT64
-    if loss:
+    if loss and chunked_loss:
+        per_token += _norm_saved(b.hidden, a, True, full) + a * b.hidden + INT64
+    elif loss:
         per_token += _norm_saved(b.hidden, a, True, full) + (a * b.hidden if full else 0) + FP32 * b.vocab + INT64
     grads = [full or j > 0 for j in layers]  # the layer's input needs a gradient
     layer_bytes = [layer_saved_bytes(shape, a, c, g) for g in grads]
     if activation_checkpointing:
-        saved = tokens * (per_token + a * b.hidden * len(layer_bytes)) + (FP32 if loss else 0)
-        return Activations(saved, tokens * max(layer_bytes, default=0))
+        kept = tokens * a * b.hidden  # each checkpointed layer's input
+        saved = tokens * per_token + kept * len(layer_bytes) + (FP32 if loss else 0)
+        return Activations(saved, tokens * max(layer_bytes, default=0), kept * len(layer_bytes),
+                           kept if layer_bytes else 0)
     rope = 2 * context * b.head_dim * a if layer_bytes else 0
-    return Activations(tokens * (per_token + sum(layer_bytes)) + rope + (FP32 if loss else 0))
+    return Activations(tokens * (per_token + sum(layer_bytes)) + rope + (FP32 if loss else 0), 0,
+                       tokens * sum(layer_bytes), tokens * max(layer_bytes, default=0))
+
+
+def chunked_loss_tokens(tokens: int) -> int:
+    """Tokens per chunk of the chunked loss (data/training_memory.json techniques, chunk_tokens), at most `tokens`."""
+    return min(tokens, training_data()["techniques"]["chunked-loss"]["chunk_tokens"])
