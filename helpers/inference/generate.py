@@ -4,9 +4,7 @@ A model saved with `save_pretrained` (`HFModel`: each stage loads only its own l
 that differ only in where the work runs, never in what is computed:
 
 - `OneDevice`: Hugging Face's own `generate` on one device, the baseline.
-- `LayerSplit`: the layers cut into one stage per device (from the planner's `device_map`, or given cuts), each stage
-  with its own KV cache, run one after the other for one request at a time: what `from_pretrained(device_map=...)`
-  does, where only one device works at any moment.
+- `LayerSplit`: one stage per device, run one after the other: what `from_pretrained(device_map=...)` does.
 - `helpers.inference.pipelined.Pipelined`: the same stages, one thread per device, several requests in flight.
 - `helpers.inference.tensor_parallel`: PyTorch's `parallelize_module`, one rank per device.
 

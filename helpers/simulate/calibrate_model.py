@@ -7,10 +7,8 @@ now.
   `WholeModelTimer`: the whole model timed between the measurements a calibration is for;
 - `optimizer_seconds(optimizer)`: one optimizer step, measured; `copy_seconds_per_byte`, `split_backward_overhead`.
 
-Why the rescale: the profile runs each layer alone, over and over, so the layer's weights stay in cache; a training
-step streams every layer's weights and gradients through memory once per micro-batch. At large micro-batches the two
-agree; at small ones the whole model is slower than the sum of its layers (measured by `measure_workload`, shown
-as `stream_factor`). The profile still gives the shape (which layers cost what, the bytes they save and send).
+Why the rescale (`Workload.rescaled`): at small micro-batches the whole model is slower than the sum of its layers
+profiled alone (`stream_factor`); the profile still gives the shape (which layers cost what, what they save and send).
 """
 from __future__ import annotations
 
