@@ -17,7 +17,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     # and the small tools every room uses (checks, tables, timing, events and plots, precision, the optimal cut, the
     # memory panel, a notebook's setup)
     1: ("floors", "units", "dtypes", "facts", "catalog", "check", "report", "measure", "timeline", "precision",
-        "partition", "monitor", "course", "runtime", "models"),
+        "partition", "unequal", "monitor", "course", "runtime", "models"),
     2: ("sizing", "hardware"),  # memory planned and measured; links, collectives, rigs and the roofline's constants
     3: ("pipeline", "profile", "activation_checkpointing", "checkpointing"),
     4: ("training",),
