@@ -406,3 +406,114 @@ def test_the_70b_host_ram_figures_the_prose_quotes_are_the_planners():
     for text in (readme, " ".join(notebook.split())):
         assert "1.2 GiB" in text and "4.4 GiB" in text and "64 MiB in bf16" in text
     assert "loading at once take 48" in readme
+
+
+# --- memory techniques (issue 56): each changes exactly its part -----------------------------------------------------
+
+def _small_plan(**options):
+    """small_llama, 4 sequences of 256 tokens: 1024 tokens, four of the chunked loss' 256-token chunks."""
+    options = {"context": 256, "batch": 4, **options}
+    return plan_training(small_llama(), "full", gpus="2 x RTX 3090", strategy="fsdp2", precision="pure",
+                         suggest=False, **options)
+
+
+def _parts(d):
+    return {"frozen": d.frozen_bytes, "trainable": d.trainable_bytes, "gradients": d.gradient_bytes,
+            "optimizer": d.optimizer_bytes, "activations": d.activation_bytes, "workspace": dict(d.workspace),
+            "step": d.step_bytes, "host": dict(d.host)}
+
+
+def _changed(before, after) -> dict:
+    a, b = _parts(before), _parts(after)
+    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+SMALL_DECODER = 43136  # one decoder layer's parameters: q, o 64 x 64; k, v 64 x 32; gate, up, down 64 x 160; 2 norms
+TOKENS, VOCAB, HIDDEN, LAYERS = 1024, 96, 64, 3
+
+
+def test_optimizer_in_backward_keeps_one_units_gradient_shard():
+    base, fused = _small_plan(), _small_plan(techniques="optimizer-in-backward")
+    d, f = base.devices[0], fused.devices[0]
+    assert SMALL_DECODER == 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 160 + 2 * 64 == 43136
+    everything = sum(p.numel() for p in meta_model(small_llama()).parameters())
+    assert d.gradient_bytes == everything // 2 * 2  # every parameter's bf16 gradient shard
+    assert f.gradient_bytes == SMALL_DECODER // 2 * 2  # the largest unit (a decoder layer): its shard, bf16
+    # the optimizer steps one tensor at a time, during backward: foreach AdamW's sqrt temporary for one tensor
+    assert f.step_bytes == 64 * 160 // 2 * 2 and d.step_bytes == everything // 2 * 2
+    assert f.in_backward and f.used_bytes == f.state_bytes + f.activation_bytes + f.workspace_bytes + f.step_bytes
+    assert set(_changed(d, f)) == {"gradients", "step"}
+
+
+def test_chunked_loss_drops_the_saved_log_softmax_and_keeps_one_chunks_logits():
+    chunk = training_data()["techniques"]["chunked-loss"]["chunk_tokens"]
+    assert chunk == 256 < TOKENS
+    d, c = _small_plan().devices[0], _small_plan(techniques=["chunked-loss"]).devices[0]
+    assert set(_changed(d, c)) == {"activations", "workspace"}
+    # full fine-tuning already saves the head's input: the chunked loss only stops saving fp32 log-softmax
+    assert d.activation_bytes - c.activation_bytes == TOKENS * VOCAB * 4
+    assert d.workspace.pop("logits") == TOKENS * VOCAB * (2 + 2 * 4)
+    assert c.workspace.pop(f"logits (one chunk of {chunk} tokens)") == chunk * VOCAB * (2 + 3 * 4)
+    assert d.workspace == c.workspace
+    lora = [plan_training(small_llama(), "lora", context=256, batch=4, gpus="2 x RTX 3090", techniques=t, suggest=False)
+            for t in ((), ("chunked-loss",))]
+    # LoRA: the frozen head saved nothing; its checkpointed chunk keeps the head's bf16 input
+    assert lora[0].devices[0].activation_bytes - lora[1].devices[0].activation_bytes == TOKENS * (VOCAB * 4 - HIDDEN * 2)
+
+
+def test_activation_offload_moves_the_layers_inputs_to_pinned_host_ram():
+    d, o = _small_plan().devices[0], _small_plan(techniques="activation-offload").devices[0]
+    layer_input = TOKENS * HIDDEN * 2  # what a checkpointed decoder layer keeps, bf16
+    assert set(_changed(d, o)) == {"activations", "host"}
+    assert d.activation_bytes - o.activation_bytes == (LAYERS - 1) * layer_input  # one layer's stays in flight
+    assert o.host == {"activations (offloaded)": LAYERS * layer_input, "activations' pinned rounding": 0}
+    plan = _small_plan(techniques="activation-offload", context=250)  # 1000 tokens
+    assert plan.devices[0].host["activations' pinned rounding"] == LAYERS * ((1 << 17) - 1000 * HIDDEN * 2)
+    assert plan.host_ram_bytes == 2 * LAYERS * 1000 * HIDDEN * 2 + 2 * LAYERS * ((1 << 17) - 1000 * HIDDEN * 2)
+
+
+def test_torchaos_low_bit_adamw_counted_from_its_blocks():
+    from helpers.finetune.gpu_memory import optimizer_state_bytes
+
+    n = 64 * 160  # 10240 values: 40 blocks of 256, 80 of 128
+    assert optimizer_state_bytes([n], 2, "adamw-8bit-torchao") == 2 * (n + 40 * 4 + 256 * 4)
+    assert optimizer_state_bytes([n], 2, "adamw-4bit-torchao") == 2 * (n // 2 + 80 * 4 + 16 * 4)
+    # below 4096 values, or not a whole number of blocks: moments in the parameter's dtype (torchao's zeros_like)
+    assert optimizer_state_bytes([2048, 4096 + 64], 2, "adamw-8bit-torchao") == 2 * (2048 + 4160) * 2
+    assert optimizer_state_bytes([2048], 4, "adamw-8bit") == 2 * 2048 * 4  # bitsandbytes: fp32 below 4096
+    p = _small_plan(optimizer="adamw-4bit")  # the training loop's name for torchao's
+    assert p.request.optimizer == "adamw-4bit-torchao"
+
+
+def test_techniques_are_checked_in_the_users_terms():
+    with pytest.raises(ValueError, match="unknown technique"):
+        _small_plan(techniques="optimizer-in-forward")
+    with pytest.raises(ValueError, match="fsdp2"):
+        plan_training(small_llama(), "full", gpus="2 x RTX 3090", strategy="ddp", techniques="optimizer-in-backward")
+    with pytest.raises(ValueError, match="micro-batches"):
+        _small_plan(techniques="optimizer-in-backward", microbatches=2)
+
+
+def test_technique_flag_repeats_or_takes_a_comma_list(capsys):
+    common = ["--train", "--model", "llama-3-8b", "--method", "full", "--context", "2048", "--batch", "1",
+              "--optimizer", "adamw-4bit", "--precision", "pure", "--json"]
+    plan_main(common + ["--technique", "optimizer-in-backward", "--technique", "chunked-loss"])
+    once = json.loads(capsys.readouterr().out)
+    plan_main(common + ["--technique", "chunked-loss,optimizer-in-backward"])
+    assert json.loads(capsys.readouterr().out) == once
+    assert once["techniques"] == ["optimizer-in-backward", "chunked-loss"] and once["fits"]
+
+
+LLAMA3_8B_STACK = dict(optimizer="adamw-4bit", precision="pure", techniques=("optimizer-in-backward", "chunked-loss"))
+
+
+def test_llama3_8b_full_finetune_fits_two_3090s_and_fp32_master_does_not():
+    plan = plan_training("llama-3-8b", "full", context=2048, batch=1, gpus="2 x RTX 3090", strategy="fsdp2",
+                         host_ram_bytes=32 * GiB, **LLAMA3_8B_STACK)
+    assert plan.fits and max(d.peak_bytes for d in plan.devices) <= 22.5 * GiB and plan.host_peak_bytes <= 32 * GiB
+    shard = sum(p.numel() for p in meta_model(plan.shape.base.config).parameters()) // 2
+    assert plan.devices[0].trainable_bytes == shard * 2  # bf16 weights, no master copy
+    master = plan_training("llama-3-8b", "full", context=2048, batch=1, gpus="2 x RTX 3090", strategy="fsdp2",
+                           host_ram_bytes=32 * GiB, suggest=False, **{**LLAMA3_8B_STACK, "precision": "mixed"})
+    # fp32 master weights: the shards alone take 4 bytes a parameter, 15 GiB of a card, before gradients and moments
+    assert master.devices[0].trainable_bytes == shard * 4 and not master.fits

@@ -224,7 +224,7 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
                   activation_checkpointing: bool = True, lora_rank: int | None = None, lora_targets: str = "all",
                   optimizer: str = "adamw", precision: str = "mixed", dtype: str | WeightFormat | None = None,
                   microbatches: int | None = None, host_ram_bytes: int | None = None,
-                  techniques: Sequence[str] | str = (), **old) -> TrainingPlan:
+                  techniques: Sequence[str] | str = (), suggest: bool = True, **old) -> TrainingPlan:
     """Per-GPU memory of fine-tuning `model` (a bundled name, a Hugging Face id, a directory holding a config.json, or
     a transformers config) with `method` on `gpus` (default two RTX 3090s), and, when it does not fit, the changes
     that would (`TrainingPlan.suggestions`, each re-planned, cheapest first). `dtype`: a format's name, or a
@@ -233,6 +233,7 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
     `techniques`: memory techniques (training_request.TECHNIQUES: optimizer-in-backward, chunked-loss,
     activation-offload; data/training_memory.json "techniques" says what each changes). `optimizer` adamw-8bit is
     bitsandbytes'; torchao's low-bit AdamW are adamw-8bit-torchao and adamw-4bit-torchao (or adamw-4bit).
+    `suggest=False`: no suggestions (what a table of many plans wants: they re-plan).
     `old`: the deprecated `checkpointing=` and `grad_accum=` (helpers.training.job.RENAMED)."""
     old = renamed(old)
     if set(old) - {"activation_checkpointing", "microbatches"}:
@@ -246,7 +247,7 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
         optimizer=optimizer, precision=precision, dtype=dtype, microbatches=microbatches,
         host_ram_bytes=host_ram_bytes, techniques=techniques))
     plan = _plan(request)
-    return plan if plan.fits else dataclasses.replace(plan, suggestions=suggestions(plan))
+    return plan if plan.fits or not suggest else dataclasses.replace(plan, suggestions=suggestions(plan))
 
 
 # --- when it does not fit ---------------------------------------------------------------------------------------

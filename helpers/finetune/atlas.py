@@ -1,0 +1,171 @@
+"""What fits on two 3090s: one table (data/atlas.csv) of the planners' verdicts over models from 1B to 70B, methods
+(inference in bf16, int8, nf4 through `helpers.inference.plan`; full fine-tuning, LoRA and QLoRA through
+`helpers.finetune.memory_plan`), contexts, batch sizes, technique stacks and three rigs, each row with the one command
+that plans it. `python -m helpers.finetune.atlas` writes it; tests/test_atlas.py regenerates it and fails on any
+difference.
+
+Columns: model, method, context, batch, techniques (the training stack: optimizer, precision, offload and memory
+techniques; inference: the weight format), gpus, gpu_peak_gib (the fullest card's peak, runtime reserve included;
+for inference that does not fit, the closest split's), host_ram_gib (training: the host's peak, loading or offloaded
+state, against HOST_RAM; inference: empty), fits, limit (GPU memory, host RAM or nothing), tokens_per_s (inference:
+decode tokens/s predicted by `helpers.inference.speed` for the engine the plan's device_map runs, the layer split, or
+one device; training: empty, the simulator has no model of these stacks yet), command.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import shlex
+import sys
+from pathlib import Path
+
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "mistral-7b", "llama-3-8b", "qwen2.5-14b", "qwen2.5-32b", "llama-3-70b")
+RIGS = {  # the GPUs as the planners take them -> the speed model's rig and engine for a device_map's layer split
+    "2 x RTX 3090": ("2x3090 PCIe", "layer split"),
+    "1 x RTX 3090": ("2x3090 PCIe", "one device"),
+    "RTX 3090, RTX 4090": ("3090 + 4090", "layer split"),
+}
+GPU_LABELS = {"2 x RTX 3090": "2 x RTX 3090", "1 x RTX 3090": "1 x RTX 3090", "RTX 3090, RTX 4090": "RTX 3090 + RTX 4090"}
+INFERENCE_DTYPES = ("bf16", "int8", "nf4")
+WORKLOADS = {"inference": ((2048, 1), (2048, 8), (8192, 1), (8192, 8), (32768, 1)),
+             "training": ((2048, 1), (2048, 4), (8192, 1), (32768, 1))}
+HOST_RAM_GIB = 32  # the host RAM training rows are checked against (a common 3090 workstation)
+# the training stacks: name -> plan_training options (all with activation checkpointing, FSDP2 on every rig)
+FULL_STACK = {"optimizer": "adamw-4bit", "precision": "pure", "techniques": ("optimizer-in-backward", "chunked-loss")}
+STACKS = {
+    "full": {"adamw, fp32 master": {"optimizer": "adamw", "precision": "mixed"},
+             "adamw-8bit, fp32 master, optimizer-in-backward, chunked-loss": {
+                 "optimizer": "adamw-8bit-torchao", "precision": "mixed",
+                                         "techniques": ("optimizer-in-backward", "chunked-loss")},
+             "adamw-4bit, pure bf16, optimizer-in-backward, chunked-loss": FULL_STACK,
+             "adamw-4bit, pure bf16, optimizer-in-backward, chunked-loss, activation-offload":
+                 {**FULL_STACK, "techniques": ("optimizer-in-backward", "chunked-loss", "activation-offload")},
+             "adamw, fp32 master, cpu offload": {"optimizer": "adamw", "precision": "mixed", "offload": "cpu"}},
+    "lora": {"adamw": {"optimizer": "adamw"},
+             "adamw, cpu offload": {"optimizer": "adamw", "offload": "cpu"},
+             "adamw, chunked-loss, activation-offload": {"optimizer": "adamw",
+                                                         "techniques": ("chunked-loss", "activation-offload")}},
+    "qlora": {"adamw": {"optimizer": "adamw"},
+              "adamw, cpu offload": {"optimizer": "adamw", "offload": "cpu"},
+              "adamw, chunked-loss, activation-offload": {"optimizer": "adamw",
+                                                          "techniques": ("chunked-loss", "activation-offload")}},
+}
+COLUMNS = ("model", "method", "context", "batch", "techniques", "gpus", "gpu_peak_gib", "host_ram_gib", "fits",
+           "limit", "tokens_per_s", "command")
+PATH = Path(__file__).resolve().parents[2] / "data" / "atlas.csv"
+GiB = 2**30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _max_context(model: str) -> int:
+    from helpers.sizing.shape import model_shape
+
+    return getattr(model_shape(model, "bf16").config, "max_position_embeddings", None) or 1 << 30
+
+
+def _inference_rows(model: str, gpus: str) -> list[dict]:
+    from helpers.inference.plan import DoesNotFit, plan
+    from helpers.inference.speed import predict_speed
+
+    rig, engine = RIGS[gpus]
+    rows = []
+    for dtype in INFERENCE_DTYPES:
+        for context, batch in WORKLOADS["inference"]:
+            if context > _max_context(model):
+                continue
+            try:
+                placement = plan(model, dtype, context=context, batch=batch, gpus=gpus)
+            except DoesNotFit as e:
+                placement = e.closest
+            fits = placement.fits
+            peak = max(d.gpu.capacity_bytes - d.free_bytes for d in placement.devices)
+            speed = predict_speed(model, dtype, rig, batch, context).tok_s(engine, "decode") if fits else None
+            command = (f"python -m helpers.plan --model {model} --dtype {dtype} --context {context} --batch {batch} "
+                       f"--gpus {shlex.quote(gpus)}")
+            rows.append({"model": model, "method": f"inference {dtype}", "context": context, "batch": batch,
+                         "techniques": dtype, "gpus": GPU_LABELS[gpus], "gpu_peak_gib": _gib(peak), "host_ram_gib": "",
+                         "fits": "yes" if fits else "no", "limit": "nothing" if fits else "GPU memory",
+                         "tokens_per_s": "" if speed is None else f"{speed:.1f}", "command": command})
+    return rows
+
+
+def _flags(options: dict) -> str:
+    out = [f"--optimizer {options['optimizer']}"]
+    if "precision" in options:
+        out.append(f"--precision {options['precision']}")
+    if options.get("offload"):
+        out.append(f"--offload {options['offload']}")
+    if options.get("techniques"):
+        out.append(f"--technique {','.join(options['techniques'])}")
+    return " ".join(out)
+
+
+def _training_rows(model: str, gpus: str) -> list[dict]:
+    from helpers.finetune.memory_plan import plan_training
+
+    rows = []
+    for method, stacks in STACKS.items():
+        for name, options in stacks.items():
+            for context, batch in WORKLOADS["training"]:
+                if context > _max_context(model):
+                    continue
+                plan = plan_training(model, method, context=context, batch=batch, gpus=gpus, strategy="fsdp2",
+                                     host_ram_bytes=HOST_RAM_GIB * GiB, suggest=False, **options)
+                gpu_ok = all(d.free_bytes >= 0 for d in plan.devices)
+                limit = "nothing" if plan.fits else "GPU memory" if not gpu_ok else "host RAM"
+                command = (f"python -m helpers.plan --train --model {model} --method {method} --context {context} "
+                           f"--batch {batch} --gpus {shlex.quote(gpus)} --strategy fsdp2 {_flags(options)} "
+                           f"--host-ram {HOST_RAM_GIB}GiB")
+                rows.append({"model": model, "method": method, "context": context, "batch": batch,
+                             "techniques": name, "gpus": GPU_LABELS[gpus],
+                             "gpu_peak_gib": _gib(max(d.peak_bytes for d in plan.devices)),
+                             "host_ram_gib": _gib(plan.host_peak_bytes), "fits": "yes" if plan.fits else "no",
+                             "limit": limit, "tokens_per_s": "", "command": command})
+    return rows
+
+
+def atlas_rows() -> list[dict]:
+    """Every row of the atlas, in a fixed order: model, then rig, inference before training."""
+    rows = []
+    for model in MODELS:
+        for gpus in RIGS:
+            rows += _inference_rows(model, gpus) + _training_rows(model, gpus)
+    return rows
+
+
+def atlas_csv(rows: list[dict] | None = None) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(atlas_rows() if rows is None else rows)
+    return out.getvalue()
+
+
+def headline(rows: list[dict], gpus: str = "2 x RTX 3090") -> dict[str, dict]:
+    """The biggest model (in MODELS' order) each method fits on `gpus`, with its row (any context and stack)."""
+    best = {}
+    for row in rows:
+        if row["gpus"] == gpus and row["fits"] == "yes":
+            method = row["method"]
+            if method not in best or MODELS.index(row["model"]) > MODELS.index(best[method]["model"]):
+                best[method] = row
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    import time
+
+    start = time.perf_counter()
+    rows = atlas_rows()
+    PATH.write_text(atlas_csv(rows))
+    print(f"{len(rows)} rows -> {PATH} in {time.perf_counter() - start:.1f} s")
+    for method, row in headline(rows).items():
+        print(f"  {method}: {row['model']} ({row['techniques']}, context {row['context']}, batch {row['batch']}, "
+              f"peak {row['gpu_peak_gib']} GiB)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
