@@ -32,7 +32,7 @@ from helpers.runtime.scratch import scratch_dir
 from helpers.training.checkpoint import CheckpointSpec, as_checkpoint_spec
 from helpers.training.job import TrainJob, check_choice, check_job, job_for, renamed
 from helpers.training.loop import global_batch, run_trainings
-from helpers.training.strategies import step_optimizer
+from helpers.training.strategies import make_optimizer, step_optimizer
 
 
 @dataclass
@@ -80,8 +80,7 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
                         stage_devices(rig.devices, job.layout))
     pipe = ThreadedPipeline(split, job.schedule, job.microbatches, wire=job.wire, precision=job.precision,
                             context=model.context)
-    optimizer = torch.optim.Adam(split.parameters(), lr=job.lr) if job.optimizer == "adam" else \
-        torch.optim.SGD(split.parameters(), lr=job.lr)
+    optimizer = make_optimizer(job.optimizer if job.optimizer != "none" else "sgd", split.parameters(), job.lr)
     scaler = make_scaler(job.precision, rig.devices[-1])
     rows = load_rows(job.data) if job.data is not None else None
     losses = []

@@ -22,7 +22,7 @@ from helpers.training.checkpoint import CheckpointSpec, check_spec
 from helpers.training.support import engines_for, support
 from helpers.units import fmt_bytes
 
-OPTIMIZERS = ("none", "sgd", "adam")
+OPTIMIZERS = ("none", "sgd", "adam", "adamw", "adamw8bit", "adamw4bit")  # the last two: torchao's low-bit AdamW
 PIPELINE_ENGINES = ("ours", "torch")
 RENAMED = {"checkpointing": "activation_checkpointing",  # recomputation, not a training checkpoint
            "grad_accum": "microbatches"}  # old keyword -> new, accepted with a warning for a release
@@ -86,6 +86,9 @@ class TrainJob:
     activation_checkpointing: bool = False  # recompute each block's activations in backward (dp strategies, one
     # stage); not to be confused with `checkpoint`, the training state saved to disk
     offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
+    optimizer_in_backward: bool = False  # each parameter stepped in backward as its gradient is whole, then freed
+    loss_chunks: int | None = None  # the head and cross entropy in this many chunks of tokens, recomputed in backward
+    activation_offload: bool = False  # what autograd saves in forward kept in host memory (save_on_cpu)
     checkpoint: CheckpointSpec | None = None  # save / resume training state with DCP (helpers.training.checkpoint)
     slowdown: tuple[float, ...] = ()  # per rank, the CPU rig only: emulate slower cards (2.0: each compute span
     # takes twice as long, helpers.timeline.Recorder); () = none
@@ -342,8 +345,8 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
         raise ValueError(f"unknown padding {job.padding!r}; choose one of {PADDING}")
     if job.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {job.optimizer!r}; choose one of {OPTIMIZERS}")
-    if job.optimizer == "adam" and job.dtype == "fp16":
-        raise ValueError("Adam on fp16 weights divides by sqrt(v) + eps with eps = 1e-8, which fp16 rounds to 0: a "
+    if job.optimizer.startswith("adam") and job.dtype == "fp16":
+        raise ValueError(f"{job.optimizer} on fp16 weights divides by sqrt(v) + eps with eps = 1e-8, which fp16 rounds to 0: a "
                          "weight whose gradient is 0 becomes NaN at the first step. Keep fp32 weights and compute in "
                          "fp16 with autocast='fp16' (fp32 master weights and Adam state, loss scaling), or use "
                          "optimizer='sgd'")
@@ -360,3 +363,62 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
         raise ValueError(f"seq_len must be >= 1, got {job.sequence_length()}")
     _check_context(job)
     _check_extras(job)
+    _check_memory_techniques(job)
+
+
+def _check_one_stage(job: TrainJob, what: str) -> None:
+    if job.pp > 1:
+        raise ValueError(f"{what} runs here with one stage per rank (ddp, fsdp2, zero2, or one device); pipeline "
+                         "stages are not wired for it")
+
+
+def _check_low_bit(job: TrainJob) -> None:
+    """torchao's 8-/4-bit AdamW: over one device's tensors or FSDP2's DTensor shards, stepped on the device."""
+    _check_one_stage(job, f"optimizer={job.optimizer!r}")
+    if job.dp > 1 and job.data_parallel == "zero1":
+        raise ValueError(f"{job.optimizer} shards its state with FSDP2 here: use data_parallel='fsdp2' (or 'zero2', "
+                         "'ddp'); ZeroRedundancyOptimizer over torchao's state is not wired")
+    if job.offload is not None:
+        raise ValueError(f"{job.optimizer} steps on the device: offload='cpu' moves the step to the host, where "
+                         "torchao offers its own CPUOffloadOptimizer instead; use one or the other")
+    if job.checkpoint is not None:
+        raise ValueError(f"saving {job.optimizer}'s quantized state with DCP is not wired here: checkpoint=None")
+
+
+def _check_in_backward(job: TrainJob) -> None:
+    """The optimizer step in backward: one parameter at a time, on a gradient that is whole when it arrives."""
+    if job.optimizer == "none":
+        raise ValueError("optimizer_in_backward steps the job's optimizer in backward: give optimizer= (adam, ...)")
+    _check_one_stage(job, "optimizer_in_backward")
+    if job.dp > 1 and not job.fully_sharded:
+        raise ValueError(f"optimizer_in_backward with {job.data_parallel}: DDP averages gradients in buckets after "
+                         "each one is accumulated, so the hook would step on this replica's gradient alone; use "
+                         "data_parallel='fsdp2' (its hooks run on the reduce-scattered shard) or one device")
+    if job.microbatches > 1:
+        raise ValueError(f"optimizer_in_backward frees each gradient as it steps, but accumulating over "
+                         f"{job.microbatches} micro-batches needs the gradients kept until the last one: use "
+                         "microbatches=1 (a smaller batch) or drop optimizer_in_backward")
+    if job.precision.autocast == "fp16" or job.dtype == "fp16":
+        raise ValueError("optimizer_in_backward steps before the whole backward has run, but fp16's loss scaling "
+                         "skips a step when any gradient overflowed, known only at the end: use bf16")
+    if job.return_grads:
+        raise ValueError("optimizer_in_backward frees each gradient as soon as it steps: nothing to return "
+                         "(return_grads=False)")
+    if job.offload is not None or job.checkpoint is not None:
+        raise ValueError("optimizer_in_backward keeps one optimizer per parameter: CPU offload and DCP checkpoints "
+                         "of its state are not wired (offload=None, checkpoint=None)")
+
+
+def _check_memory_techniques(job: TrainJob) -> None:
+    """Low-bit AdamW, the optimizer step in backward, the chunked loss and activation offload
+    (helpers.training.memory_techniques), refused where they cannot run, before any process starts."""
+    if job.optimizer in ("adamw8bit", "adamw4bit"):
+        _check_low_bit(job)
+    if job.optimizer_in_backward:
+        _check_in_backward(job)
+    if job.loss_chunks is not None:
+        if not isinstance(job.loss_chunks, int) or job.loss_chunks < 1:
+            raise ValueError(f"loss_chunks must be a whole number >= 1, got {job.loss_chunks!r}")
+        _check_one_stage(job, "loss_chunks")
+    if job.activation_offload:
+        _check_one_stage(job, "activation_offload")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.catalog import strategy as catalog_entry
-from helpers.sizing.ledger import (DeviceMemory, cuda_peak_bytes, grad_bytes, ledger_for, optimizer_state_bytes,
+from helpers.sizing.ledger import (DeviceMemory, MemoryLedger, cuda_peak_bytes, grad_bytes, optimizer_state_bytes,
                                    param_bytes)
 from helpers.activation_checkpointing import checkpoint_in_place
 from helpers.models.data import SyntheticTokens, kept_tokens, lm_loss_sum
@@ -39,6 +39,7 @@ from helpers.runtime.rig import Rig
 from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_seconds
 from helpers.training.checkpoint import rank_checkpointer
 from helpers.training.job import TrainJob, check_job
+from helpers.training.memory_techniques import ChunkedLossStage, OptimizerInBackward, offloaded_activations
 from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, step_optimizer,
                                          sum_replica_grads, tied_copies, weights_in)
 
@@ -65,6 +66,8 @@ class TrainResult:
     # the recorded step's time (slowest rank; None if the run ended before it): the same step as the timed ones, only
     # its peak memory and timeline are kept, so it is one more sample of the step (the bench pools it with them)
     recorded_step_s: float | None = None
+    # per rank, the peak of saved activations kept in host memory (activation_offload; 0 without it)
+    host_activations: list[int] = field(default_factory=list)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -112,7 +115,8 @@ def combine_ranks(parts: list[dict]) -> TrainResult:
                        process_cpu_s=[statistics.median(p["cpu"][1]) for p in parts if p["cpu"][1]],
                        first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"],
                        recorded_step_s=max(p["recorded"] for p in parts)
-                       if all(p["recorded"] is not None for p in parts) else None)
+                       if all(p["recorded"] is not None for p in parts) else None,
+                       host_activations=[p["host"] for p in parts])
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -161,9 +165,12 @@ def _seeded(batch: _Batch, data_seed: int, step: int) -> list[MicroBatch]:
 
 
 def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
+    """What the rank holds after a step. The optimizer stepped in backward freed each gradient as it stepped: its
+    gradients are the most it held at once."""
     opt = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local shard
-    return DeviceMemory(param_bytes(module.parameters()), grad_bytes(module.parameters()),
-                        optimizer_state_bytes(opt) if opt is not None else 0)
+    grads = optimizer.peak_grad_bytes if isinstance(optimizer, OptimizerInBackward) else \
+        grad_bytes(module.parameters())
+    return DeviceMemory(param_bytes(module.parameters()), grads, optimizer_state_bytes(opt) if opt is not None else 0)
 
 
 def _gathered(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -223,7 +230,8 @@ class _Rank:
             [(0, job.n_layers)]
         self.owned = [i for a, b in self.chunk_ranges for i in range(a, b)]
         self.module = self._materialise(model)
-        self.ledger = ledger_for([self.module], ["device"])
+        self.ledger = MemoryLedger(["device", "host"] if job.activation_offload else ["device"])
+        self.ledger.assign("device", self.module)
         self.rows = load_rows(job.data) if job.data is not None else None
         self.batch, self._step = _replica_batch(job, self.replica, self.device, 0, self.rows), 0
         self.tied = tied_copies(model, self.module, self.owned, job, self.mesh)
@@ -233,7 +241,8 @@ class _Rank:
         else:
             self.wrapped, self.step_fn = self._data_parallel()
         self.optimizer = make_optimizer(job.optimizer, self.wrapped.parameters(), job.lr,
-                                        zero1=job.dp > 1 and job.data_parallel == "zero1")
+                                        zero1=job.dp > 1 and job.data_parallel == "zero1",
+                                        in_backward=job.optimizer_in_backward)
         self.ledger.optimizer = getattr(self.optimizer, "optim", self.optimizer)
 
     def release_groups(self) -> None:
@@ -255,13 +264,26 @@ class _Rank:
     def _materialise(self, model) -> Stage:
         job = self.job
         if job.fully_sharded:
-            meta = Stage(model.meta_layers())
+            meta = self._stage(model.meta_layers())
             self._checkpoint(meta)
             return apply_fsdp(meta, model, 0, self.mesh["dp"], self.device,
                               reshard_after_forward=catalog_entry(job.data_parallel).reshard_after_forward,
                               precision=self.precision, offload=job.offload == "cpu")
         layers = owned_layers(model, self.owned, self.device)
-        return self._checkpoint(weights_in(Stage([layers[i] for i in self.owned]), model, self.precision))
+        return self._checkpoint(weights_in(self._stage([layers[i] for i in self.owned]), model, self.precision))
+
+    def _stage(self, layers) -> Stage:
+        """The rank's layers as one stage; with `job.loss_chunks`, one that returns the loss of the targets it is
+        given, its head run on chunks of tokens (helpers.training.memory_techniques)."""
+        chunks = self.job.loss_chunks
+        return ChunkedLossStage(layers, chunks) if chunks is not None and self.job.pp == 1 else Stage(layers)
+
+    def saving(self):
+        """Where forward's saved tensors go: the device's ledger, or (activation_offload) host memory, counted as
+        the ledger's host."""
+        if self.job.activation_offload:
+            return offloaded_activations(self.ledger, pin_memory=self.device.type == "cuda")
+        return self.ledger.track_activations("device")
 
     def _checkpoint(self, stage: Stage) -> Stage:
         """With `job.activation_checkpointing`, every layer between the embedding and the head (the blocks, the final
@@ -326,15 +348,21 @@ class _Rank:
             mbs = _seeded(batch, job.data_seed, i)
             for k, mb in enumerate(mbs):
                 with sync_context(k == len(mbs) - 1):
-                    with self.rec.span("forward", k), self.ledger.track_activations("device"):
-                        out = wrapped(mb.inputs, mb.context) if mb.context is not None else wrapped(mb.inputs)
-                        loss = lm_loss_sum(out, mb.targets) / share_of
+                    with self.rec.span("forward", k), self.saving():
+                        loss = self._loss(wrapped, mb) / share_of
                     with self.rec.span("backward", k):
                         (loss * self.loss_scale).backward()
                 total = total + loss.detach() * share_of
             return total
 
         return wrapped, run_step
+
+    def _loss(self, wrapped: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's summed loss: from the logits, or (loss_chunks) from the stage that computes it."""
+        if self.job.loss_chunks is not None:
+            return wrapped(mb.inputs, mb.context, mb.targets)
+        out = wrapped(mb.inputs, mb.context) if mb.context is not None else wrapped(mb.inputs)
+        return lm_loss_sum(out, mb.targets)
 
     def optimizer_step(self) -> None:
         if self.optimizer is None:  # gradients only (parity checks, timing forward and backward)
@@ -395,7 +423,7 @@ def train_worker(job: TrainJob) -> dict:
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
             "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu,
             "first_step": first, "save_blocked": checkpoints.blocked if checkpoints is not None else [],
-            "recorded": recorded}
+            "recorded": recorded, "host": r.ledger.device("host").activations if job.activation_offload else 0}
 
 
 def _cpu_seconds() -> tuple[float, float]:

@@ -183,18 +183,27 @@ def _own_copy(t: torch.Tensor) -> torch.Tensor:
     return type(t).__tensor_unflatten__({n: getattr(t, n).clone() for n in names}, meta, t.size(), t.stride())
 
 
-def make_optimizer(name: str, params, lr: float, zero1: bool = False):
-    """None, SGD or Adam over the parameters that train (a frozen base has none of its own); with `zero1`, Adam/SGD
-    state sharded over the ranks by ZeroRedundancyOptimizer."""
+def make_optimizer(name: str, params, lr: float, zero1: bool = False, in_backward: bool = False):
+    """None, SGD, Adam, AdamW or torchao's 8-/4-bit AdamW over the parameters that train (a frozen base has none of
+    its own); with `zero1`, the state sharded over the ranks by ZeroRedundancyOptimizer; with `in_backward`, one
+    optimizer per parameter stepped in backward (helpers.training.memory_techniques.OptimizerInBackward)."""
+    from helpers.training.memory_techniques import LOW_BIT, OptimizerInBackward, low_bit_adamw
+
     if name == "none":
         return None
     params = [p for p in params if p.requires_grad]
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
+    if name in LOW_BIT:
+        make = lambda ps: low_bit_adamw(name, ps, lr)  # noqa: E731
+    else:
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+        make = lambda ps: cls(ps, lr=lr)  # noqa: E731
+    if in_backward:
+        return OptimizerInBackward(params, make)
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=lr)
-    return cls(params, lr=lr)
+    return make(params)
 
 
 def step_optimizer(optimizer, scaler) -> None:
