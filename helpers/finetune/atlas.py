@@ -7,13 +7,20 @@ difference.
 Columns: model, method, context, batch, techniques (the training stack: optimizer, precision, offload and memory
 techniques; inference: the weight format), gpus, gpu_peak_gib (the fullest card's peak, runtime reserve included;
 for inference that does not fit, the closest split's), host_ram_gib (training: the host's peak, loading or offloaded
-state, against HOST_RAM; inference: empty), fits, limit (GPU memory, host RAM or nothing), tokens_per_s (inference:
-decode tokens/s predicted by `helpers.inference.speed` for the engine the plan's device_map runs, the layer split, or
-one device; training: empty, the simulator has no model of these stacks yet), command.
+state, against HOST_RAM_GIB; inference: empty), fits, limit (GPU memory, host RAM or nothing), tokens_per_s
+(predicted, for rows that fit; see `_training_tokens_per_s` and `_inference_rows`), command.
+
+tokens_per_s: inference, the decode tokens/s `helpers.inference.speed` predicts for the engine the plan's device_map
+runs (the layer split; one device on one card); full fine-tuning, the simulator's (`helpers.simulate`,
+`transformer_workload` on each card, FSDP2 with activation checkpointing, mixed-precision AdamW's step) training
+tokens/s of the whole rig, an estimate that leaves out the techniques' own costs (the chunked loss' recomputed head,
+the low-bit optimizer's step, stepping in backward) and so is left empty for the offloading stacks, whose PCIe
+copies it does not model; LoRA and QLoRA: empty (the simulator prices full backward passes only).
 """
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import shlex
 import sys
@@ -92,6 +99,32 @@ def _inference_rows(model: str, gpus: str) -> list[dict]:
     return rows
 
 
+@functools.lru_cache(maxsize=None)
+def _workload(model: str, context: int, batch: int, gpu_name: str):
+    from helpers.hardware import target_rig
+    from helpers.simulate.guide import transformer_workload
+    from helpers.sizing.shape import model_shape
+
+    card = next(c for c in target_rig("3090 + 4090 PCIe").cards if c.name == gpu_name)
+    return transformer_workload(model_shape(model, "bf16"), context, card, batch=batch)
+
+
+def _training_tokens_per_s(model: str, context: int, batch: int, gpus: str) -> float:
+    """The simulator's training tokens/s of the whole rig: FSDP2, `batch` sequences per card, checkpointing on,
+    each card at its own speed (equal batches, as the memory plan deals them: the slower card sets the step)."""
+    from helpers.hardware import target_rig
+    from helpers.simulate.guide import relative_speeds
+    from helpers.simulate.strategies import Job, simulate
+
+    names = [g.strip() for g in gpus.split(",")] if "," in gpus else ["RTX 3090"] * int(gpus.split(" x ")[0])
+    workloads = [_workload(model, context, batch, name) for name in names]
+    speeds = relative_speeds(workloads) if len(set(names)) > 1 else None
+    rig = target_rig("3090 + 4090 PCIe" if speeds else "2x3090 PCIe")
+    job = Job("fsdp2", batch * len(names), microbatches=1, activation_checkpointing=True, dp=len(names), pp=1,
+              speeds=speeds)
+    return simulate(workloads[0], job, rig.link, rig.collectives).samples_per_s * context
+
+
 def _flags(options: dict) -> str:
     out = [f"--optimizer {options['optimizer']}"]
     if "precision" in options:
@@ -116,6 +149,9 @@ def _training_rows(model: str, gpus: str) -> list[dict]:
                                      host_ram_bytes=HOST_RAM_GIB * GiB, suggest=False, **options)
                 gpu_ok = all(d.free_bytes >= 0 for d in plan.devices)
                 limit = "nothing" if plan.fits else "GPU memory" if not gpu_ok else "host RAM"
+                simulated = method == "full" and plan.fits and not options.get("offload") \
+                    and "activation-offload" not in options.get("techniques", ())
+                speed = _training_tokens_per_s(model, context, batch, gpus) if simulated else None
                 command = (f"python -m helpers.plan --train --model {model} --method {method} --context {context} "
                            f"--batch {batch} --gpus {shlex.quote(gpus)} --strategy fsdp2 {_flags(options)} "
                            f"--host-ram {HOST_RAM_GIB}GiB")
@@ -123,7 +159,8 @@ def _training_rows(model: str, gpus: str) -> list[dict]:
                              "techniques": name, "gpus": GPU_LABELS[gpus],
                              "gpu_peak_gib": _gib(max(d.peak_bytes for d in plan.devices)),
                              "host_ram_gib": _gib(plan.host_peak_bytes), "fits": "yes" if plan.fits else "no",
-                             "limit": limit, "tokens_per_s": "", "command": command})
+                             "limit": limit, "tokens_per_s": "" if speed is None else f"{speed:.1f}",
+                             "command": command})
     return rows
 
 
