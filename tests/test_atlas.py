@@ -1,10 +1,10 @@
-"""The atlas (helpers.finetune.atlas, data/atlas.csv): regenerated here and compared with the checked-in file byte
+"""The atlas (helpers.simulate.atlas, data/atlas.csv): regenerated here and compared with the checked-in file byte
 for byte; its headline rows asserted."""
 import csv
 import io
 from pathlib import Path
 
-from helpers.finetune.atlas import COLUMNS, MODELS, PATH, atlas_csv, atlas_rows, headline
+from helpers.simulate.atlas import COLUMNS, MODELS, PATH, atlas_csv, atlas_rows, headline
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_atlas_csv_is_what_the_command_writes():
     assert PATH == REPO / "data" / "atlas.csv"
     fresh = atlas_csv()
-    assert fresh == PATH.read_text(), "data/atlas.csv is stale: run python -m helpers.finetune.atlas"
+    assert fresh == PATH.read_text(), "data/atlas.csv is stale: run python -m helpers.simulate.atlas"
 
 
 def test_atlas_covers_models_methods_rigs_and_headlines():

@@ -1,7 +1,7 @@
 """What fits on two 3090s: one table (data/atlas.csv) of the planners' verdicts over models from 1B to 70B, methods
 (inference in bf16, int8, nf4 through `helpers.inference.plan`; full fine-tuning, LoRA and QLoRA through
 `helpers.finetune.memory_plan`), contexts, batch sizes, technique stacks and three rigs, each row with the one command
-that plans it. `python -m helpers.finetune.atlas` writes it; tests/test_atlas.py regenerates it and fails on any
+that plans it. `python -m helpers.simulate.atlas` writes it; tests/test_atlas.py regenerates it and fails on any
 difference.
 
 Columns: model, method, context, batch, techniques (the training stack: optimizer, precision, offload and memory
