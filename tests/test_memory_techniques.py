@@ -10,20 +10,19 @@ from helpers.models.data import IGNORE_INDEX, lm_loss_sum
 from helpers.runtime.rig import cpu_rig
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import run_trainings
-from helpers.training.memory_techniques import chunked_lm_loss_sum, low_bit_state_bytes
+from helpers.training.memory_techniques import PLANNER_NAMES, chunked_lm_loss_sum, low_bit_state_bytes
 
 CFG = StackConfig(hidden=64, n_blocks=2, heads=2, seq_len=8, vocab=128)
 BATCH = 8
 TOKENS = BATCH * CFG.seq_len
 
 
-def _numels(dp: int) -> list[int]:
-    """Every parameter's numbers on one rank: whole, or FSDP2's dim-0 shard."""
-    out = []
-    for p in (p for layer in StackModel(CFG).meta_layers() for p in layer.parameters()):
-        rows = -(-p.shape[0] // dp)  # FSDP2 pads dim 0 to a multiple of dp; rank 0 holds a full chunk
-        out.append(rows * p[0].numel() if p.dim() else 1)
-    return out
+def _numels(dp: int, by_layer: bool = False) -> list:
+    """Every parameter's numbers on one rank: whole, or FSDP2's dim-0 shard (rank 0's: a full chunk); `by_layer`:
+    one list per layer (an FSDP2 unit)."""
+    layers = [[-(-p.shape[0] // dp) * p[0].numel() for p in layer.parameters()]
+              for layer in StackModel(CFG).meta_layers()]
+    return layers if by_layer else [n for layer in layers for n in layer]
 
 
 # --- chunked loss ----------------------------------------------------------------------------------------------------
@@ -72,6 +71,8 @@ def test_chunked_loss_in_training(strategy):
     saved = [p.activations - c.activations for p, c in zip(plain.memory, chunked.memory)]
     formula = head_saved_bytes(TOKENS // dp, CFG.hidden, CFG.vocab)
     assert all(abs(s - formula) <= 0.01 * formula for s in saved), (saved, formula)
+    print(f"chunked loss ({strategy}): activations {plain.memory[0].activations} -> {chunked.memory[0].activations}, "
+          f"saved {saved[0]} measured, {formula} formula")
 
 
 # --- optimizer step in backward ------------------------------------------------------------------------------------
@@ -85,9 +86,13 @@ def test_optimizer_in_backward_same_weights(strategy):
     assert max(diffs) <= 1e-5
     assert plain.losses == pytest.approx(in_bwd.losses, abs=1e-5)
     dp = 1 if strategy == "single" else 2
-    # the peak of gradients held: every gradient at once, or the largest one alone (each freed as it steps)
+    # the peak of gradients held: every gradient at once, or (each freed as it steps) the largest one alone on one
+    # device, the largest unit's reduce-scattered shard under FSDP2 (its gradients are views of it): the training
+    # planner's formula (helpers.finetune.gpu_memory.gpu_training: one unit's gradient shard), exactly
     assert all(m.grads == 4 * sum(_numels(dp)) for m in plain.memory)
-    assert all(m.grads == 4 * max(_numels(dp)) for m in in_bwd.memory), [m.grads for m in in_bwd.memory]
+    held = max(_numels(1)) if dp == 1 else max(sum(layer) for layer in _numels(dp, by_layer=True))
+    assert all(m.grads == 4 * held for m in in_bwd.memory), ([m.grads for m in in_bwd.memory], 4 * held)
+    print(f"optimizer in backward ({strategy}): peak gradient bytes {plain.memory[0].grads} -> {in_bwd.memory[0].grads}")
     assert all(m.optimizer == p.optimizer for m, p in zip(in_bwd.memory, plain.memory))
 
 
@@ -121,6 +126,13 @@ def test_low_bit_state_bytes_on_fsdp2_shards(name):
     assert plain.memory[0].optimizer == sum(8 * n + 4 for n in numels)
     formula = sum(low_bit_state_bytes(n, name) for n in numels)
     assert low.memory[0].optimizer == formula, (low.memory[0].optimizer, formula)
+    from helpers.finetune.gpu_memory import optimizer_state_bytes  # the training planner's accounting
+    from helpers.finetune.training_request import OPTIMIZER_ALIASES
+
+    planned = optimizer_state_bytes(numels, 4, OPTIMIZER_ALIASES.get(PLANNER_NAMES[name], PLANNER_NAMES[name]))  # no step counts: 4 bytes a tensor less
+    assert abs(planned - low.memory[0].optimizer) <= 0.1 * low.memory[0].optimizer, (planned, low.memory[0])
+    print(f"{name} on fsdp2, rank 0: optimizer state {plain.memory[0].optimizer} (fp32 AdamW) -> "
+          f"{low.memory[0].optimizer} measured, {formula} formula, {planned} planner")
     # at this size every tensor pays its code table (1 KiB 8-bit, 64 B 4-bit per moment) and those under 4096
     # numbers (norms, biases, the attention projection's 2048-number shard) stay fp32: 2.8x (8-bit) and 4.7x (4-bit)
     # less than fp32 AdamW here, towards 4x and 8x on a real model's large tensors
@@ -128,10 +140,11 @@ def test_low_bit_state_bytes_on_fsdp2_shards(name):
 
 
 LOW_BIT_STEPS = 40
-# 40 AdamW steps at lr 3e-3 on the standard library's text (a new batch each step) take a 2-block model from ~5.5
-# to ~3.2 nats. The quantized moments add noise to each update but no bias: the final loss of 8-bit and 4-bit stays
-# within 2% of fp32 AdamW's (measured: see the test's message), where an untrained model sits ~70% above it.
-LOW_BIT_BAND = 0.02
+# 40 AdamW steps at lr 3e-3 on the standard library's text (a new batch each step) take a 2-block model from 5.9 to
+# 3.9 nats. The quantized moments add noise to each update, not a bias: the mean of the last 5 losses of 8-bit and
+# 4-bit stays within 3% of fp32 AdamW's (measured here: 8-bit 0.03% below, 4-bit 1.8% above), where the untrained
+# model sits 50% above it.
+LOW_BIT_BAND = 0.03
 TEXT_CFG = StackConfig(hidden=64, n_blocks=2, heads=2, seq_len=16, vocab=320)  # byte-level BPE: 256 bytes + merges
 
 
@@ -151,6 +164,7 @@ def test_low_bit_adamw_trains_like_fp32(windows):
             for name in ("adamw", "adamw8bit", "adamw4bit", "adam")]
     fp32, bit8, bit4, _ = _run(jobs)
     last = {name: sum(r.losses[-5:]) / 5 for name, r in (("fp32", fp32), ("8bit", bit8), ("4bit", bit4))}
+    print(f"mean loss of the last 5 of {LOW_BIT_STEPS} steps (first {fp32.losses[0]:.3f}): {last}")
     assert last["fp32"] < 0.7 * fp32.losses[0], last  # it learned something
     for name in ("8bit", "4bit"):
         assert abs(last[name] - last["fp32"]) <= LOW_BIT_BAND * last["fp32"], last
@@ -192,6 +206,8 @@ def test_activation_offload_moves_saved_tensors_to_host(strategy):
         # ...for the host's: each saved tensor its own copy (save_on_cpu's way), so a tensor two operations save is
         # there twice, where the device counts its storage once
         assert p.activations <= host <= 1.25 * p.activations, (p.activations, host)
+    print(f"activation offload ({strategy}): device activations {plain.memory[0].activations} -> "
+          f"{offloaded.memory[0].activations}, host {offloaded.host_activations[0]}")
 
 
 def test_techniques_refused_on_pipelines():

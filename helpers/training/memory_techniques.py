@@ -23,11 +23,14 @@ from torch import nn
 
 from helpers.models.data import lm_loss_sum
 from helpers.models.layered import Stage, call_layer
-from helpers.sizing.ledger import MemoryLedger, tensor_bytes
+from helpers.sizing.ledger import MemoryLedger
 
 LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}  # job optimizer -> torchao.optim class
-PLANNER_NAMES = {"adamw8bit": "adamw-8bit", "adamw4bit": "adamw-4bit", "optimizer_in_backward": "optimizer-in-backward",
-                 "loss_chunks": "chunked-loss", "activation_offload": "activation-offload"}
+# the job's names -> the training planner's (plan_training's optimizer= and techniques=; its "adamw-8bit" is
+# bitsandbytes', torchao's 8-bit is "adamw-8bit-torchao")
+PLANNER_NAMES = {"adamw8bit": "adamw-8bit-torchao", "adamw4bit": "adamw-4bit",
+                 "optimizer_in_backward": "optimizer-in-backward", "loss_chunks": "chunked-loss",
+                 "activation_offload": "activation-offload"}
 
 
 # --- low-bit AdamW ------------------------------------------------------------------------------------------------
@@ -89,7 +92,8 @@ class OptimizerInBackward:
     gradient (torchtune's optimizer_in_bwd). With FSDP2 the hooks sit on the sharded parameters, whose gradient is
     the reduce-scattered shard: FSDP2 calls them after assigning it. `step()` and `zero_grad()` do nothing (the work
     is done in backward); `state` is every parameter's state, what the memory ledger reads. `peak_grad_bytes`: the
-    most gradient bytes the parameters held at once (the largest single gradient, since each is freed as stepped)."""
+    most gradient bytes held at once, the largest storage a gradient lived in: one parameter's on one device; under
+    FSDP2 one unit's reduce-scattered shard, which its parameters' gradients are views of until the last is freed."""
 
     def __init__(self, params: Iterable[nn.Parameter], make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
         self.params = [p for p in params if p.requires_grad]
@@ -98,7 +102,8 @@ class OptimizerInBackward:
         self._handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.params]
 
     def _step(self, param: nn.Parameter) -> None:
-        self.peak_grad_bytes = max(self.peak_grad_bytes, tensor_bytes(param.grad))
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        self.peak_grad_bytes = max(self.peak_grad_bytes, grad.untyped_storage().nbytes())
         self.optimizers[param].step()
         param.grad = None
 
