@@ -19,8 +19,8 @@ def test_atlas_covers_models_methods_rigs_and_headlines():
     rows = list(csv.DictReader(io.StringIO(PATH.read_text())))
     assert tuple(rows[0]) == COLUMNS and len(rows) >= 200
     assert {r["model"] for r in rows} == set(MODELS)
-    assert {r["method"] for r in rows} == {"inference bf16", "inference int8", "inference nf4", "full", "lora",
-                                           "qlora"}
+    assert {r["method"] for r in rows} == {"inference", "full", "lora", "qlora"}
+    assert {r["techniques"] for r in rows if r["method"] == "inference"} == {"bf16", "int8", "nf4"}
     assert {r["gpus"] for r in rows} == {"2 x RTX 3090", "1 x RTX 3090", "RTX 3090 + RTX 4090"}
     assert {int(r["context"]) for r in rows} == {2048, 8192, 32768}
     for r in rows:

@@ -92,7 +92,7 @@ def _inference_rows(model: str, gpus: str) -> list[dict]:
             speed = predict_speed(model, dtype, rig, batch, context).tok_s(engine, "decode") if fits else None
             command = (f"python -m helpers.plan --model {model} --dtype {dtype} --context {context} --batch {batch} "
                        f"--gpus {shlex.quote(gpus)}")
-            rows.append({"model": model, "method": f"inference {dtype}", "context": context, "batch": batch,
+            rows.append({"model": model, "method": "inference", "context": context, "batch": batch,
                          "techniques": dtype, "gpus": GPU_LABELS[gpus], "gpu_peak_gib": _gib(peak), "host_ram_gib": "",
                          "fits": "yes" if fits else "no", "limit": "nothing" if fits else "GPU memory",
                          "tokens_per_s": "" if speed is None else f"{speed:.1f}", "command": command})
@@ -182,11 +182,12 @@ def atlas_csv(rows: list[dict] | None = None) -> str:
 
 
 def headline(rows: list[dict], gpus: str = "2 x RTX 3090") -> dict[str, dict]:
-    """The biggest model (in MODELS' order) each method fits on `gpus`, with its row (any context and stack)."""
+    """The biggest model (in MODELS' order) each method fits on `gpus`, with its row (any context and stack);
+    inference per weight format ('inference bf16', ...)."""
     best = {}
     for row in rows:
         if row["gpus"] == gpus and row["fits"] == "yes":
-            method = row["method"]
+            method = f"inference {row['techniques']}" if row["method"] == "inference" else row["method"]
             if method not in best or MODELS.index(row["model"]) > MODELS.index(best[method]["model"]):
                 best[method] = row
     return best
