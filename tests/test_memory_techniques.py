@@ -92,7 +92,8 @@ def test_optimizer_in_backward_same_weights(strategy):
     assert all(m.grads == 4 * sum(_numels(dp)) for m in plain.memory)
     held = max(_numels(1)) if dp == 1 else max(sum(layer) for layer in _numels(dp, by_layer=True))
     assert all(m.grads == 4 * held for m in in_bwd.memory), ([m.grads for m in in_bwd.memory], 4 * held)
-    print(f"optimizer in backward ({strategy}): peak gradient bytes {plain.memory[0].grads} -> {in_bwd.memory[0].grads}")
+    print(f"optimizer in backward ({strategy}): peak gradient bytes {plain.memory[0].grads} -> "
+          f"{in_bwd.memory[0].grads}")
     assert all(m.optimizer == p.optimizer for m, p in zip(in_bwd.memory, plain.memory))
 
 
@@ -104,6 +105,7 @@ def test_optimizer_in_backward_same_weights(strategy):
     (dict(dp=1, return_grads=True), "nothing to return"),
     (dict(strategy="1f1b", microbatches=2), "pipeline stages are not wired"),
     (dict(dp=1, optimizer="none"), "give optimizer="),
+    (dict(dp=1, max_grad_norm=1.0), "clipping scales every gradient by the norm of all of them"),
 ])
 def test_optimizer_in_backward_refusals(fields, why):
     job = TrainJob(CFG, optimizer_in_backward=True, batch=BATCH, **{"optimizer": "adam", **fields})
@@ -129,7 +131,8 @@ def test_low_bit_state_bytes_on_fsdp2_shards(name):
     from helpers.finetune.gpu_memory import optimizer_state_bytes  # the training planner's accounting
     from helpers.finetune.training_request import OPTIMIZER_ALIASES
 
-    planned = optimizer_state_bytes(numels, 4, OPTIMIZER_ALIASES.get(PLANNER_NAMES[name], PLANNER_NAMES[name]))  # no step counts: 4 bytes a tensor less
+    planner_name = OPTIMIZER_ALIASES.get(PLANNER_NAMES[name], PLANNER_NAMES[name])
+    planned = optimizer_state_bytes(numels, 4, planner_name)  # no step counts: 4 bytes a tensor less
     assert abs(planned - low.memory[0].optimizer) <= 0.1 * low.memory[0].optimizer, (planned, low.memory[0])
     print(f"{name} on fsdp2, rank 0: optimizer state {plain.memory[0].optimizer} (fp32 AdamW) -> "
           f"{low.memory[0].optimizer} measured, {formula} formula, {planned} planner")
@@ -216,3 +219,15 @@ def test_techniques_refused_on_pipelines():
             check_job(TrainJob(CFG, "1f1b", microbatches=2, batch=BATCH, **fields), cpu_rig(), oversubscribe=True)
     with pytest.raises(ValueError, match="loss_chunks must be a whole number"):
         check_job(TrainJob(CFG, dp=1, loss_chunks=0, batch=BATCH), cpu_rig())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_gradient_clipping_equals_one_device(strategy):
+    """max_grad_norm, the option the step in backward refuses: the global norm over replicas and shards alike."""
+    base = dict(optimizer="sgd", lr=0.5, max_grad_norm=0.05, timed_steps=1, return_state=True)
+    one, many, unclipped = _run([_job("single", **base)]) + _run([_job(strategy, **base),
+                                                                 _job(strategy, **{**base, "max_grad_norm": None})])
+    diffs = [(a - b).abs().max().item() for i, layer in one.state.items()
+             for a, b in zip(layer.values(), many.state[i].values())]
+    assert max(diffs) <= 1e-5
+    assert many.losses[-1] != pytest.approx(unclipped.losses[-1], abs=1e-4)  # clipping changed the run

@@ -77,6 +77,7 @@ class TrainJob:
     # `steps` (every optimizer step) is timed_steps + 2
     optimizer: str = "none"
     lr: float = 1e-3
+    max_grad_norm: float | None = None  # clip the gradients' global norm to this before each step (one stage)
     bucket_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
     data_seed: int = 0
     return_grads: bool = False
@@ -346,10 +347,10 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
     if job.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {job.optimizer!r}; choose one of {OPTIMIZERS}")
     if job.optimizer.startswith("adam") and job.dtype == "fp16":
-        raise ValueError(f"{job.optimizer} on fp16 weights divides by sqrt(v) + eps with eps = 1e-8, which fp16 rounds to 0: a "
-                         "weight whose gradient is 0 becomes NaN at the first step. Keep fp32 weights and compute in "
-                         "fp16 with autocast='fp16' (fp32 master weights and Adam state, loss scaling), or use "
-                         "optimizer='sgd'")
+        raise ValueError(f"{job.optimizer} on fp16 weights divides by sqrt(v) + eps with eps = 1e-8, which fp16 "
+                         "rounds to 0: a weight whose gradient is 0 becomes NaN at the first step. Keep fp32 weights "
+                         "and compute in fp16 with autocast='fp16' (fp32 master weights and Adam state, loss scaling), "
+                         "or use optimizer='sgd'")
     _check_batches(job)
     if job.pp > 1:
         _check_pipeline(job)
@@ -401,6 +402,10 @@ def _check_in_backward(job: TrainJob) -> None:
     if job.precision.autocast == "fp16" or job.dtype == "fp16":
         raise ValueError("optimizer_in_backward steps before the whole backward has run, but fp16's loss scaling "
                          "skips a step when any gradient overflowed, known only at the end: use bf16")
+    if job.max_grad_norm is not None:
+        raise ValueError("optimizer_in_backward steps each parameter as soon as its gradient is whole, but clipping "
+                         "scales every gradient by the norm of all of them, known only when backward ends: drop "
+                         "max_grad_norm or optimizer_in_backward")
     if job.return_grads:
         raise ValueError("optimizer_in_backward frees each gradient as soon as it steps: nothing to return "
                          "(return_grads=False)")
@@ -412,6 +417,10 @@ def _check_in_backward(job: TrainJob) -> None:
 def _check_memory_techniques(job: TrainJob) -> None:
     """Low-bit AdamW, the optimizer step in backward, the chunked loss and activation offload
     (helpers.training.memory_techniques), refused where they cannot run, before any process starts."""
+    if job.max_grad_norm is not None:
+        if not (isinstance(job.max_grad_norm, (int, float)) and job.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0, got {job.max_grad_norm!r}")
+        _check_one_stage(job, "max_grad_norm (the norm of every stage's gradients together)")
     if job.optimizer in ("adamw8bit", "adamw4bit"):
         _check_low_bit(job)
     if job.optimizer_in_backward:

@@ -40,8 +40,8 @@ from helpers.timeline import PHASES, Event, Recorder, gather_events, phase_secon
 from helpers.training.checkpoint import rank_checkpointer
 from helpers.training.job import TrainJob, check_job
 from helpers.training.memory_techniques import ChunkedLossStage, OptimizerInBackward, offloaded_activations
-from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, make_optimizer, step_optimizer,
-                                         sum_replica_grads, tied_copies, weights_in)
+from helpers.training.strategies import (apply_ddp, apply_fsdp, apply_pipeline, clip_gradients, make_optimizer,
+                                         step_optimizer, sum_replica_grads, tied_copies, weights_in)
 
 
 @dataclass
@@ -368,6 +368,8 @@ class _Rank:
         if self.optimizer is None:  # gradients only (parity checks, timing forward and backward)
             return
         with self.rec.span("optimizer"):
+            if self.job.max_grad_norm is not None:
+                clip_gradients(self.wrapped.parameters(), self.job.max_grad_norm, self.optimizer, self.scaler)
             step_optimizer(self.optimizer, self.scaler)
 
 

@@ -206,6 +206,14 @@ def make_optimizer(name: str, params, lr: float, zero1: bool = False, in_backwar
     return make(params)
 
 
+def clip_gradients(params, max_norm: float, optimizer, scaler) -> torch.Tensor:
+    """Scale the gradients so their global norm is at most `max_norm` (unscaled first under loss scaling); FSDP2's
+    DTensor shards give the norm of the whole model's gradients. Returns the norm before clipping."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+
+
 def step_optimizer(optimizer, scaler) -> None:
     """One optimizer step; with a gradient scaler, skipped on every rank alike when any rank overflowed."""
     if scaler is not None:
