@@ -231,3 +231,19 @@ def test_gradient_clipping_equals_one_device(strategy):
              for a, b in zip(layer.values(), many.state[i].values())]
     assert max(diffs) <= 1e-5
     assert many.losses[-1] != pytest.approx(unclipped.losses[-1], abs=1e-4)  # clipping changed the run
+
+
+@pytest.mark.parametrize("family, strategy", [("gpt2", "fsdp2"), ("llama", "zero2")])
+def test_train_with_every_technique_equals_plain(tmp_path, family, strategy):
+    """train() on a Hugging Face model (gpt2's tied head: FSDP2 keeps it in the root's unit) with the chunked loss,
+    the step in backward and activation offload together computes what the plain run computes."""
+    from helpers.models.hf import hf_config, save_hf_model
+    from helpers.training import train
+
+    cfg = hf_config(family, n_layers=2, hidden=32, heads=4, vocab=64, seq_len=16, tie_embeddings=family == "gpt2")
+    model = save_hf_model(cfg, tmp_path / family)
+    kw = dict(steps=3, batch=8, seq_len=16, microbatches=1, rig=cpu_rig(), optimizer="adamw")
+    plain = train(model, strategy, **kw)
+    techniques = train(model, strategy, **kw, loss_chunks=3, optimizer_in_backward=True, activation_offload=True)
+    assert techniques.losses == pytest.approx(plain.losses, abs=1e-5)
+    assert techniques.memory[0].activations == 0 and techniques.memory[0].grads < plain.memory[0].grads
