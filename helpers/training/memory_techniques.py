@@ -37,27 +37,32 @@ PLANNER_NAMES = {"adamw8bit": "adamw-8bit-torchao", "adamw4bit": "adamw-4bit",
 
 def low_bit_adamw(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """torchao's 8- or 4-bit AdamW over `params` (plain tensors or FSDP2's DTensor shards). A tensor under 4096
-    numbers, or not a whole number of blocks, keeps fp32 moments (torchao's rule). bf16 weights: the update is
-    rounded stochastically into bf16, so small steps are not lost where fp32 master weights would not fit."""
-    import torchao.optim
-
+    numbers, or not a whole number of blocks, keeps its moments in the weights' dtype (torchao's rule). bf16
+    weights: the update is rounded stochastically into bf16, so small steps are not lost where fp32 master weights
+    would not fit."""
     params = list(params)
     bf16 = any(p.dtype == torch.bfloat16 for p in params)
     with _host_default():  # its learning rate is a tensor made without device=
-        return _fp32_state(getattr(torchao.optim, LOW_BIT[name]))(params, lr=lr, bf16_stochastic_round=bf16)
+        return _fp32_state(name)(params, lr=lr, bf16_stochastic_round=bf16)
 
 
-def _fp32_state(cls: type) -> type:
-    """`cls` with two fixes for FSDP2's DTensor shards: its quantized moments dequantize to fp32 whatever the
-    weights' dtype (the stored bytes are the same: codes and fp32 scales; torchao's 4-bit state in bf16 fails inside
-    a DTensor at torch.compile, "OptimState4bit ... aten.view.dtype"), and its compiled step kept out of AOTAutograd's
-    cache, which cannot tell torchao's state subclasses of different shapes apart ("does not implement
-    _stable_hash_for_caching") and hands a 4-bit shard another shape's graph ("wrong number of dimensions"). torchao
-    makes its step counts and code tables without device=, host tensors on a GPU rank: `_host_default`."""
-    zeros = cls._subclass_zeros
+def _fp32_state(name: str) -> type:
+    """torchao's low-bit AdamW class `name` with two fixes for FSDP2's DTensor shards: its quantized moments
+    dequantize to fp32 whatever the weights' dtype (the stored bytes are the same: codes and fp32 scales; torchao's
+    4-bit state in bf16 fails inside a DTensor at torch.compile, "OptimState4bit ... aten.view.dtype"), and its
+    compiled step kept out of AOTAutograd's cache, which cannot tell torchao's state subclasses of different shapes
+    apart ("does not implement _stable_hash_for_caching") and hands a 4-bit shard another shape's graph ("wrong
+    number of dimensions"). torchao makes its step counts and code tables without device=, host tensors on a GPU
+    rank: `_host_default`."""
+    import torchao.optim
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    cls = getattr(torchao.optim, LOW_BIT[name])
+    state = OptimState8bit if name == "adamw8bit" else OptimState4bit
 
     def fp32_zeros(p: torch.Tensor, signed: bool, block_size: int):
-        return zeros(p.float() if p.dtype != torch.float32 else p, signed, block_size)
+        return state.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
 
     def step(self, closure=None):
         with torch._functorch.config.patch(enable_autograd_cache=False), _host_default():
