@@ -91,15 +91,16 @@ def planned_gib(row: dict) -> float:
     return fullest.used_bytes / GiB
 
 
-def _param(row_id: str):
-    if row_id in SKIPS:
-        return pytest.param(row_id, marks=pytest.mark.skip(reason=SKIPS[row_id]))
-    if row_id in MISSES:
-        return pytest.param(row_id, marks=pytest.mark.xfail(strict=True, reason=MISSES[row_id]))
-    return row_id
+def _param(key: str, skips: dict[str, str], misses: dict[str, str]):
+    """A row as a test parameter: skipped or expected to miss (strict) with its stated reason, else plain."""
+    if key in skips:
+        return pytest.param(key, marks=pytest.mark.skip(reason=skips[key]))
+    if key in misses:
+        return pytest.param(key, marks=pytest.mark.xfail(strict=True, reason=misses[key]))
+    return key
 
 
-@pytest.mark.parametrize("row_id", [_param(i) for i in ROWS])
+@pytest.mark.parametrize("row_id", [_param(i, SKIPS, MISSES) for i in ROWS])
 def test_planner_within_10_percent_of_each_published_row(row_id):
     row = ROWS[row_id]
     ours = planned_gib(row)
@@ -164,15 +165,7 @@ TT_MISSES = {
 }
 
 
-def _tt_param(technique: str):
-    if technique in TT_SKIPS:
-        return pytest.param(technique, marks=pytest.mark.skip(reason=TT_SKIPS[technique]))
-    if technique in TT_MISSES:
-        return pytest.param(technique, marks=pytest.mark.xfail(strict=True, reason=TT_MISSES[technique]))
-    return technique
-
-
-@pytest.mark.parametrize("technique", [_tt_param(t) for t in TT_ROWS])
+@pytest.mark.parametrize("technique", [_param(t, TT_SKIPS, TT_MISSES) for t in TT_ROWS])
 def test_planner_within_10_percent_of_torchtune_rows(technique):
     """Peak active memory (allocated blocks: no allocator cache, no context) against the plan without reserve."""
     row = TT_ROWS[technique]
