@@ -22,10 +22,11 @@ from helpers.runtime.strict import strict_requested  # LAB_DEVICE_STRICT, parsed
 IGNORE_INDEX = -100
 
 
-def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bool = False) -> argparse.Namespace:
+def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bool = False,
+          memory: bool = False) -> argparse.Namespace:
     """The flags every script takes (the same everywhere, so switching strategy is switching the script); pipeline
-    scripts add --schedule, DP x PP adds --pp (stages per pipeline), LoRA adds the adapters' flags. Bad flags stop
-    here, before the process group."""
+    scripts add --schedule, DP x PP adds --pp (stages per pipeline), LoRA adds the adapters' flags, `memory` the
+    planner's --optimizer and --technique (`memory_flags`). Bad flags stop here, before the process group."""
     p = argparse.ArgumentParser(description=description)
     if pipeline:
         p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
@@ -65,6 +66,8 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints kept (older ones are deleted)")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (dcp.async_save)")
     p.add_argument("--seed", type=int, default=0)
+    if memory:
+        memory_flags(p)
     ns = p.parse_args()
     if ns.batch % ns.microbatches:
         p.error(f"--batch {ns.batch} is not divisible by --microbatches {ns.microbatches}")
@@ -78,7 +81,44 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
         p.error(f"--seq-len {ns.seq_len} is beyond the model's context of {context} positions")
     if lora and ns.lora_rank <= 0:
         p.error(f"--lora-rank must be >= 1, got {ns.lora_rank}")
+    if memory:
+        check_memory_flags(p, ns)
     return ns
+
+
+# the training planner's names (python -m helpers.plan --train --optimizer ... --technique ...)
+OPTIMIZERS = {"adamw": None, "adamw-8bit": "adamw8bit", "adamw-4bit": "adamw4bit"}  # -> torchao's low-bit AdamW
+TECHNIQUES = ("optimizer-in-backward", "chunked-loss", "activation-offload")
+
+
+def memory_flags(p: argparse.ArgumentParser) -> None:
+    """The planner's memory flags: --optimizer (torchao's 8- or 4-bit AdamW; on --dtype bf16 weights each update
+    rounded stochastically into bf16) and --technique (comma-separated or repeated), plus --memory-report."""
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                   help="adamw-8bit / adamw-4bit: torchao's AdamW with its two moments in 8 or 4 bits per number")
+    p.add_argument("--technique", action="append", default=[],
+                   help=f"memory techniques, comma-separated or repeated: {', '.join(TECHNIQUES)}")
+    p.add_argument("--memory-report", action="store_true",
+                   help="each rank prints its measured bytes after the last step (helpers.sizing.ledger): "
+                        "parameters, peak gradients, optimizer state, peak saved activations")
+
+
+def check_memory_flags(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """--technique as a list; the combinations the course's train() refuses, refused here with its reasons."""
+    ns.technique = [t.strip() for flag in ns.technique for t in flag.split(",") if t.strip()]
+    unknown = sorted(set(ns.technique) - set(TECHNIQUES))
+    if unknown:
+        p.error(f"unknown --technique {', '.join(unknown)}: choose from {', '.join(TECHNIQUES)}")
+    if "optimizer-in-backward" in ns.technique:
+        if ns.microbatches > 1:
+            p.error("--technique optimizer-in-backward with --microbatches > 1: accumulation needs the gradients "
+                    "kept until the last micro-batch, and the step in backward frees each one as it steps")
+        if ns.autocast == "fp16":
+            p.error("--technique optimizer-in-backward with --autocast fp16: loss scaling checks every gradient for "
+                    "inf before any step, and here each parameter steps the moment its gradient is whole")
+        if ns.checkpoint_dir:
+            p.error("--technique optimizer-in-backward with --checkpoint-dir: one optimizer per parameter, which "
+                    "the checkpointer does not save; drop one of them")
 
 
 WEIGHT_DTYPES = {name: DTYPES[name] for name in ("fp32", "bf16")}
