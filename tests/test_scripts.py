@@ -168,3 +168,132 @@ def test_finetune_lora_refuses_fp16_instead_of_training_fp32(llama_dir, tmp_path
     """--autocast fp16 kept the base in fp32 and computed nothing in fp16, without a word: refused with the reason."""
     with pytest.raises(AssertionError, match="fp16 would need a gradient scaler"):
         _run("finetune_lora.py", 0, llama_dir, tmp_path / "x", "--autocast", "fp16")
+
+
+# --- the planner's memory flags: a full fine-tune of Llama-3-8B on two RTX 3090s, at the CPU rig's size ------------
+
+EIGHT_B_FLAGS = ["--dtype", "bf16", "--optimizer", "adamw-4bit", "--technique", "optimizer-in-backward,chunked-loss"]
+EIGHT_B_PLAN = dict(method="full", strategy="fsdp2", optimizer="adamw-4bit", precision="pure",
+                    techniques=("optimizer-in-backward", "chunked-loss"))  # helpers.plan --train's same flags
+
+
+@pytest.fixture(scope="module")
+def llama_4bit_dir(tmp_path_factory):
+    """Big enough that torchao's 4-bit AdamW quantizes nearly every shard (>= 4096 numbers, whole 128-blocks)."""
+    path = tmp_path_factory.mktemp("scripts") / "llama-4bit"
+    save_hf_model(hf_config("llama", n_layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
+                            seq_len=64), path)
+    return path
+
+
+def _run_lines(script: str, nproc: int, model_dir: Path, out: Path, *extra: str) -> list[dict]:
+    """`_run`, returning every JSON record the ranks print (losses, and --memory-report's per-rank bytes; two
+    ranks' lines may share a line of torchrun's output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(SCRIPTS / script),
+           "--model", str(model_dir), "--save-to", str(out), *FLAGS, *extra]
+    proc = run_command(cmd, timeout_s=400, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1",
+                                                              TMPDIR=str(out.parent)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    import re
+
+    return [json.loads(m) for m in re.findall(r'\{"step": [^}]*\}|\{"rank": \d+, "memory": \{[^}]*\}\}', proc.stdout)]
+
+
+def _one_layer_saved_bytes(model_dir: Path, batch: int, seq_len: int) -> int:
+    """What backward's recomputation of one checkpointed decoder layer saves, measured: layer 0 of the bf16 model run
+    without checkpointing on one rank's micro-batch, its saved tensors counted by the course's ledger (the
+    recomputation itself saves inside torch.utils.checkpoint's own hooks, where no ledger can see it)."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.sizing.ledger import MemoryLedger
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ledger = MemoryLedger(["layer"])
+    tracking = ledger.track_activations("layer")
+    layer = model.model.layers[0]
+
+    def enter(*_):
+        tracking.__enter__()
+
+    def leave(*_):  # a forward hook's return value would replace the layer's output
+        tracking.__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave)
+    model(input_ids=torch.randint(model.config.vocab_size, (batch, seq_len)))
+    return ledger.device("layer").activations
+
+
+@pytest.mark.full
+def test_train_fsdp2_with_the_8b_flags_measures_within_the_plan(llama_4bit_dir, tmp_path):
+    """The 8B full fine-tune's flags (bf16 weights, torchao 4-bit AdamW with stochastic rounding, the step in
+    backward, the chunked loss) over 2 FSDP2 ranks: the first loss is one device's in bf16, the loss falls, and each
+    rank's bytes, measured by the course's ledger, are within 10% of plan_training for the same small job, part by
+    part: weights (+ buffers), the gradients held at once (one unit's shard), the 4-bit optimizer state, and the
+    activations (what autograd holds at the end of forward, from the script; plus one layer's recomputation, measured
+    here on one process). Not compared: the planner's workspace (gathered layers, the reduce-scatter buffer, one
+    chunk's logits, a layer's transients: estimates of transients the ledger does not hold), the optimizer step's
+    temporaries (none with the step in backward is kept), and the reserve (CUDA context, allocator rounding): on the
+    CPU rig every rank is one process heap of some hundred MiB of Python and torch, beside these few hundred KiB."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.finetune.memory_plan import plan_training
+    from helpers.sizing.training import saved_activation_bytes
+
+    batch, seq_len = 8, 16  # FLAGS: the global batch, 4 sequences a rank
+    lines = _run_lines("train_fsdp2.py", 2, llama_4bit_dir, tmp_path / "out", *EIGHT_B_FLAGS, "--memory-report")
+    losses = [line["loss"] for line in lines if "loss" in line]
+    measured = {line["rank"]: line["memory"] for line in lines if "memory" in line}
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    bf16 = AutoModelForCausalLM.from_pretrained(llama_4bit_dir, dtype=torch.bfloat16)
+    reference = _one_device_first_loss(llama_4bit_dir, bf16)
+    assert abs(losses[0] - reference) < 1e-3 * reference, (losses[0], reference)
+
+    plan = plan_training(str(llama_4bit_dir), context=seq_len, batch=batch // 2, gpus="2x cpu=24GiB", suggest=False,
+                         **EIGHT_B_PLAN)
+    acts = saved_activation_bytes(plan.shape, seq_len, batch // 2, activation_checkpointing=True, chunked_loss=True)
+    recompute = _one_layer_saved_bytes(llama_4bit_dir, batch // 2, seq_len)
+    assert sorted(measured) == [0, 1]
+    for rank, got in measured.items():
+        d = plan.devices[rank]
+        assert d.activation_bytes == acts.peak  # the planner's activations: held at the end of forward + recompute
+        parts = {"weights": (got["params"] + got["buffers"], d.trainable_bytes + d.frozen_bytes),
+                 "gradients": (got["grads"], d.gradient_bytes),
+                 "optimizer": (got["optimizer"], d.optimizer_bytes),
+                 "activations held": (got["activations"], acts.saved),
+                 "one layer recomputed": (recompute, acts.recompute)}
+        parts["compared total"] = tuple(map(sum, zip(*parts.values())))
+        said = f"rank {rank}: " + ", ".join(f"{k} {m} measured / {p} planned ({(m - p) / p:+.1%})"
+                                            for k, (m, p) in parts.items())
+        print(said)
+        assert got["host_activations"] == 0, said
+        for name, (m, p) in parts.items():
+            assert abs(m - p) <= 0.1 * p, said
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["--technique", "optimizer-in-backward", "--microbatches", "2"], "accumulation needs the gradients kept"),
+    (["--technique", "optimizer-in-backward", "--autocast", "fp16"], "loss scaling checks every gradient"),
+    (["--technique", "optimizer-in-backward", "--checkpoint-dir", "x"], "the checkpointer does not save"),
+    (["--technique", "chunked-loss,offload"], "unknown --technique offload"),
+    (["--optimizer", "adamw-2bit"], "invalid choice: 'adamw-2bit'"),
+])
+def test_train_fsdp2_refuses_what_the_library_refuses_before_the_process_group(model_dir, monkeypatch, capsys,
+                                                                                extra, why):
+    """train_fsdp2.py parses its flags before init() joins the process group: the combinations train() refuses
+    (helpers.training.job.check_job) stop there, with the reason."""
+    common = _scripts_module("_common")
+    monkeypatch.setattr(sys, "argv", ["train_fsdp2.py", "--model", str(model_dir), "--seq-len", "16", *extra])
+    with pytest.raises(SystemExit):
+        common.parse("FSDP2", memory=True)
+    assert why in capsys.readouterr().err
+
+
+def test_train_fsdp2_takes_techniques_comma_separated_or_repeated(model_dir, monkeypatch):
+    common = _scripts_module("_common")
+    monkeypatch.setattr(sys, "argv", ["train_fsdp2.py", "--model", str(model_dir), "--seq-len", "16",
+                                      "--technique", "chunked-loss, optimizer-in-backward",
+                                      "--technique", "activation-offload", "--optimizer", "adamw-8bit"])
+    ns = common.parse("FSDP2", memory=True)
+    assert ns.technique == ["chunked-loss", "optimizer-in-backward", "activation-offload"]
+    assert common.OPTIMIZERS[ns.optimizer] == "adamw8bit"
