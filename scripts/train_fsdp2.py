@@ -14,6 +14,7 @@ python -m helpers.plan --train --model llama-3-8b --method full --context 2048 -
     torchrun --nproc-per-node 2 scripts/train_fsdp2.py --model DIR --seq-len 2048 --batch 2 --dtype bf16 \\
         --autocast none --optimizer adamw-4bit --technique optimizer-in-backward,chunked-loss --save-to OUT
 """
+import contextlib
 import json
 
 import torch
@@ -80,8 +81,10 @@ def main() -> None:
     ledger.optimizer = optimizer
     if "activation-offload" in ns.technique:  # what autograd saves goes to host memory (pinned on a GPU)
         saving = lambda: offloaded_activations(ledger, pin_memory=device.type == "cuda")  # noqa: E731
-    else:
+    elif ns.memory_report:  # the ledger's hooks on every saved tensor only when asked: they cost time per tensor
         saving = lambda: ledger.track_activations("device")  # noqa: E731
+    else:
+        saving = contextlib.nullcontext
     peak_grads = 0
     per_rank = ns.batch // world
     for step in training_steps(ns, checkpoints):
