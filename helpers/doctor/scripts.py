@@ -25,6 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT_RUNS = (("train_naive_split.py", 0, ()), ("train_pipeline.py", 2, ("--schedule", "1f1b")),
                ("train_ddp.py", 2, ()), ("train_fsdp2.py", 2, ()), ("train_dp_x_pp.py", 4, ("--pp", "2")),
                ("finetune_lora.py", 2, ("--method", "qlora", "--lora-rank", "4", "--checkpointing")))
+# the Llama-3-8B full fine-tune's flags (scripts/train_fsdp2.py's docstring) plus activation offload: torchao's 4-bit
+# AdamW stepped in backward on each rank's shards, the chunked loss, pinned host copies of what autograd saves
+MEMORY_RUN = ("train_fsdp2.py", 2, ("--microbatches", "1", "--dtype", "bf16", "--autocast", "none", "--optimizer",
+                                    "adamw-4bit", "--technique", "optimizer-in-backward,chunked-loss,activation-offload"))
 LINEAR_BLOCKS = {"finetune_lora.py"}  # scripts that need nn.Linear in the blocks (GPT-2's are Conv1D): a Llama
 SCRIPT_TIMEOUT_S = 300  # two steps of a tiny model take 5-15 s: anything near this is a hang
 SCRIPT_FLAGS = ("--steps", "2", "--batch", "4", "--seq-len", "16", "--microbatches", "2", "--lr", "1e-3")
@@ -33,7 +37,8 @@ SCRIPT_FLAGS = ("--steps", "2", "--batch", "4", "--seq-len", "16", "--microbatch
 def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], model_dir: str) -> Check:
     """One take-home script, two steps, as a user starts it (torchrun; on the CPU rig with LAB_FORCE_CPU=1). More
     ranks than GPUs: the script's own refusal, before NCCL, is the expected answer."""
-    name = f"script: {script}" + (f" on {nproc} ranks" if nproc else "")
+    name = (f"script: {script}" + (" with the memory techniques" if "--technique" in extra else "")
+            + (f" on {nproc} ranks" if nproc else ""))
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--nproc-per-node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
@@ -64,14 +69,18 @@ def script_checks(rig: Rig, workdir: str, wanted: Callable[[str], bool] = lambda
     in `workdir`."""
     from helpers.models.hf import hf_config, save_hf_model
 
-    runs = [run for run in SCRIPT_RUNS if wanted(f"script: {run[0]}")]
+    runs = [run for run in (*SCRIPT_RUNS, MEMORY_RUN) if wanted(f"script: {run[0]}")]
     if not runs:
         return []
     models = {"gpt2": save_hf_model(hf_config("gpt2", 2, 32, 4, 64, 16, tie_embeddings=True), f"{workdir}/gpt2"),
-              "llama": save_hf_model(hf_config("llama", 2, 32, 4, 64, 16, kv_heads=2), f"{workdir}/llama")}
+              "llama": save_hf_model(hf_config("llama", 2, 32, 4, 64, 16, kv_heads=2), f"{workdir}/llama"),
+              # wide enough that each rank's MLP shards are whole blocks of 4096+ numbers: quantized by torchao
+              "wide llama": save_hf_model(hf_config("llama", 2, 128, 4, 256, 16, kv_heads=2), f"{workdir}/wide")}
+    model_for = lambda script, extra: ("wide llama" if "--technique" in extra  # noqa: E731
+                                       else "llama" if script in LINEAR_BLOCKS else "gpt2")
     return [c for script, nproc, extra in runs
             for c in guarded(f"script: {script}", lambda a=(script, nproc, extra): script_check(
-                rig, *a, models["llama" if a[0] in LINEAR_BLOCKS else "gpt2"].path))]
+                rig, *a, models[model_for(a[0], a[2])].path))]
 
 
 def calibration_check(rig: Rig) -> str:
