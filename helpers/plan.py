@@ -129,7 +129,7 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lora-targets", help="all (every decoder linear, the default), attention (q, k, v, o), or "
                                               "module names: q_proj,v_proj")
     train.add_argument("--optimizer", help=f"{', '.join(known_optimizers())} (default adamw: fp32 moments; "
-                                           "adamw-8bit is bitsandbytes', adamw-4bit torchao's)")
+                                           "adamw-8bit and adamw-4bit are torchao's, adamw-8bit-bnb bitsandbytes')")
     train.add_argument("--precision", help="mixed (fp32 optimizer, the default) or pure (all in bf16)")
     train.add_argument("--microbatches", "--grad-accum", type=int, dest="microbatches",
                        help="micro-batches per optimizer step (default 1; 1f1b: one per stage; --grad-accum: its old "

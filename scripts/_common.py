@@ -87,14 +87,14 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
 
 
 # the training planner's names (python -m helpers.plan --train --optimizer ... --technique ...)
-OPTIMIZERS = {"adamw": None, "adamw-8bit": "adamw8bit", "adamw-4bit": "adamw4bit"}  # -> torchao's low-bit AdamW
+OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-4bit")  # the last two: torchao's low-bit AdamW, as TrainJob names them
 TECHNIQUES = ("optimizer-in-backward", "chunked-loss", "activation-offload")
 
 
 def memory_flags(p: argparse.ArgumentParser) -> None:
     """The planner's memory flags: --optimizer (torchao's 8- or 4-bit AdamW; on --dtype bf16 weights each update
     rounded stochastically into bf16) and --technique (comma-separated or repeated), plus --memory-report."""
-    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw-8bit / adamw-4bit: torchao's AdamW with its two moments in 8 or 4 bits per number")
     p.add_argument("--technique", action="append", default=[],
                    help=f"memory techniques, comma-separated or repeated: {', '.join(TECHNIQUES)}")

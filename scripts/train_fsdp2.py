@@ -31,7 +31,7 @@ from helpers.sizing.training import chunked_loss_tokens
 from helpers.training.memory_techniques import (OptimizerInBackward, chunked_lm_loss_sum, low_bit_adamw,
                                                 offloaded_activations)
 
-from _common import (IGNORE_INDEX, OPTIMIZERS, batches, checkpointer, decoder_layers, exit_without_teardown, init,
+from _common import (IGNORE_INDEX, batches, checkpointer, decoder_layers, exit_without_teardown, init,
                      meta_model, parse, report, stream_checkpoint, token_loss_sum, training_steps, weights_dtype)
 
 
@@ -52,8 +52,9 @@ class ChunkedLoss(torch.nn.Module):
 
 def make_optimizer(ns, params):
     """AdamW, or torchao's 8-/4-bit AdamW (stochastic rounding into bf16 weights, no fp32 master copy)."""
-    low_bit = OPTIMIZERS[ns.optimizer]
-    return low_bit_adamw(low_bit, params, ns.lr) if low_bit else torch.optim.AdamW(params, lr=ns.lr)
+    if ns.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=ns.lr)
+    return low_bit_adamw(ns.optimizer, params, ns.lr)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from helpers.models.data import IGNORE_INDEX, lm_loss_sum
 from helpers.runtime.rig import cpu_rig
 from helpers.training.job import TrainJob, check_job
 from helpers.training.loop import run_trainings
-from helpers.training.memory_techniques import PLANNER_NAMES, chunked_lm_loss_sum, low_bit_state_bytes
+from helpers.training.memory_techniques import chunked_lm_loss_sum, low_bit_state_bytes
 
 CFG = StackConfig(hidden=64, n_blocks=2, heads=2, seq_len=8, vocab=128)
 BATCH = 8
@@ -119,7 +119,7 @@ LOW_BIT_FULL = pytest.mark.full  # torch.compile of torchao's step, once per ten
 
 
 @LOW_BIT_FULL
-@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+@pytest.mark.parametrize("name", ["adamw-8bit", "adamw-4bit"])
 def test_low_bit_state_bytes_on_fsdp2_shards(name):
     """Each rank's optimizer state as the ledger counts it, against the formula over its shards: 8-bit keeps 2 bytes
     per number (two moments), 4-bit 1, where fp32 AdamW keeps 8."""
@@ -129,17 +129,15 @@ def test_low_bit_state_bytes_on_fsdp2_shards(name):
     formula = sum(low_bit_state_bytes(n, name) for n in numels)
     assert low.memory[0].optimizer == formula, (low.memory[0].optimizer, formula)
     from helpers.finetune.gpu_memory import optimizer_state_bytes  # the training planner's accounting
-    from helpers.finetune.training_request import OPTIMIZER_ALIASES
 
-    planner_name = OPTIMIZER_ALIASES.get(PLANNER_NAMES[name], PLANNER_NAMES[name])
-    planned = optimizer_state_bytes(numels, 4, planner_name)  # no step counts: 4 bytes a tensor less
+    planned = optimizer_state_bytes(numels, 4, name)  # no step counts: 4 bytes a tensor less
     assert abs(planned - low.memory[0].optimizer) <= 0.1 * low.memory[0].optimizer, (planned, low.memory[0])
     print(f"{name} on fsdp2, rank 0: optimizer state {plain.memory[0].optimizer} (fp32 AdamW) -> "
           f"{low.memory[0].optimizer} measured, {formula} formula, {planned} planner")
     # at this size every tensor pays its code table (1 KiB 8-bit, 64 B 4-bit per moment) and those under 4096
     # numbers (norms, biases, the attention projection's 2048-number shard) stay fp32: 2.8x (8-bit) and 4.7x (4-bit)
     # less than fp32 AdamW here, towards 4x and 8x on a real model's large tensors
-    assert low.memory[0].optimizer * (2.5 if name == "adamw8bit" else 4) < plain.memory[0].optimizer
+    assert low.memory[0].optimizer * (2.5 if name == "adamw-8bit" else 4) < plain.memory[0].optimizer
 
 
 LOW_BIT_STEPS = 40
@@ -164,7 +162,7 @@ def windows(tmp_path_factory):
 @LOW_BIT_FULL
 def test_low_bit_adamw_trains_like_fp32(windows):
     jobs = [TrainJob(TEXT_CFG, dp=1, optimizer=name, lr=3e-3, batch=16, data=windows, timed_steps=LOW_BIT_STEPS - 2)
-            for name in ("adamw", "adamw8bit", "adamw4bit", "adam")]
+            for name in ("adamw", "adamw-8bit", "adamw-4bit", "adam")]
     fp32, bit8, bit4, _ = _run(jobs)
     last = {name: sum(r.losses[-5:]) / 5 for name, r in (("fp32", fp32), ("8bit", bit8), ("4bit", bit4))}
     print(f"mean loss of the last 5 of {LOW_BIT_STEPS} steps (first {fp32.losses[0]:.3f}): {last}")
@@ -176,13 +174,13 @@ def test_low_bit_adamw_trains_like_fp32(windows):
 @LOW_BIT_FULL
 def test_low_bit_adamw_with_bf16_weights_and_in_backward():
     """bf16 weights: stochastic rounding into bf16 (no fp32 master copy); and the step taken in backward."""
-    base = dict(batch=BATCH, timed_steps=2, optimizer="adamw4bit")
+    base = dict(batch=BATCH, timed_steps=2, optimizer="adamw-4bit")
     jobs = [TrainJob(CFG, "fsdp2", dtype="bf16", **base), TrainJob(CFG, "fsdp2", optimizer_in_backward=True, **base)]
     bf16, in_bwd = _run(jobs)
     for res in (bf16, in_bwd):
         assert res.losses[-1] < res.losses[0]
     assert bf16.memory[0].params == 2 * sum(_numels(2))
-    assert in_bwd.memory[0].optimizer == sum(low_bit_state_bytes(n, "adamw4bit") for n in _numels(2))
+    assert in_bwd.memory[0].optimizer == sum(low_bit_state_bytes(n, "adamw-4bit") for n in _numels(2))
 
 
 @pytest.mark.parametrize("fields, why", [
@@ -193,7 +191,7 @@ def test_low_bit_adamw_with_bf16_weights_and_in_backward():
 ])
 def test_low_bit_refusals(fields, why):
     with pytest.raises(ValueError, match=why):
-        check_job(TrainJob(CFG, optimizer="adamw8bit", batch=BATCH, **fields), cpu_rig(), oversubscribe=True)
+        check_job(TrainJob(CFG, optimizer="adamw-8bit", batch=BATCH, **fields), cpu_rig(), oversubscribe=True)
 
 
 # --- activation offload --------------------------------------------------------------------------------------------

@@ -476,13 +476,13 @@ def test_torchaos_low_bit_adamw_counted_from_its_blocks():
     from helpers.finetune.gpu_memory import optimizer_state_bytes
 
     n = 64 * 160  # 10240 values: 40 blocks of 256, 80 of 128
-    assert optimizer_state_bytes([n], 2, "adamw-8bit-torchao") == 2 * (n + 40 * 4 + 256 * 4)
-    assert optimizer_state_bytes([n], 2, "adamw-4bit-torchao") == 2 * (n // 2 + 80 * 4 + 16 * 4)
+    assert optimizer_state_bytes([n], 2, "adamw-8bit") == 2 * (n + 40 * 4 + 256 * 4)
+    assert optimizer_state_bytes([n], 2, "adamw-4bit") == 2 * (n // 2 + 80 * 4 + 16 * 4)
     # below 4096 values, or not a whole number of blocks: moments in the parameter's dtype (torchao's zeros_like)
-    assert optimizer_state_bytes([2048, 4096 + 64], 2, "adamw-8bit-torchao") == 2 * (2048 + 4160) * 2
-    assert optimizer_state_bytes([2048], 4, "adamw-8bit") == 2 * 2048 * 4  # bitsandbytes: fp32 below 4096
+    assert optimizer_state_bytes([2048, 4096 + 64], 2, "adamw-8bit") == 2 * (2048 + 4160) * 2
+    assert optimizer_state_bytes([2048], 4, "adamw-8bit-bnb") == 2 * 2048 * 4  # bitsandbytes: fp32 below 4096
     p = _small_plan(optimizer="adamw-4bit")  # the training loop's name for torchao's
-    assert p.request.optimizer == "adamw-4bit-torchao"
+    assert p.request.optimizer == "adamw-4bit"
 
 
 def test_techniques_are_checked_in_the_users_terms():

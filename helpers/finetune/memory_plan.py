@@ -231,8 +231,8 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
     `WeightFormat` (e.g. NF4 computing in fp32, as on the CPU rig). `strategy`: a catalog name (ddp, fsdp2, or
     1f1b: a pipeline of one stage per GPU); `microbatches` per optimizer step (accumulated, or the pipeline's).
     `techniques`: memory techniques (training_request.TECHNIQUES: optimizer-in-backward, chunked-loss,
-    activation-offload; data/training_memory.json "techniques" says what each changes). `optimizer` adamw-8bit is
-    bitsandbytes'; torchao's low-bit AdamW are adamw-8bit-torchao and adamw-4bit-torchao (or adamw-4bit).
+    activation-offload; data/training_memory.json "techniques" says what each changes). `optimizer`: adamw, torchao's
+    low-bit adamw-8bit and adamw-4bit (what the training loop runs), or bitsandbytes' adamw-8bit-bnb (planned only).
     `suggest=False`: no suggestions (what a table of many plans wants: they re-plan).
     `old`: the deprecated `checkpointing=` and `grad_accum=` (helpers.training.job.RENAMED)."""
     old = renamed(old)
@@ -288,7 +288,7 @@ def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
                     dataclasses.replace(r, strategy="fsdp2", offload="cpu",
                                         microbatches=None if r.pipelined else r.microbatches)))
     if r.optimizer != "adamw-8bit":
-        out.append(("8-bit AdamW (bitsandbytes)", "--optimizer adamw-8bit",
+        out.append(("8-bit AdamW (torchao)", "--optimizer adamw-8bit",
                     dataclasses.replace(r, optimizer="adamw-8bit")))
     rank = plan.shape.lora_rank
     if rank and rank > 1:

@@ -17,7 +17,6 @@ OFFLOADS = ("none", "cpu")
 PRECISIONS = ("mixed", "pure")
 # memory techniques the planner prices (data/training_memory.json "techniques"), as the training loop names them
 TECHNIQUES = ("optimizer-in-backward", "chunked-loss", "activation-offload")
-OPTIMIZER_ALIASES = {"adamw-4bit": "adamw-4bit-torchao"}  # the training loop's name; torchao has the only 4-bit AdamW
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def check_request(request: TrainingRequest) -> TrainingRequest:
     strategy = check_choice("strategy", strategy, PLAN_STRATEGIES)
     offload = check_choice("offload", request.offload, OFFLOADS)
     optimizer = str(request.optimizer).strip().lower()
-    optimizer = check_choice("optimizer", OPTIMIZER_ALIASES.get(optimizer, optimizer), known_optimizers())
+    optimizer = check_choice("optimizer", optimizer, known_optimizers())
     techniques = check_techniques(request.techniques)
     precision = check_choice("precision", request.precision, PRECISIONS)
     check_workload(request.context, request.batch)

@@ -42,7 +42,7 @@ FULL_STACK = {"optimizer": "adamw-4bit", "precision": "pure", "techniques": ("op
 STACKS = {
     "full": {"adamw, fp32 master": {"optimizer": "adamw", "precision": "mixed"},
              "adamw-8bit, fp32 master, optimizer-in-backward, chunked-loss": {
-                 "optimizer": "adamw-8bit-torchao", "precision": "mixed",
+                 "optimizer": "adamw-8bit", "precision": "mixed",
                                          "techniques": ("optimizer-in-backward", "chunked-loss")},
              "adamw-4bit, pure bf16, optimizer-in-backward, chunked-loss": FULL_STACK,
              "adamw-4bit, pure bf16, optimizer-in-backward, chunked-loss, activation-offload":

@@ -136,7 +136,7 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     (`helpers.training.job.TrainJob`: batch=8, seq_len=32, microbatches=4, optimizer="adam", lr, dtype, autocast,
     padding, data_seed, activation_checkpointing (recompute each decoder layer in backward: the data-parallel
     strategies), offload="cpu" (FSDP2's CPU offload: fsdp2, zero2), max_grad_norm, and the memory techniques of
-    helpers.training.memory_techniques: optimizer="adamw8bit" | "adamw4bit", optimizer_in_backward, loss_chunks,
+    helpers.training.memory_techniques: optimizer="adamw-8bit" | "adamw-4bit", optimizer_in_backward, loss_chunks,
     activation_offload). Bad input is refused before anything starts."""
     check_choice(strategy, engine)  # before a config is built and saved
     hf = as_hf_model(model, seed=model_seed)

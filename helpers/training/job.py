@@ -22,7 +22,7 @@ from helpers.training.checkpoint import CheckpointSpec, check_spec
 from helpers.training.support import engines_for, support
 from helpers.units import fmt_bytes
 
-OPTIMIZERS = ("none", "sgd", "adam", "adamw", "adamw8bit", "adamw4bit")  # the last two: torchao's low-bit AdamW
+OPTIMIZERS = ("none", "sgd", "adam", "adamw", "adamw-8bit", "adamw-4bit")  # the last two: torchao's low-bit AdamW
 PIPELINE_ENGINES = ("ours", "torch")
 RENAMED = {"checkpointing": "activation_checkpointing",  # recomputation, not a training checkpoint
            "grad_accum": "microbatches"}  # old keyword -> new, accepted with a warning for a release
@@ -421,7 +421,7 @@ def _check_memory_techniques(job: TrainJob) -> None:
         if not (isinstance(job.max_grad_norm, (int, float)) and job.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0, got {job.max_grad_norm!r}")
         _check_one_stage(job, "max_grad_norm (the norm of every stage's gradients together)")
-    if job.optimizer in ("adamw8bit", "adamw4bit"):
+    if job.optimizer in ("adamw-8bit", "adamw-4bit"):
         _check_low_bit(job)
     if job.optimizer_in_backward:
         _check_in_backward(job)

@@ -1,6 +1,6 @@
 """The memory techniques a 24 GB card needs, as the training loop applies them (`TrainJob` fields):
 
-- `optimizer="adamw8bit" | "adamw4bit"`: torchao's low-bit AdamW, its two moments in 8 or 4 bits per number with
+- `optimizer="adamw-8bit" | "adamw-4bit"`: torchao's low-bit AdamW, its two moments in 8 or 4 bits per number with
   one fp32 scale per block (256 or 128 numbers), over FSDP2's DTensor shards or one device; on bf16 weights it
   rounds each update stochastically into bf16 (no fp32 master copy).
 - `optimizer_in_backward=True`: each parameter's optimizer step taken in backward the moment its gradient is whole
@@ -11,7 +11,8 @@
 - `activation_offload=True`: what autograd saves in forward moved to host memory (pinned on CUDA), as
   `torch.autograd.graph.save_on_cpu` does, and counted in the ledger as host bytes, not device bytes.
 
-Planner names (helpers.finetune.memory_plan): PLANNER_NAMES.
+The training planner (helpers.finetune.memory_plan) takes the same optimizer names; its `techniques=` names the
+other three optimizer-in-backward, chunked-loss and activation-offload.
 """
 from __future__ import annotations
 
@@ -25,12 +26,7 @@ from helpers.models.data import lm_loss_sum
 from helpers.models.layered import Stage, call_layer
 from helpers.sizing.ledger import MemoryLedger
 
-LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}  # job optimizer -> torchao.optim class
-# the job's names -> the training planner's (plan_training's optimizer= and techniques=; its "adamw-8bit" is
-# bitsandbytes', torchao's 8-bit is "adamw-8bit-torchao")
-PLANNER_NAMES = {"adamw8bit": "adamw-8bit-torchao", "adamw4bit": "adamw-4bit",
-                 "optimizer_in_backward": "optimizer-in-backward", "loss_chunks": "chunked-loss",
-                 "activation_offload": "activation-offload"}
+LOW_BIT = {"adamw-8bit": "AdamW8bit", "adamw-4bit": "AdamW4bit"}  # job optimizer -> torchao.optim class
 
 
 # --- low-bit AdamW ------------------------------------------------------------------------------------------------
@@ -59,7 +55,7 @@ def _fp32_state(name: str) -> type:
     from torchao.optim.subclass_8bit import OptimState8bit
 
     cls = getattr(torchao.optim, LOW_BIT[name])
-    state = OptimState8bit if name == "adamw8bit" else OptimState4bit
+    state = OptimState8bit if name == "adamw-8bit" else OptimState4bit
 
     def fp32_zeros(p: torch.Tensor, signed: bool, block_size: int):
         return state.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
@@ -84,7 +80,7 @@ def low_bit_state_bytes(numel: int, name: str, weight_bytes: int = 4) -> int:
     them: each of the two moments 1 (8-bit) or 0.5 (4-bit) byte per number, one fp32 scale per block of 256 (8-bit)
     or 128 (4-bit) numbers and the code's lookup table (256 or 16 fp32 values); a tensor under 4096 numbers or not a
     whole number of blocks keeps two moments in the weights' dtype (`weight_bytes`). Plus the fp32 step count."""
-    bits, block = (8, 256) if name == "adamw8bit" else (4, 128)
+    bits, block = (8, 256) if name == "adamw-8bit" else (4, 128)
     if numel < 4096 or numel % block:
         return 2 * numel * weight_bytes + 4
     return 2 * (numel * bits // 8 + numel // block * 4 + 2 ** bits * 4) + 4
