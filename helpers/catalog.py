@@ -24,7 +24,8 @@ class Strategy:
     stages each device holds, in a loop (device d holds stages d, d+p, ...) or a V (d and 2p-1-d). `torch_class`:
     torch.distributed.pipelining's class of the schedule, or PyTorch's API of a data-parallel strategy. `shards`:
     which of weights, gradients and optimizer state each replica holds 1/N of at the step's peak (the ZeRO paper's
-    stages; FSDP2 without resharding after forward keeps the gathered weights until backward: ZeRO-2's peak)."""
+    stages; FSDP2 without resharding after forward keeps the gathered weights until backward: ZeRO-2's peak).
+    `library`: PyTorch's engines, or DeepSpeed's (its ZeRO stages, run on the same job by deepspeed.initialize)."""
 
     name: str
     kind: str
@@ -37,7 +38,8 @@ class Strategy:
     torch_class: str | None = None
     shards: tuple[bool, bool, bool] = (False, False, False)
     reshard_after_forward: bool | None = None  # FSDP2's knob, for the two strategies built on fully_shard
-    deepspeed: str | None = None  # the DeepSpeed config with the same memory layout
+    deepspeed: str | None = None  # the DeepSpeed config with the same memory layout (DeepSpeed's own: its config)
+    library: str = "pytorch"  # whose engine runs it: pytorch, or deepspeed (helpers.training.deepspeed_zero)
 
     @property
     def pipeline(self) -> bool:
@@ -58,7 +60,7 @@ class Strategy:
     def bucketed(self) -> bool:
         """A full replica per device whose gradients DDP all-reduces bucket by bucket (DDP, ZeRO-1): what a DDP
         comm hook, its bucket size and its gradient compression apply to."""
-        return self.kind == "data_parallel" and not self.fully_sharded
+        return self.kind == "data_parallel" and not self.fully_sharded and self.library == "pytorch"
 
     @property
     def trained(self) -> bool:
@@ -91,6 +93,12 @@ CATALOG: tuple[Strategy, ...] = (
     Strategy("fsdp2", "data_parallel", "FSDP2 (ZeRO-3)", ("processes",), "07",
              torch_class="FSDP2 fully_shard (reshard_after_forward=True)", shards=(True, True, True),
              reshard_after_forward=True, deepspeed='"zero_optimization": {"stage": 3}'),
+    Strategy("ds_zero1", "data_parallel", "DeepSpeed ZeRO-1", ("processes",), "07", shards=(False, False, True),
+             deepspeed='"zero_optimization": {"stage": 1}', library="deepspeed"),
+    Strategy("ds_zero2", "data_parallel", "DeepSpeed ZeRO-2", ("processes",), "07", shards=(False, True, True),
+             deepspeed='"zero_optimization": {"stage": 2}', library="deepspeed"),
+    Strategy("ds_zero3", "data_parallel", "DeepSpeed ZeRO-3", ("processes",), "07", shards=(True, True, True),
+             deepspeed='"zero_optimization": {"stage": 3}', library="deepspeed"),
     Strategy("dp_x_pp", "dp_x_pp", "DP x PP", ("processes", "torch"), "08", "1f1b"),
 )
 _BY_NAME = {s.name: s for s in CATALOG}
@@ -141,8 +149,9 @@ def schedule_entry(name: str) -> Strategy:
 
 
 PIPELINES = names("pipeline")  # naive, gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev
-DATA_PARALLEL = names("data_parallel")  # ddp, zero1, zero2, fsdp2
+DATA_PARALLEL = names("data_parallel")  # ddp, zero1, zero2, fsdp2, ds_zero1, ds_zero2, ds_zero3
 TRAINED = names(trained=True)  # what train() and the support matrix take
 BEYOND_1F1B = names(notebook="06b")  # the schedules notebook 06b adds, the bench's rows beyond 1F1B
-PYTORCH_API = {s.name: s.torch_class for s in CATALOG if s.kind == "data_parallel"}
-DEEPSPEED_EQUIVALENT = {s.name: s.deepspeed for s in CATALOG if s.deepspeed}
+DEEPSPEED = tuple(s.name for s in CATALOG if s.library == "deepspeed")  # run by DeepSpeed's engine
+PYTORCH_API = {s.name: s.torch_class for s in CATALOG if s.kind == "data_parallel" and s.library == "pytorch"}
+DEEPSPEED_EQUIVALENT = {s.name: s.deepspeed for s in CATALOG if s.deepspeed and s.library == "pytorch"}

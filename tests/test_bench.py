@@ -9,7 +9,7 @@ from helpers.bench.predict import TARGET, microbatch_size, predict_row, simulati
 from helpers.bench.report import BENCH_COLUMNS, EXTRA_COLUMNS, display_rows, legend, misses, timeline_name
 from helpers.bench.jobs import default_config
 from helpers.bench.rows import BenchRow, Progress
-from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL
+from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL, DEEPSPEED
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples
 from helpers.simulate.calibrate_model import typical_slowdown
@@ -395,16 +395,20 @@ def test_the_bench_leaves_out_what_the_rig_refuses():
     """On one GPU the bench queued torch's pipelining and FSDP2 unconditionally; the support check refused them
     there and the whole run stopped with nothing written. It now leaves them out, with the reason."""
     from helpers.bench.jobs import PROCESS_ROWS, bench_refusals
+    from helpers.training.deepspeed_zero import missing
     from helpers.training.support import reference_rigs
 
     rigs = reference_rigs()
-    assert bench_refusals(rigs["CPU (2 cores)"]) == {}
+    absent = {(s, "processes") for s in DEEPSPEED} if missing() else set()  # DeepSpeed is optional
+    assert set(bench_refusals(rigs["CPU (2 cores)"])) == absent
     one = bench_refusals(rigs["one GPU"])
     torch_engine = {(s, "torch") for s, engine in PROCESS_ROWS if engine == "torch"}
     assert len(torch_engine) == 7  # GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV; DP x PP
-    assert set(one) == torch_engine | {("zero2", "processes"), ("fsdp2", "processes"), ("dp_x_pp", "processes")}
+    deepspeed = {(s, "processes") for s in DEEPSPEED}
+    assert set(one) == torch_engine | {("zero2", "processes"), ("fsdp2", "processes"), ("dp_x_pp", "processes")} \
+        | deepspeed
     assert all("NCCL refuses two ranks on one GPU" in why for (s, _), why in one.items() if s != "dp_x_pp")
-    assert set(bench_refusals(rigs["two GPUs"])) == {("dp_x_pp", "processes"), ("dp_x_pp", "torch")}
+    assert set(bench_refusals(rigs["two GPUs"])) == {("dp_x_pp", "processes"), ("dp_x_pp", "torch")} | absent
     assert set(one) <= set(PROCESS_ROWS)
 
 
@@ -426,6 +430,7 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
 
     from helpers.bench.jobs import two_rank_jobs
     from helpers.bench.rows import dp_x_pp_rows, launch_groups, run_in_rounds
+    from helpers.training.deepspeed_zero import missing
     from helpers.training.support import reference_rigs
 
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
@@ -437,7 +442,8 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     what = lambda jobs: {(k.strategy, k.engine, k.microbatches, k.overlap, k.wire) for k in jobs}  # noqa: E731
     assert what(precise) - what(keys) == {("naive", "ours", 1, False, "auto"), ("gpipe", "torch", 8, True, "auto"),
                                           ("gpipe", "ours", 2, True, "auto"), ("gpipe", "ours", 4, True, "auto"),
-                                          ("zero2", "ours", 1, True, "auto")}
+                                          ("zero2", "ours", 1, True, "auto"),
+                                          *({(s, "ours", 1, True, "auto") for s in DEEPSPEED} if not missing() else ())}
     assert dp_x_pp_rows(config, reference_rigs()["CPU (2 cores)"], progress=False) == []  # 4 ranks: --precise
     orders, seen = [], []
 

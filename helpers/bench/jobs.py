@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from helpers.bench.blocks import bench_cut
-from helpers.catalog import BEYOND_1F1B, CATALOG, Strategy, strategy as catalog_entry
+from helpers.catalog import BEYOND_1F1B, CATALOG, DEEPSPEED, Strategy, strategy as catalog_entry
 from helpers.models import StackConfig
 from helpers.pipeline.schedules import chunks_of
 from helpers.training.support import support
@@ -48,13 +48,15 @@ def left_out(config: BenchConfig, strategy: str, engine: str) -> bool:
     - FSDP2 without resharding after forward (ZeRO-2): FSDP2 with one knob turned, and like FSDP2 in a launch of
       its own (`launch_groups`);
     - DP x PP: 4 ranks, refused on two GPUs; on the CPU rig they share the 2 cores and the prediction is excluded
-      from the target."""
+      from the target;
+    - DeepSpeed's ZeRO stages: another library's engine beside PyTorch's, an optional install, each launch paying
+      its start-up (importing DeepSpeed, building its communication op)."""
     entry = catalog_entry(strategy)
     return not config.every_row and ((engine == "threads" and strategy in BEYOND_1F1B)
                                      or (entry.kind == "pipeline" and entry.schedule != entry.name)
                                      or (engine == "torch" and strategy == "gpipe")
                                      or (entry.fully_sharded and entry.reshard_after_forward is False)
-                                     or entry.kind == "dp_x_pp")
+                                     or entry.kind == "dp_x_pp" or entry.library == "deepspeed")
 
 
 def default_config(mode: str | bool, rig) -> BenchConfig:
@@ -87,9 +89,14 @@ PROCESS_ROWS = tuple((s.name, engine) for s in CATALOG for engine in s.engines i
 
 def bench_refusals(rig) -> dict[tuple[str, str], str]:
     """The bench's multi-process rows this rig cannot run, with the support matrix's reason: left out of the run
-    (one GPU: torch's pipelining and FSDP2; fewer than 4 GPUs: DP x PP), instead of stopping it with nothing
-    written."""
-    return {(s, e): verdict.reason for s, e in PROCESS_ROWS if not (verdict := support(rig, s, e)).ok}
+    (one GPU: torch's pipelining, FSDP2 and DeepSpeed; fewer than 4 GPUs: DP x PP; DeepSpeed where it is not
+    installed), instead of stopping it with nothing written."""
+    from helpers.training.deepspeed_zero import missing
+
+    refused = {(s, e): verdict.reason for s, e in PROCESS_ROWS if not (verdict := support(rig, s, e)).ok}
+    if missing():
+        refused.update({(s, e): missing() for s, e in PROCESS_ROWS if s in DEEPSPEED and (s, e) not in refused})
+    return refused
 
 
 def threaded_pipelines(config: BenchConfig) -> list[tuple[Strategy, int]]:

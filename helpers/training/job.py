@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from helpers.catalog import DATA_PARALLEL, Strategy, devices, strategy as catalog_entry
+from helpers.catalog import DATA_PARALLEL, DEEPSPEED, Strategy, devices, strategy as catalog_entry
 from helpers.sizing.state import training_state_bytes, zero_formula
 from helpers.models.data import PADDING
 from helpers.models.layered import LayeredModel
@@ -58,7 +58,7 @@ class TrainJob:
     strategy: str | None = None  # a catalog name (helpers.catalog); None: the one the layout below runs
     dp: int | None = None  # data-parallel replicas; default: 2 for a data-parallel strategy, else 1
     pp: int | None = None  # pipeline devices; default: 2 for a pipeline strategy, else 1
-    data_parallel: str | None = None  # with dp > 1: ddp | zero1 | zero2 | fsdp2 (dp x pp: ddp)
+    data_parallel: str | None = None  # with dp > 1: ddp | zero1 | zero2 | fsdp2 | ds_zero1-3 (dp x pp: ddp)
     boundaries: tuple[int, ...] = ()  # where stages 1.. start; () = equal layers per stage
     schedule: str | None = None  # gpipe | 1f1b | zbh1; interleaved | zbv | dualpipev: 2 stages per device (pp x 2)
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation steps with pp == 1
@@ -86,7 +86,8 @@ class TrainJob:
     # windows k*batch..; None: synthetic tokens, the same batch every step
     activation_checkpointing: bool = False  # recompute each block's activations in backward (dp strategies, one
     # stage); not to be confused with `checkpoint`, the training state saved to disk
-    offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory)
+    offload: str | None = None  # "cpu": FSDP2's CPUOffloadPolicy (shards, gradients, optimizer step in host memory);
+    # with ds_zero2/ds_zero3, ZeRO-Offload (the optimizer state and step on the host, DeepSpeed's CPU Adam)
     optimizer_in_backward: bool = False  # each parameter stepped in backward as its gradient is whole, then freed
     loss_chunks: int | None = None  # the head and cross entropy in this many chunks of tokens, recomputed in backward
     activation_offload: bool = False  # what autograd saves in forward kept in host memory (save_on_cpu)
@@ -129,6 +130,11 @@ class TrainJob:
     def fully_sharded(self) -> bool:
         """Replicas shard with FSDP2's fully_shard (zero2, fsdp2: helpers.catalog)."""
         return self.dp > 1 and catalog_entry(self.data_parallel).fully_sharded
+
+    @property
+    def deepspeed(self) -> bool:
+        """Replicas run by DeepSpeed's engine (ds_zero1, ds_zero2, ds_zero3: helpers.training.deepspeed_zero)."""
+        return self.dp > 1 and self.data_parallel in DEEPSPEED
 
     @property
     def title(self) -> str:
@@ -318,8 +324,9 @@ def _check_extras(job: TrainJob) -> None:
                          "rank); notebook 07 checkpoints pipeline stages")
     if job.offload not in (None, "cpu"):
         raise ValueError(f"offload must be None or 'cpu', got {job.offload!r}")
-    if job.offload and not (job.pp == 1 and job.fully_sharded):
-        raise ValueError("CPU offload is FSDP2's CPUOffloadPolicy: use data_parallel='fsdp2' (or 'zero2') with dp >= 2")
+    if job.offload and not (job.pp == 1 and (job.fully_sharded or job.deepspeed)):
+        raise ValueError("CPU offload is FSDP2's CPUOffloadPolicy or DeepSpeed's ZeRO-Offload: use data_parallel="
+                         "'fsdp2' (or 'zero2', 'ds_zero2', 'ds_zero3') with dp >= 2")
     if job.checkpoint is not None:
         check_spec(job.checkpoint)
     if getattr(job.layered, "own_dtypes", False) and (job.dtype != "fp32" or job.autocast is not None):
@@ -346,7 +353,11 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
         raise ValueError(f"unknown padding {job.padding!r}; choose one of {PADDING}")
     if job.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {job.optimizer!r}; choose one of {OPTIMIZERS}")
-    if job.optimizer.startswith("adam") and job.dtype == "fp16":
+    if job.deepspeed:
+        from helpers.training import deepspeed_zero
+
+        deepspeed_zero.check_job(job, rig)
+    elif job.optimizer.startswith("adam") and job.dtype == "fp16":
         raise ValueError(f"{job.optimizer} on fp16 weights divides by sqrt(v) + eps with eps = 1e-8, which fp16 "
                          "rounds to 0: a weight whose gradient is 0 becomes NaN at the first step. Keep fp32 weights "
                          "and compute in fp16 with autocast='fp16' (fp32 master weights and Adam state, loss scaling), "

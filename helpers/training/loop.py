@@ -68,6 +68,8 @@ class TrainResult:
     recorded_step_s: float | None = None
     # per rank, the peak of saved activations kept in host memory (activation_offload; 0 without it)
     host_activations: list[int] = field(default_factory=list)
+    # per rank, optimizer state kept in host memory after a step (DeepSpeed's ZeRO-Offload; 0 without it)
+    host_state: list[int] = field(default_factory=list)
 
     @property
     def peak_activations(self) -> list[int]:
@@ -116,7 +118,7 @@ def combine_ranks(parts: list[dict]) -> TrainResult:
                        first_step=parts[0]["first_step"], save_blocked=parts[0]["save_blocked"],
                        recorded_step_s=max(p["recorded"] for p in parts)
                        if all(p["recorded"] is not None for p in parts) else None,
-                       host_activations=[p["host"] for p in parts])
+                       host_activations=[p["host"] for p in parts], host_state=[p["host_state"] for p in parts])
 
 
 # --- inside a rank -----------------------------------------------------------------------------------------------
@@ -164,13 +166,19 @@ def _seeded(batch: _Batch, data_seed: int, step: int) -> list[MicroBatch]:
             for k, mb in enumerate(batch.microbatches)]
 
 
-def _local_state(module: nn.Module, optimizer) -> DeviceMemory:
-    """What the rank holds after a step. The optimizer stepped in backward freed each gradient as it stepped: its
-    gradients are the most it held at once."""
+def _local_state(r: "_Rank", job: TrainJob) -> tuple[DeviceMemory, int]:
+    """What the rank holds after a step, on its device and (DeepSpeed's offloaded optimizer) on the host. The
+    optimizer stepped in backward freed each gradient as it stepped: its gradients are the most it held at once."""
+    if job.deepspeed:
+        from helpers.training.deepspeed_zero import state_bytes
+
+        return state_bytes(r.wrapped, job)
+    module, optimizer = r.module, r.optimizer
     opt = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local shard
     grads = optimizer.peak_grad_bytes if isinstance(optimizer, OptimizerInBackward) else \
         grad_bytes(module.parameters())
-    return DeviceMemory(param_bytes(module.parameters()), grads, optimizer_state_bytes(opt) if opt is not None else 0)
+    return DeviceMemory(param_bytes(module.parameters()), grads,
+                        optimizer_state_bytes(opt) if opt is not None else 0), 0
 
 
 def _gathered(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -197,16 +205,19 @@ def _trained_state(module: Stage, owned: list[int], device: torch.device) -> dic
     return out
 
 
-def _first_grads(module: Stage, owned: list[int], scale: float,
-                 device: torch.device) -> list[tuple[int, list[torch.Tensor]]]:
+def _first_grads(module: Stage, owned: list[int], scale: float, device: torch.device,
+                 deepspeed: bool = False) -> list[tuple[int, list[torch.Tensor]]]:
     """This rank's gradients as (global layer index, the layer's gradients in parameters() order) (a weight two
-    layers share, like tied embeddings, appears in both; frozen ones have none), unscaled; sharded ones (FSDP2)
-    gathered whole."""
+    layers share, like tied embeddings, appears in both; frozen ones have none), unscaled; sharded ones (FSDP2,
+    DeepSpeed's partitions) gathered whole."""
+    if deepspeed:
+        from helpers.training.deepspeed_zero import full_grad
     out = []
     for index, layer in zip(owned, module.layers):
         grads = []
         for p in (p for p in layer.parameters() if p.requires_grad):
-            grads.append(_gathered(p.grad, device).detach().float().cpu() / scale)
+            grad = full_grad(p) if deepspeed else _gathered(p.grad, device)
+            grads.append(grad.detach().float().cpu() / scale)
         out.append((index, grads))
     return out
 
@@ -240,15 +251,20 @@ class _Rank:
             self.wrapped, self.step_fn = self.module, self._pipeline()
         else:
             self.wrapped, self.step_fn = self._data_parallel()
-        self.optimizer = make_optimizer(job.optimizer, self.wrapped.parameters(), job.lr,
-                                        zero1=job.dp > 1 and job.data_parallel == "zero1",
-                                        in_backward=job.optimizer_in_backward)
+        if job.deepspeed:  # the engine partitions the job's optimizer (or, offloaded, steps its CPU Adam)
+            self.optimizer = self.wrapped.optimizer
+        else:
+            self.optimizer = make_optimizer(job.optimizer, self.wrapped.parameters(), job.lr,
+                                            zero1=job.dp > 1 and job.data_parallel == "zero1",
+                                            in_backward=job.optimizer_in_backward)
         self.ledger.optimizer = getattr(self.optimizer, "optim", self.optimizer)
 
     def release_groups(self) -> None:
         """Destroy the process groups this job created (its mesh's, its tied weights'), on every rank alike. Ranks
         that run several jobs (`run_trainings`) otherwise keep each job's groups and their backend's threads: 3
         per group on gloo, 99 threads in a rank after the bench's 31-job probe launch."""
+        if self.job.deepspeed:
+            self.wrapped.destroy()  # its hooks and buffers, before the next job on these ranks
         groups = {id(g): g for g in [*self.mesh.get_all_groups(), *self.tied.groups]}
         for group in groups.values():
             if group is not dist.group.WORLD and group != dist.GroupMember.NON_GROUP_MEMBER:
@@ -329,6 +345,8 @@ class _Rank:
         synchronised on the last one only (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
         job = self.job
         sharded = job.fully_sharded
+        if job.deepspeed:
+            return self._deepspeed()
         wrapped = self.module if sharded else Autocast(self.module, self.precision, self.device)
         if job.dp > 1 and not sharded:
             wrapped = apply_ddp(wrapped, self.mesh.get_group("dp"), self.device, job.bucket_mb, self.rec,
@@ -357,6 +375,34 @@ class _Rank:
 
         return wrapped, run_step
 
+    def _deepspeed(self) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
+        """DeepSpeed's engine over this rank's module and the job's optimizer, one step: each micro-batch's
+        backward through the engine (which reduces the gradients at the last), the engine told of each one but the
+        last (`step()` there only counts it); the last one's step is `optimizer_step`'s. DeepSpeed averages over
+        replicas as DDP does, and is told not to divide by the accumulation steps: the loss is already a share."""
+        from helpers.training import deepspeed_zero
+
+        job = self.job
+        optimizer = make_optimizer(job.optimizer, self.module.parameters(), job.lr) if job.offload is None else None
+        engine = deepspeed_zero.initialize(self.module, job, optimizer)
+
+        def run_step(i: int) -> torch.Tensor:
+            total = torch.zeros((), device=self.device)
+            batch = self.batch_at(i)
+            share_of = batch.normalizer / job.dp
+            mbs = _seeded(batch, job.data_seed, i)
+            for k, mb in enumerate(mbs):
+                with self.rec.span("forward", k), self.saving():
+                    loss = self._loss(engine, mb) / share_of
+                with self.rec.span("backward", k):
+                    engine.backward(loss, scale_wrt_gas=False)
+                if k < len(mbs) - 1:
+                    engine.step()
+                total = total + loss.detach() * share_of
+            return total
+
+        return engine, run_step
+
     def _loss(self, wrapped: nn.Module, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's summed loss: from the logits, or (loss_chunks) from the stage that computes it."""
         if self.job.loss_chunks is not None:
@@ -368,6 +414,9 @@ class _Rank:
         if self.optimizer is None:  # gradients only (parity checks, timing forward and backward)
             return
         with self.rec.span("optimizer"):
+            if self.job.deepspeed:  # clips (gradient_clipping) and steps at the accumulation boundary
+                self.wrapped.step()
+                return
             if self.job.max_grad_norm is not None:
                 clip_gradients(self.wrapped.parameters(), self.job.max_grad_norm, self.optimizer, self.scaler)
             step_optimizer(self.optimizer, self.scaler)
@@ -380,7 +429,7 @@ def train_worker(job: TrainJob) -> dict:
                          f"{dist.get_world_size()} ranks")
     r = _Rank(job)
     publish(r.ledger, title=job.title)  # to a memory panel, if one watches (helpers.monitor)
-    times, phases, grads, losses, memory = [], [], [], [], DeviceMemory()
+    times, phases, grads, losses, memory, host_state = [], [], [], [], DeviceMemory(), 0
     cpu: tuple[list[float], list[float]] = ([], [])  # the timed steps' thread and process CPU seconds
     recorded = None  # the recorded step's seconds
     checkpoints = rank_checkpointer(job, r.module, r.owned, r.optimizer, r.scaler)
@@ -397,7 +446,7 @@ def train_worker(job: TrainJob) -> dict:
         c0, t0 = _cpu_seconds(), time.perf_counter()
         token_loss = r.step_fn(i)
         if i == 0 and job.return_grads:
-            grads = _first_grads(r.module, r.owned, r.loss_scale, r.device)
+            grads = _first_grads(r.module, r.owned, r.loss_scale, r.device, job.deepspeed)
         r.optimizer_step()
         synchronize(r.device)
         seconds = time.perf_counter() - t0
@@ -412,7 +461,7 @@ def train_worker(job: TrainJob) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / r.batch_at(i).normalizer)
         if i == 0:
-            memory = _local_state(r.module, r.optimizer)
+            memory, host_state = _local_state(r, job)
         if checkpoints is not None:
             checkpoints.after_step(i + 1, job.timed_steps + 2)
     if checkpoints is not None:
@@ -425,7 +474,8 @@ def train_worker(job: TrainJob) -> dict:
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
             "cuda_peak": cuda_peak_bytes(r.device), "state": state if r.replica == 0 else {}, "cpu": cpu,
             "first_step": first, "save_blocked": checkpoints.blocked if checkpoints is not None else [],
-            "recorded": recorded, "host": r.ledger.device("host").activations if job.activation_offload else 0}
+            "recorded": recorded, "host": r.ledger.device("host").activations if job.activation_offload else 0,
+            "host_state": host_state}
 
 
 def _cpu_seconds() -> tuple[float, float]:

@@ -61,10 +61,11 @@ def support(rig: Rig, strategy: str, engine: str, ranks: int = 2) -> Support:
             return Support(False, GLOO_CUDA.format(what="send/recv", source="pytorch#45995") +
                            ": torch.distributed.pipelining sends CUDA tensors; use engine='processes', which stages "
                            "them through host memory")
-        if catalog_entry(strategy).fully_sharded:
+        entry = catalog_entry(strategy)
+        if entry.fully_sharded or entry.library == "deepspeed":
             return Support(False, GLOO_CUDA.format(what="reduce-scatter and all-gather",
                                                    source="the backend table of PyTorch's distributed docs") +
-                           ": FSDP2 needs both")
+                           ": FSDP2 and DeepSpeed's ZeRO need both")
     return Support(True)
 
 

@@ -1,0 +1,135 @@
+"""DeepSpeed's ZeRO stages (helpers.training.deepspeed_zero) on the same jobs as PyTorch's engines: one device's
+losses and gradients, the ZeRO formulas' memory, refusals before any rank starts.
+
+DeepSpeed is optional (requirements-deepspeed.txt): without it these tests skip with the install command, except
+where LAB_REQUIRE_DEEPSPEED=1 (CI, which installs it: a skip would hide it), where they fail.
+"""
+import os
+
+import pytest
+
+from helpers.catalog import DEEPSPEED
+from helpers.check import max_grad_diff, one_device_grads
+from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
+from helpers.runtime.rig import cpu_rig
+from helpers.sizing.state import zero_formula
+from helpers.training.deepspeed_zero import INSTALL, check_config, ds_config, missing
+from helpers.training.job import TrainJob, check_job
+
+REQUIRE_ENV = "LAB_REQUIRE_DEEPSPEED"
+CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
+BATCH = 8
+STEPS = 3  # timed steps: with the warm-up and recorded steps, five optimizer steps compared
+
+
+@pytest.fixture(scope="module")
+def deepspeed():
+    reason = missing()
+    if reason:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{reason}, and {REQUIRE_ENV}=1")
+        pytest.skip(reason)
+
+
+def _one_device(optimizer: str):
+    from helpers.training.loop import run_training
+
+    return run_training(TrainJob(CFG, batch=BATCH, timed_steps=STEPS, optimizer=optimizer), cpu_rig())
+
+
+@pytest.mark.full
+def test_every_deepspeed_stage_trains_like_one_device_and_pytorchs_engines(deepspeed):
+    """Five AdamW steps with two micro-batches of accumulation: every DeepSpeed stage, PyTorch's DDP and FSDP2 and
+    one device give the same losses (1e-5), and the first step's gradients (1e-5)."""
+    from helpers.training.loop import run_trainings
+
+    loss, grads = one_device_grads(build_stack(CFG), *SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab).batch(0, BATCH),
+                                   lm_loss)
+    one = _one_device("adamw")
+    names = ("ddp", "fsdp2", *DEEPSPEED)
+    jobs = [TrainJob(CFG, name, batch=BATCH, microbatches=2, timed_steps=STEPS, optimizer="adamw",
+                     return_grads=True) for name in names]
+    for job, res in zip(jobs, run_trainings(jobs, cpu_rig())):
+        assert abs(res.loss - loss) < 1e-5, job.strategy
+        assert max_grad_diff(grads, res.grads) <= 1e-5, job.strategy
+        assert max(abs(a - b) for a, b in zip(res.losses, one.losses)) < 1e-5, (job.strategy, res.losses, one.losses)
+
+
+@pytest.mark.full
+def test_deepspeed_memory_is_the_zero_formulas_plus_its_fp32_partition(deepspeed):
+    """Per rank at rest after an Adam step: the weights the stage keeps (ZeRO-3: half), no gradients (DeepSpeed
+    frees them after the step, where PyTorch's engines keep their buffers), and the ZeRO paper's optimizer state
+    (Adam's two fp32 moments of the rank's half) plus an fp32 copy of the rank's half of the weights, which
+    DeepSpeed's optimizer steps even when the weights are fp32 already; with offload all of it on the host."""
+    from helpers.training.loop import run_trainings
+
+    n = sum(p.numel() for p in build_stack(CFG).parameters())
+    jobs = [TrainJob(CFG, name, batch=BATCH, timed_steps=1, optimizer="adam") for name in DEEPSPEED]
+    jobs.append(TrainJob(CFG, "ds_zero3", batch=BATCH, timed_steps=1, optimizer="adam", offload="cpu"))
+    for job, res in zip(jobs, run_trainings(jobs, cpu_rig())):
+        formula = zero_formula(job.strategy, n, 2)
+        # moments, the fp32 partition, and torch's Adam's step count (a tensor; DeepSpeed's CPU Adam keeps an int)
+        state = formula.optimizer + n * 4 // 2 + (0 if job.offload else 4)
+        for memory, host in zip(res.memory, res.host_state):
+            assert memory.params == formula.params and memory.grads == 0, job
+            assert (memory.optimizer, host) == ((0, state) if job.offload else (state, 0)), job
+        print(f"{job.strategy} offload={job.offload}: {res.memory[0]}, host {res.host_state[0]} B; "
+              f"ZeRO formula {formula}")
+
+
+@pytest.mark.full
+def test_zero_offload_steps_deepspeeds_cpu_adam_like_torchs_adamw(deepspeed):
+    """ZeRO-3 with the optimizer on the host (DeepSpeed's C++ CPU Adam, built on first use) trains to one device's
+    losses with torch's AdamW over five steps, within 1e-5."""
+    from helpers.training.loop import run_training
+
+    one = _one_device("adamw")
+    res = run_training(TrainJob(CFG, "ds_zero3", batch=BATCH, timed_steps=STEPS, optimizer="adamw", offload="cpu"),
+                       cpu_rig())
+    assert max(abs(a - b) for a, b in zip(res.losses, one.losses)) < 1e-5, (res.losses, one.losses)
+
+
+def test_the_config_is_written_from_the_job(deepspeed):
+    """Batch sizes multiply out, DDP's bucket size becomes ZeRO's buckets, clipping is off unless asked (DeepSpeed's
+    default clips at 1.0), and offload names DeepSpeed's CPU AdamW."""
+    job = TrainJob(CFG, "ds_zero3", batch=BATCH, microbatches=2, optimizer="adamw", offload="cpu", bucket_mb=1.0)
+    config = ds_config(job)
+    assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 2 == BATCH
+    assert config["zero_optimization"]["stage"] == 3 and config["zero_optimization"]["reduce_bucket_size"] == 2**18
+    assert config["gradient_clipping"] == 0.0
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["optimizer"]["type"] == "AdamW"
+    assert ds_config(TrainJob(CFG, "ds_zero1", batch=BATCH, max_grad_norm=0.5))["gradient_clipping"] == 0.5
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"strategy": "ds_zero2", "dtype": "fp16"}, "CPU accelerator has no fp16"),
+    ({"strategy": "ds_zero2", "autocast": "bf16"}, "give dtype='bf16'"),
+    ({"strategy": "ds_zero3", "offload": "cpu", "optimizer": "sgd"}, "optimizer='adam' or 'adamw'"),
+    ({"strategy": "ds_zero1", "offload": "cpu", "optimizer": "adam"}, "stage 2 or 3"),
+    ({"strategy": "ds_zero3", "loss_chunks": 2}, "not wired to DeepSpeed"),
+    ({"strategy": "ds_zero2", "shares": (3, 5)}, "same micro-batch"),
+])
+def test_what_deepspeed_cannot_run_is_refused_before_ranks_start(deepspeed, fields, message):
+    with pytest.raises(ValueError, match=message):
+        check_job(TrainJob(CFG, batch=BATCH, **fields), cpu_rig())
+
+
+def test_a_users_config_that_does_not_match_the_job_is_refused_naming_the_field(deepspeed):
+    job = TrainJob(CFG, "ds_zero2", batch=BATCH)
+    check_config(ds_config(job), job)
+    with pytest.raises(ValueError, match="train_batch_size 8 != train_micro_batch_size_per_gpu 2 x "
+                                         "gradient_accumulation_steps 1 x 2 ranks"):
+        check_config({**ds_config(job), "train_micro_batch_size_per_gpu": 2}, job)
+    with pytest.raises(ValueError, match="fp16.enabled"):
+        check_config({**ds_config(job), "fp16": {"enabled": True}}, job)
+
+
+def test_without_deepspeed_a_job_says_how_to_install_it(monkeypatch):
+    """Where DeepSpeed is missing, a ds_* job is refused before any rank starts with the install command."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ValueError, match=f"ds_zero2 runs DeepSpeed. DeepSpeed is not installed: {INSTALL}"):
+        check_job(TrainJob(CFG, "ds_zero2", batch=BATCH), cpu_rig())
