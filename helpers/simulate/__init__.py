@@ -8,6 +8,8 @@
   gpu)` (a `helpers.sizing.shape.ModelShape`): the same costs on a GPU you do not have, each layer's kernels traced
   on the meta device and timed by a per-kernel roofline (`trace_kernels`, `kernels_s`, `efficiency()`);
   `on_gpu(workload, flops, gpu)` from totals.
+- `finetune_workload(training_shape(...), seq, gpu)`: LoRA and QLoRA (frozen base, adapters, QLoRA's
+  dequantizations); `Job(cpu_offload=..., activation_offload=...)` with `simulate(..., host=rig_host())`: offloading.
 - `target_rig(name)`, `fit_link(sizes, seconds)`, `fit_collective_link(sizes, seconds)`: hardware from
   data/hardware.json or your own link benchmark; `SharedCores`: devices sharing a pool of cores (the CPU rig).
 - `recommend_model(name)`, `decision_table()`: which strategy for two GPUs, every strategy treated alike.
@@ -22,6 +24,7 @@ from types import ModuleType as _ModuleType
 from helpers.inference.speed import SpeedPrediction, breakeven_latency, crossovers, predict_speed
 from helpers.inference.speed_rigs import SpeedRig, speed_rig, speed_rigs
 from helpers.simulate.events import TaskGraph
+from helpers.simulate.finetune import finetune_workload, rig_host
 from helpers.simulate.guide import (MODELS, Recommendation, block_tflops, decision_table, recommend, recommend_model,
                                     transformer_workload)
 from helpers.hardware import (FREE_LINK, Collectives, Efficiency, Link, SharedCores, TargetRig, allgather_s,
@@ -31,7 +34,7 @@ from helpers.simulate.playground import Knobs, Playground
 from helpers.simulate.published import (bert_workload, fitted_constants, gpu_orders,
                                         predictions_vs_published, resnet50_workload)
 from helpers.simulate.roofline import Kernel, kernels_s, layer_flops, on_gpu, roofline_s, trace_kernels
-from helpers.simulate.strategies import Job, Simulation, simulate, simulate_memory
+from helpers.simulate.strategies import Host, Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
 # every name imported above (the inference speed model's, a floor below, too): the list is the imports

@@ -11,11 +11,21 @@ state, against HOST_RAM_GIB; inference: empty), fits, limit (GPU memory, host RA
 (predicted, for rows that fit; see `_training_tokens_per_s` and `_inference_rows`), command.
 
 tokens_per_s: inference, the decode tokens/s `helpers.inference.speed` predicts for the engine the plan's device_map
-runs (the layer split; one device on one card); full fine-tuning, the simulator's (`helpers.simulate`,
-`transformer_workload` on each card, FSDP2 with activation checkpointing, mixed-precision AdamW's step) training
-tokens/s of the whole rig, an estimate that leaves out the techniques' own costs (the chunked loss' recomputed head,
-the low-bit optimizer's step, stepping in backward) and so is left empty for the offloading stacks, whose PCIe
-copies it does not model; LoRA and QLoRA: empty (the simulator prices full backward passes only).
+runs (the layer split; one device on one card); training, the simulator's (`helpers.simulate`, FSDP2 with activation
+checkpointing on each card's own workload) training tokens/s of the whole rig:
+- full fine-tuning: `transformer_workload`, every weight's gradient, mixed-precision AdamW's step on the GPU;
+- LoRA and QLoRA: `helpers.simulate.finetune.finetune_workload` on the planner's `training_shape` (rank 64 on every
+  decoder linear, the frozen base as the planner stores it: bf16, or torchao's NF4 for QLoRA): the base's backward
+  computes input gradients only, the adapters' small matmuls are traced with the rest, QLoRA dequantizes each weight
+  at every use (forward, recomputed forward, backward); FSDP2 gathers the frozen weights in forward and again in
+  backward and reduce-scatters the adapters' gradients only;
+- cpu offload (FSDP2's CPUOffloadPolicy): each shard copied host to device before every gather (full: the fp32
+  master), gradient shards back, AdamW stepped on the host at its memory bandwidth (data/hardware.json `host`, an
+  assumption), after the backward;
+- activation-offload: what each layer saves (its checkpointed input) copied to the host after its forward and back
+  before its backward over PCIe, on the compute stream (not overlapped, as save_on_cpu issues it).
+It leaves out the other techniques' own costs (the chunked loss' recomputed head, the low-bit optimizer's step,
+stepping in backward). Checked against Answer.AI's published LoRA and QLoRA run times: tests/test_published_speed.py.
 """
 from __future__ import annotations
 
@@ -100,29 +110,47 @@ def _inference_rows(model: str, gpus: str) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _workload(model: str, context: int, batch: int, gpu_name: str):
+def _workload(model: str, method: str, context: int, batch: int, gpu_name: str, cpu_offload: bool):
+    """One card's workload: full fine-tuning's (`transformer_workload`; offloaded, its fp32 master and AdamW state on
+    the host), LoRA's or QLoRA's on the planner's defaults (`finetune_workload`)."""
+    from dataclasses import replace
+
+    from helpers.dtypes import BYTES
     from helpers.hardware import target_rig
+    from helpers.simulate.finetune import HOST_ADAMW_ACCESSES, finetune_workload
     from helpers.simulate.guide import transformer_workload
     from helpers.sizing.shape import model_shape
+    from helpers.sizing.training import training_shape
 
     card = next(c for c in target_rig("3090 + 4090 PCIe").cards if c.name == gpu_name)
-    return transformer_workload(model_shape(model, "bf16"), context, card, batch=batch)
+    if method != "full":
+        return finetune_workload(training_shape(model, method), context, card, batch=batch)
+    workload = transformer_workload(model_shape(model, "bf16"), context, card, batch=batch)
+    if not cpu_offload:
+        return workload
+    master = BYTES["fp32"]
+    return replace(workload, optimizer_bytes=HOST_ADAMW_ACCESSES * master * workload.n_params,
+                   host_bytes_per_param=master)
 
 
-def _training_tokens_per_s(model: str, context: int, batch: int, gpus: str) -> float:
+def _training_tokens_per_s(model: str, method: str, options: dict, context: int, batch: int, gpus: str) -> float:
     """The simulator's training tokens/s of the whole rig: FSDP2, `batch` sequences per card, checkpointing on,
-    each card at its own speed (equal batches, as the memory plan deals them: the slower card sets the step)."""
+    each card at its own speed (equal batches, as the memory plan deals them: the slower card sets the step), the
+    stack's offloading over the rig's host (`rig_host`)."""
     from helpers.hardware import target_rig
+    from helpers.simulate.finetune import rig_host
     from helpers.simulate.guide import relative_speeds
     from helpers.simulate.strategies import Job, simulate
 
+    cpu_offload = options.get("offload") == "cpu"
     names = [g.strip() for g in gpus.split(",")] if "," in gpus else ["RTX 3090"] * int(gpus.split(" x ")[0])
-    workloads = [_workload(model, context, batch, name) for name in names]
+    workloads = [_workload(model, method, context, batch, name, cpu_offload) for name in names]
     speeds = relative_speeds(workloads) if len(set(names)) > 1 else None
     rig = target_rig("3090 + 4090 PCIe" if speeds else "2x3090 PCIe")
     job = Job("fsdp2", batch * len(names), microbatches=1, activation_checkpointing=True, dp=len(names), pp=1,
-              speeds=speeds)
-    return simulate(workloads[0], job, rig.link, rig.collectives).samples_per_s * context
+              speeds=speeds, cpu_offload=cpu_offload,
+              activation_offload="activation-offload" in options.get("techniques", ()))
+    return simulate(workloads[0], job, rig.link, rig.collectives, host=rig_host()).samples_per_s * context
 
 
 def _flags(options: dict) -> str:
@@ -149,9 +177,7 @@ def _training_rows(model: str, gpus: str) -> list[dict]:
                                      host_ram_bytes=HOST_RAM_GIB * GiB, suggest=False, **options)
                 gpu_ok = all(d.free_bytes >= 0 for d in plan.devices)
                 limit = "nothing" if plan.fits else "GPU memory" if not gpu_ok else "host RAM"
-                simulated = method == "full" and plan.fits and not options.get("offload") \
-                    and "activation-offload" not in options.get("techniques", ())
-                speed = _training_tokens_per_s(model, context, batch, gpus) if simulated else None
+                speed = _training_tokens_per_s(model, method, options, context, batch, gpus) if plan.fits else None
                 command = (f"python -m helpers.plan --train --model {model} --method {method} --context {context} "
                            f"--batch {batch} --gpus {shlex.quote(gpus)} --strategy fsdp2 {_flags(options)} "
                            f"--host-ram {HOST_RAM_GIB}GiB")

@@ -25,7 +25,7 @@ from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import ModelShape, decoder_shape
 from helpers.hardware import Efficiency, TargetRig, target_rig
 from helpers.dtypes import BYTES
-from helpers.simulate.roofline import kernels_s, optimizer_s, step_s, trace_kernels
+from helpers.simulate.roofline import Kernel, kernels_s, optimizer_s, step_s, trace_kernels
 from helpers.simulate.strategies import Job, Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
@@ -77,10 +77,13 @@ ATTENTION_KERNELS = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}  # what 
 
 
 @functools.lru_cache(maxsize=64)
-def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batch: int, dtype: str, attention: str):
+def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batch: int, dtype: str, attention: str,
+                     lora: tuple[int, tuple[str, ...], float] | None = None):
     """Kernels (forward, backward) of embedding, one block, final norm and head for `batch` sequences, traced on a
-    one-block model built on the meta device, with its parameter and parameter-tensor counts. Dropout as the
-    family's Hugging Face default has it in training (GPT-2 0.1, Llama none)."""
+    one-block model built on the meta device, with its parameter and parameter-tensor counts (trainable ones). Dropout
+    as the family's Hugging Face default has it in training (GPT-2 0.1, Llama none). `lora` (rank, targets,
+    dropout): the base frozen and the block's target linears adapted (`helpers.simulate.finetune.adapt`), so that
+    backward computes input gradients only, but for the adapters'."""
     from helpers.models import build_hf_model, hf_layers
 
     if attention not in ATTENTION_KERNELS:
@@ -93,9 +96,15 @@ def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batc
     if head_outputs is not None:
         with torch.device("meta"):
             head = torch.nn.Linear(shape.hidden, head_outputs)
+    if lora is not None:
+        from helpers.simulate.finetune import adapt
+
+        model.requires_grad_(False)
+        adapt(block, *lora)
     kernels = trace_kernels([embedding, block, norm, head], torch.zeros(batch, seq, dtype=torch.long), dtype)
-    params = [sum(p.numel() for p in module.parameters()) for module in (embedding, block, norm, head)]
-    tensors = [max(1, len(list(module.parameters()))) for module in (embedding, block, norm, head)]
+    params = [sum(p.numel() for p in module.parameters() if p.requires_grad) for module in (embedding, block, norm, head)]
+    tensors = [max(1, len([p for p in module.parameters() if p.requires_grad]))
+               for module in (embedding, block, norm, head)]
     if shape.tied and head_outputs is None:
         params[3] = 0  # a tied head (GPT-2's) is the embedding's weight: counted once
     return tuple(kernels), tuple(params), tuple(tensors)
@@ -112,6 +121,17 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf
     them); the head keeps its input and fp32 logits for the loss (an estimate of what Hugging Face's loss holds); a
     tied head's weight is the embedding's (counted once)."""
     kernels, counts, tensors = _decoder_kernels(shape, seq, head_outputs, batch, dtype, attention)
+    layers = decoder_layers(shape, seq, gpu, dtype, attention, head_outputs, batch, eff, kernels, counts, tensors)
+    n_params = sum(layer.params for layer in layers)
+    return Workload(tuple(layers), recipe, optimizer_s(n_params, recipe, gpu))
+
+
+def decoder_layers(shape: ModelShape, seq: int, gpu: Gpu, dtype: str, attention: str, head_outputs: int | None,
+                   batch: int, eff: Efficiency | None, kernels, counts, tensors) -> list[LayerCost]:
+    """Embedding, blocks, final norm and head as `LayerCost`s from their traced kernels (`_decoder_kernels`), each
+    kernel timed on `gpu` (`step_s`) and the activations as `transformer_workload` says. A layer whose backward runs
+    no kernel (a frozen embedding: its output's gradient is the last autograd computes) costs one kernel launch
+    there, the floor `kernel_s` puts under every kernel."""
     v, outputs = BYTES[dtype], head_outputs or shape.vocab
     hidden_bytes = seq * shape.hidden * v
     parts = [("embedding", 0.0, hidden_bytes),
@@ -119,13 +139,14 @@ def transformer_workload(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf
              ("final norm", hidden_bytes, hidden_bytes),
              ("head", hidden_bytes + seq * outputs * (v + 4), seq * outputs * v)]
     layers = []
+    launch = Kernel("memory", 0.0, 0.0)
     for (name, activations, output), trace, params, n_tensors in zip(parts, kernels, counts, tensors):
         cost = LayerCost(name, step_s(trace.forward, gpu, dtype, batch, eff),
-                         step_s(trace.backward, gpu, dtype, batch, eff), params, activations, output, n_tensors)
+                         step_s(trace.backward or (launch,), gpu, dtype, batch, eff), params, activations, output,
+                         n_tensors)
         blocks = len(shape.decoder_layers)
         layers += [replace(cost, name=f"block {i}") for i in range(blocks)] if name == "block" else [cost]
-    n_params = sum(layer.params for layer in layers)
-    return Workload(tuple(layers), recipe, optimizer_s(n_params, recipe, gpu))
+    return layers
 
 
 def block_tflops(shape: ModelShape, seq: int, gpu: Gpu, dtype: str = "bf16", attention: str = "sdpa",

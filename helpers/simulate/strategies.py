@@ -18,7 +18,15 @@ and a W of the weight part, which frees the micro-batch's activations. Data para
   a layer's parameters all-gathered before its forward and, when resharding after forward, again before its
   backward (the last layer too: FSDP2 keeps only the root unit gathered); each layer's gradients reduce-scattered
   after its backward, every micro-batch; all-gathers and reduce-scatters on streams of their own that share the
-  link (prefetch, copies and the host's work per collective: `_Builder.run_fsdp2`).
+  link (prefetch, copies and the host's work per collective: `_Builder.run_fsdp2`). Frozen parameters (LoRA's
+  base, QLoRA's packed codes: `LayerCost.frozen_bytes`) are gathered with the rest; only trainable ones have
+  gradients to reduce-scatter. With `cpu_offload` (FSDP2's CPUOffloadPolicy, pinned) each unit's shard is copied from
+  the host into the all-gather's input over the GPU's own PCIe link (`Host.pcie`) before every gather, each reduced
+  gradient shard goes back, and the optimizer steps on the host, memory-bound (`Workload.optimizer_bytes` at
+  `Host.memory`, which the ranks share).
+- Activation offload (`activation_offload`, `torch.autograd.graph.save_on_cpu(pin_memory=True)`): what a layer saves
+  for its backward (its input alone where it is checkpointed) is copied to the host after its forward and back
+  before its backward, on the compute stream (save_on_cpu's copies are issued on the current stream): not overlapped.
 - DP x PP: a pipeline per replica, then one flat all-reduce per stage across replicas (as our engine does).
 Compute and communication overlap freely (separate streams); communication kernels are not modelled as slowing
 compute. Memory per device: weights, gradients and optimizer state by the ZeRO formulas (Rajbhandari et al. 2020)
@@ -41,6 +49,23 @@ from helpers.dtypes import BYTES
 from helpers.simulate.workload import Workload
 from helpers.timeline import COMPUTE_KINDS, Event, busy_fraction
 from helpers.units import MiB
+
+
+@dataclass(frozen=True)
+class Host:
+    """The host side of a rig, for what offloading moves: `pcie` bytes/s each GPU copies to or from pinned host
+    memory over its own link (one direction), `memory` bytes/s the host's memory sustains (shared by every rank's
+    optimizer step on the host)."""
+
+    pcie: float
+    memory: float
+
+    def __post_init__(self):
+        if not (self.pcie > 0 and self.memory > 0):
+            raise ValueError(f"host bandwidths must be positive bytes/s, got pcie={self.pcie}, memory={self.memory}")
+
+
+FREE_HOST = Host(math.inf, math.inf)  # offloading's copies and the host's step free (memory-only simulations)
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,8 @@ class Job:
     speeds: tuple[float, ...] | None = None  # per device, relative (larger is faster): a device's compute takes
     # the workload's time / its speed; None: equal devices
     shares: tuple[int, ...] | None = None  # samples of the global batch per data-parallel replica; None: equal
+    cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, their gradients and the optimizer step on the host
+    activation_offload: bool = False  # what autograd saves in forward kept in host memory (save_on_cpu)
 
     def __post_init__(self):
         for name, value in zip(("pp", "dp"), devices(self.entry, self.pp, self.dp, self.microbatches)):
@@ -93,6 +120,8 @@ class Job:
             raise ValueError(f"unknown wire dtype {self.wire!r}; choose auto or one of {list(BYTES)}")
         if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
             raise ValueError(f"DDP bucket sizes must be positive, got {self.first_bucket_mb} and {self.bucket_mb} MiB")
+        if self.cpu_offload and not self.entry.fully_sharded:
+            raise ValueError(f"cpu_offload is FSDP2's CPUOffloadPolicy: choose fsdp2 or zero2, not {self.strategy}")
         if self.speeds is not None and (len(self.speeds) != self.world or not all(
                 isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.speeds)):
             raise ValueError(f"speeds={self.speeds}: give {self.world} positive relative speeds, one per device")
@@ -227,8 +256,11 @@ class _Trace:
 class _Builder:
     """Adds one job's tasks to a graph; keeps each device's activation trace and training state."""
 
-    def __init__(self, workload: Workload, job: Job, link: Link, collective_link: Link | Collectives | None = None):
-        self.w, self.job, self.link = workload, job, link
+    def __init__(self, workload: Workload, job: Job, link: Link, collective_link: Link | Collectives | None = None,
+                 host: Host | None = None):
+        if (job.cpu_offload or job.activation_offload) and host is None:
+            raise ValueError("an offloading job needs the rig's host (Host: PCIe and host memory bandwidth)")
+        self.w, self.job, self.link, self.host = workload, job, link, host or FREE_HOST
         self.coll = collective_link or link
         recompute = job.activation_checkpointing
         if recompute not in (True, False) and max(recompute, default=-1) >= len(workload.layers):
@@ -275,21 +307,29 @@ class _Builder:
         return self.graph.add(seconds, [("compute", dev)], kind, [dev], after, microbatch=mb, stage=stage)
 
     def forward(self, dev: int, a: int, b: int, mb: int, after, stage: int | None = None) -> int:
-        """Forward of layers [a, b) (pipeline `stage`: the device's trace counts each stage's micro-batches)."""
-        self.traces[dev].forward(self.held(dev, a, b), mb if stage is None else (stage, mb))
-        return self.compute(dev, self.sizes[dev] * self._sum(a, b, "forward_s"), "forward", after, mb, stage)
+        """Forward of layers [a, b) (pipeline `stage`: the device's trace counts each stage's micro-batches); with
+        activation offload, then the copy of what it saved to the host."""
+        held = self.held(dev, a, b)
+        offload = self.job.activation_offload
+        self.traces[dev].forward(0.0 if offload else held, mb if stage is None else (stage, mb))
+        task = self.compute(dev, self.sizes[dev] * self._sum(a, b, "forward_s"), "forward", after, mb, stage)
+        return self.compute(dev, held / self.host.pcie, "offload", [task], mb, stage) if offload else task
 
     def backward(self, dev: int, a: int, b: int, mb: int, after, last: bool = True, extra_s: float = 0.0,
                  stage: int | None = None, weights_later: bool = False) -> int:
         """Backward of layers [a, b) (recompute first with checkpointing), plus `extra_s` of work the engine does
         inline (DDP's bucket copies); `last` when it frees the micro-batch. With `weights_later`, only the
         input-gradient part, and the activations stay for `backward_weights`."""
-        trace = self.traces[dev]
-        if weights_later:
-            trace.peak = max(trace.peak, trace.alive + self.transient(dev, a, b))
+        trace, held = self.traces[dev], self.held(dev, a, b)
+        if self.job.activation_offload:  # what the forward saved comes back from the host first
+            after = [self.compute(dev, held / self.host.pcie, "offload", after, mb, stage)]
+            held, transient = 0.0, held + self.transient(dev, a, b)
         else:
-            trace.backward(self.held(dev, a, b), self.transient(dev, a, b), mb if stage is None else (stage, mb),
-                           last)
+            transient = self.transient(dev, a, b)
+        if weights_later:
+            trace.peak = max(trace.peak, trace.alive + transient)
+        else:
+            trace.backward(held, transient, mb if stage is None else (stage, mb), last)
         recompute = self.recompute_s(dev, a, b)
         if recompute:
             after = [self.compute(dev, recompute, "recompute", after, mb, stage)]
@@ -313,6 +353,11 @@ class _Builder:
     def copy_s(self, nbytes: float) -> float:
         """Seconds to copy `nbytes` on a device (0 when the workload's copies are free)."""
         return nbytes / self.w.copy_bandwidth
+
+    def pcie(self, dev: int, direction: str, nbytes: float, after) -> int:
+        """A copy between `dev` and pinned host memory over its own PCIe link, on a copy stream of that direction
+        (h2d, d2h)."""
+        return self.graph.add(nbytes / self.host.pcie, [(direction, dev)], direction, [dev], after)
 
     def copy(self, dev: int, nbytes: float, after) -> int:
         """A memory copy the engine does on the device's own compute (into or out of a communication buffer)."""
@@ -483,63 +528,84 @@ class _Builder:
         calling thread, so nothing overlaps compute (docs/bench.md, `run_fsdp2`).
         Before each collective the host does `fsdp2_host_s` of work of its own (DTensor dispatch, the collectives'
         wrappers: measured in the same run by `calibrate.fsdp2_host_seconds`); it holds the compute where the host
-        computes, and runs beside the device elsewhere."""
+        computes, and runs beside the device elsewhere.
+        A layer's gathered bytes are its trainable parameters' and its frozen ones (`LayerCost.frozen_bytes`); only the
+        trainable ones are reduce-scattered. With `cpu_offload` the copy into the all-gather's input is the shard's
+        copy from pinned host memory (FSDP2 copies the host shard into it), on the device's host-to-device link, each
+        gradient shard is copied back to the host after its reduce-scatter, and the optimizer steps there once every
+        gradient has arrived."""
         devices = list(range(self.job.dp))
         r, n = len(devices), len(self.layers)
         w, g, o = self.w.bytes_per_param
+        offload = self.job.cpu_offload
 
-        def issue(kind: str, full: float, nbytes: float, after: dict[int, list[int]]) -> int:
+        def weight_bytes(i: int) -> float:
+            """What layer i's all-gather carries: its trainable parameters and its frozen bytes."""
+            return w * self.layers[i].params + self.layers[i].frozen_bytes
+
+        def issue(kind: str, full: float, nbytes: float, after: dict[int, list[int]], from_host: bool = False) -> int:
             """One of FSDP2's collectives of `full` bytes on its own stream (all-gathers and reduce-scatters have one
             each): on each device the host's work for it, which waits for nothing on the device, then the copy of
-            `nbytes` into its input after `after[device]`, then the collective."""
+            `nbytes` into its input after `after[device]` (`from_host`: from pinned host memory), then the
+            collective."""
             copied = []
             for d in devices:
                 deps = list(after.get(d, []))
                 if self.job.fsdp2_host_s:
                     host = "compute" if self.job.host_waits else "host"
                     deps.append(self.graph.add(self.job.fsdp2_host_s, [(host, d)], "host", [d]))
-                copied.append(self.copy(d, nbytes, deps))
+                copied.append(self.pcie(d, "h2d", nbytes, deps) if from_host else self.copy(d, nbytes, deps))
             return self.collective(kind, devices, collective_s(self.coll, kind, full, r), kind, copied,
                                    holds_compute=self.job.host_waits)
 
         def unshard(i: int) -> int:
-            """Copy-in of this device's shard, then the all-gather."""
-            return issue("allgather", w * self.layers[i].params, w * self.layers[i].params / r, {})
+            """Copy-in of this device's shard (from the host: as the host keeps it), then the all-gather."""
+            shard = (self.w.host_bytes_per_param or w) * self.layers[i].params + self.layers[i].frozen_bytes
+            return issue("allgather", weight_bytes(i), (shard if offload else weight_bytes(i)) / r, {},
+                         from_host=offload)
 
         scattered = []
         for k in range(self.job.microbatches):
-            gathered = {0: unshard(0)} if self.layers[0].params else {}
+            gathered = {0: unshard(0)} if weight_bytes(0) else {}
             for i in range(n):
-                if i not in gathered and self.layers[i].params:  # no prefetch: gathered as the layer starts
+                if i not in gathered and weight_bytes(i):  # no prefetch: gathered as the layer starts
                     gathered[i] = unshard(i)
-                if self.job.forward_prefetch and i + 1 < n and self.layers[i + 1].params:
+                if self.job.forward_prefetch and i + 1 < n and weight_bytes(i + 1):
                     gathered[i + 1] = unshard(i + 1)  # issued before this layer computes
                 for d in devices:
-                    ready = [self.copy(d, w * self.layers[i].params, [gathered[i]])] if i in gathered else []
+                    ready = [self.copy(d, weight_bytes(i), [gathered[i]])] if i in gathered else []
                     self.forward(d, i, i + 1, k, ready)
             bwd: dict[tuple[int, int], int] = {}
             regathered = {}
-            reshard = lambda i: self.layers[i].params and self.job.entry.reshard_after_forward  # noqa: E731
+            reshard = lambda i: weight_bytes(i) and self.job.entry.reshard_after_forward  # noqa: E731
             if reshard(n - 1):  # the last layer too: only the root unit stays gathered after forward
                 regathered[n - 1] = unshard(n - 1)
             for i in reversed(range(n)):
                 if i >= 1 and reshard(i - 1):  # FSDP2's backward prefetch: the next layer's gather, issued first
                     regathered[i - 1] = unshard(i - 1)
                 for d in devices:
-                    ready = [self.copy(d, w * self.layers[i].params, [regathered[i]])] if i in regathered else []
+                    ready = [self.copy(d, weight_bytes(i), [regathered[i]])] if i in regathered else []
                     bwd[(d, i)] = self.backward(d, i, i + 1, k, ready, last=i == 0)
                 if self.layers[i].params:
-                    scattered.append(issue("reducescatter", g * self.layers[i].params, g * self.layers[i].params,
-                                           {d: [bwd[(d, i)]] for d in devices}))
+                    grads = g * self.layers[i].params
+                    scattered.append(issue("reducescatter", grads, grads, {d: [bwd[(d, i)]] for d in devices}))
+                    if offload:  # each device's reduced shard to the host
+                        scattered += [self.pcie(d, "d2h", grads / r, scattered[-1:]) for d in devices]
         for d in devices:
-            self.optimizer(d, 1 / r, scattered[-1:])
-        sizes = [layer.params for layer in self.layers]
+            if offload:  # every rank steps its shard at once on the host's shared memory: all bytes at its bandwidth
+                self.graph.add(self.w.optimizer_bytes / self.host.memory, [("compute", d)], "host step", [d],
+                               scattered)
+            else:
+                self.optimizer(d, 1 / r, scattered[-1:])
+        sizes = [layer.params + layer.frozen_bytes / w for layer in self.layers]  # in trainable parameters' bytes
         gathered = sum(sizes) if not self.job.entry.reshard_after_forward else max(
             a + b for a, b in zip(sizes, sizes[1:] + [0]))
-        total = self.w.n_params
+        total, trainable = sum(sizes), self.w.n_params
         for d in devices:
-            self.state[d] = DeviceMemory(int(w * (total / r + gathered)), int(g * (total / r + max(sizes))),
-                                         int(o * total / r))
+            self.state[d] = DeviceMemory(int(w * ((0 if offload else total / r) + gathered)),
+                                         int(g * ((0 if offload else trainable / r) + max(layer.params
+                                                                                          for layer in self.layers))),
+                                         int(0 if offload else o * trainable / r))
 
     def run_pipelines(self) -> None:
         """A pipeline per replica; with several replicas, then one flat all-reduce per stage across them."""
@@ -577,18 +643,19 @@ class _Builder:
 def simulate_memory(workload: Workload, job: Job) -> dict[int, DeviceMemory]:
     """Peak memory per device of `job`, without timing it (the order of work decides what is held, not the
     clock): cheap enough to screen many configurations."""
-    builder = _Builder(workload, job, FREE_LINK)
+    builder = _Builder(workload, job, FREE_LINK, host=FREE_HOST)
     builder.build()
     return builder.memory()
 
 
 def simulate(workload: Workload, job: Job, link: Link = FREE_LINK, collective_link: Link | Collectives | None = None,
-             cores: SharedCores | None = None) -> Simulation:
+             cores: SharedCores | None = None, host: Host | None = None) -> Simulation:
     """Simulate one optimizer step of `job` on `workload` with devices joined pairwise by `link` (point-to-point
     messages; also the collectives, by the ring's costs, unless `collective_link` models them: a Link, e.g.
     `fit_collective_link` of a measured all-reduce, or measured `Collectives`). `cores`: the devices share a pool
-    of processors (the CPU rig), see `SharedCores`."""
-    builder = _Builder(workload, job, link, collective_link)
+    of processors (the CPU rig), see `SharedCores`. `host`: the rig's PCIe and host memory (`Host`), which a job
+    that offloads needs."""
+    builder = _Builder(workload, job, link, collective_link, host)
     builder.build()
     step = builder.graph.run(cores)
     events = builder.graph.events()

@@ -21,7 +21,9 @@ class LayerCost:
     bytes of its output (what crosses a stage boundary placed after it); `tensors`: how many parameter tensors hold
     its parameters (what is sent tensor by tensor costs one latency each); `weight_share`: the part of its backward
     that computes weight gradients (what a zero-bubble schedule defers), by default half for a layer with
-    parameters (a matmul's input and weight gradients cost the same) and none without."""
+    parameters (a matmul's input and weight gradients cost the same) and none without. `frozen_bytes`: parameters
+    that do not train (LoRA's base in bf16, QLoRA's packed 4-bit codes), as stored: what FSDP2 shards, gathers and,
+    offloading, copies to the GPU; `params` counts only the ones that train (gradients, optimizer, DDP's buckets)."""
 
     name: str
     forward_s: float
@@ -31,6 +33,7 @@ class LayerCost:
     output: float = 0.0
     tensors: int = 1
     weight_share: float | None = None
+    frozen_bytes: float = 0.0
 
     @property
     def weight_s(self) -> float:
@@ -43,7 +46,7 @@ class LayerCost:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"layer {self.name!r}: {what} cost must be a positive number of seconds, got {value}")
         for what, value in (("parameter count", self.params), ("activation bytes", self.activations),
-                            ("output bytes", self.output)):
+                            ("output bytes", self.output), ("frozen parameter bytes", self.frozen_bytes)):
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"layer {self.name!r}: {what} must be >= 0, got {value}")
         if not (isinstance(self.tensors, int) and self.tensors >= 1):
@@ -57,7 +60,8 @@ class LayerCost:
 class Workload:
     """A model to simulate: its layers in order, the training recipe (bytes per parameter for weights, gradients
     and optimizer state, `helpers.sizing.state.BYTES_PER_PARAM`), the seconds of one optimizer step over all
-    parameters on one device, how fast the device copies memory (the data-parallel engines copy gradients and
+    parameters on one device (and the bytes that step reads and writes, what it costs on the host's memory under CPU
+    offload), how fast the device copies memory (the data-parallel engines copy gradients and
     parameters into and out of their communication buffers; infinite: free), and what splitting a backward costs
     beyond it (`split_overhead`)."""
 
@@ -69,6 +73,10 @@ class Workload:
     # input needs a gradient: one autograd call per group of forks and each weight gradient reading its saved input
     # and output gradient a second time (measured: helpers.simulate.calibrate.split_backward_overhead); 0: free
     split_overhead: float = 0.0
+    optimizer_bytes: float = 0.0  # bytes one optimizer step reads and writes over every trainable parameter
+    # bytes per trainable parameter of a shard kept on the host (CPU offload): what crosses PCIe before each gather
+    # (the fp32 master under mixed precision, which the all-gather's copy-in casts); 0: the recipe's weight bytes
+    host_bytes_per_param: float = 0.0
 
     def __post_init__(self):
         if not self.layers:
@@ -77,6 +85,10 @@ class Workload:
             raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {list(BYTES_PER_PARAM)}")
         if not (self.optimizer_s >= 0 and math.isfinite(self.optimizer_s)):
             raise ValueError(f"optimizer step time must be >= 0 seconds, got {self.optimizer_s}")
+        for what, value in (("the optimizer step's bytes", self.optimizer_bytes),
+                            ("a host shard's bytes per parameter", self.host_bytes_per_param)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{what} must be >= 0, got {value}")
         if not self.copy_bandwidth > 0:
             raise ValueError(f"copy bandwidth must be positive (bytes per second), got {self.copy_bandwidth}")
         if not (self.split_overhead >= 0 and math.isfinite(self.split_overhead)):
