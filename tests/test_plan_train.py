@@ -146,8 +146,9 @@ def test_strategies_place_state_as_documented():
 def test_suggestions_are_replanned_and_the_cheapest_comes_first():
     plan = plan_training("llama-2-7b", "lora", context=2048, batch=8, strategy="ddp", activation_checkpointing=False)
     assert not plan.fits
-    first = plan.suggestions[0]
-    assert first.flags == "--activation-checkpointing"
+    # the chunked loss first: the same numbers for the head's matmul once more, where checkpointing runs a forward
+    first, second = plan.suggestions[:2]
+    assert (first.flags, second.flags) == ("--technique chunked-loss", "--activation-checkpointing")
     kinds = [s.flags.split()[0] for s in plan.suggestions]
     assert kinds.index("--batch") < kinds.index("--strategy") < kinds.index("--optimizer") < kinds.index("--method")
     for suggestion in plan.suggestions:  # each change, applied on its own, plans the same way again
@@ -461,15 +462,24 @@ def test_chunked_loss_drops_the_saved_log_softmax_and_keeps_one_chunks_logits():
     assert lora[0].devices[0].activation_bytes - lora[1].devices[0].activation_bytes == TOKENS * (VOCAB * 4 - HIDDEN * 2)
 
 
-def test_activation_offload_moves_the_layers_inputs_to_pinned_host_ram():
+def test_activation_offload_moves_everything_saved_to_pinned_host_ram():
+    """The course's offloaded_activations wraps the forward and the loss: every saved tensor leaves the GPU (the
+    loss's log-softmax too), one host copy per save, and backward brings them back (workspace)."""
     d, o = _small_plan().devices[0], _small_plan(techniques="activation-offload").devices[0]
     layer_input = TOKENS * HIDDEN * 2  # what a checkpointed decoder layer keeps, bf16
-    assert set(_changed(d, o)) == {"activations", "host"}
-    assert d.activation_bytes - o.activation_bytes == (LAYERS - 1) * layer_input  # one layer's stays in flight
-    assert o.host == {"activations (offloaded)": LAYERS * layer_input, "activations' pinned rounding": 0}
-    plan = _small_plan(techniques="activation-offload", context=250)  # 1000 tokens
-    assert plan.devices[0].host["activations' pinned rounding"] == LAYERS * ((1 << 17) - 1000 * HIDDEN * 2)
-    assert plan.host_ram_bytes == 2 * LAYERS * 1000 * HIDDEN * 2 + 2 * LAYERS * ((1 << 17) - 1000 * HIDDEN * 2)
+    # ids; the final RMSNorm's fp32 input, rsqrt and bf16 output; the head's input; fp32 log-softmax; labels
+    per_token = {"ids": 8, "norm input": 4 * HIDDEN, "rsqrt": 4, "norm output": 2 * HIDDEN, "head input": 2 * HIDDEN,
+                 "log-softmax": 4 * VOCAB, "labels": 8}
+    saved = TOKENS * sum(per_token.values()) + LAYERS * layer_input + 4  # + nll_loss' total weight
+    assert set(_changed(d, o)) == {"activations", "host", "workspace"}
+    assert d.activation_bytes - o.activation_bytes == saved  # only the layer recomputed in backward stays...
+    assert o.activations_full_bytes == 0  # ...and without checkpointing nothing at all
+    twice = TOKENS * (per_token["norm input"] + per_token["rsqrt"] + per_token["log-softmax"])  # saved by two ops
+    log_softmax = TOKENS * 4 * VOCAB  # 393216 bytes, a pinned 512 KiB allocation, twice
+    assert o.host == {"activations (offloaded)": saved + twice,
+                      "activations' pinned rounding": 2 * ((1 << 19) - log_softmax)}
+    assert o.workspace.pop("offloaded activations brought back") == saved - LAYERS * layer_input
+    assert o.workspace == d.workspace
 
 
 def test_torchaos_low_bit_adamw_counted_from_its_blocks():
@@ -505,6 +515,27 @@ def test_technique_flag_repeats_or_takes_a_comma_list(capsys):
 
 
 LLAMA3_8B_STACK = dict(optimizer="adamw-4bit", precision="pure", techniques=("optimizer-in-backward", "chunked-loss"))
+
+
+def test_llama3_8b_with_plain_adamw_is_offered_the_stack_that_fits():
+    """Plain AdamW with an fp32 master copy needs 76 GiB a card; no single change keeps a full fine-tune within
+    24 GiB, so the planner offers the cheapest stack of changes that does, each as the CLI's flag: LLAMA3_8B_STACK."""
+    argv = ["--train", "--model", "llama-3-8b", "--method", "full", "--context", "2048", "--batch", "1",
+            "--gpus", "2 x RTX 3090", "--strategy", "fsdp2", "--host-ram", "32GiB"]
+    plan = plan_training(**_kwargs(argv), host_ram_bytes=32 * GiB)
+    assert not plan.fits
+    flags = [s.flags for s in plan.suggestions]
+    # each missing technique that lowers the peak and the low-bit optimizers, on their own, cheapest first
+    assert flags.index("--technique optimizer-in-backward") < flags.index("--optimizer adamw-8bit") \
+        < flags.index("--optimizer adamw-4bit") < flags.index("--precision pure") < flags.index("--method lora")
+    full = [s for s in plan.suggestions if s.fits and not s.flags.startswith(("--method", "--context"))]
+    assert len(full) == 1 and " + " in full[0].change  # the stack, after the single changes
+    stack = full[0]
+    assert stack.flags == ("--technique optimizer-in-backward --technique chunked-loss --optimizer adamw-4bit "
+                           "--precision pure")
+    r = stack.plan.request
+    assert dict(optimizer=r.optimizer, precision=r.precision, techniques=r.techniques) == LLAMA3_8B_STACK
+    assert plan_training(**_kwargs(argv + shlex.split(stack.flags)), host_ram_bytes=32 * GiB).fits
 
 
 def test_llama3_8b_full_finetune_fits_two_3090s_and_fp32_master_does_not():

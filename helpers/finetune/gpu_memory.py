@@ -13,7 +13,7 @@ from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import GpuShare
 from helpers.sizing.shape import span
 from helpers.sizing.state import moment_bytes, training_data
-from helpers.sizing.training import (FP32, TORCHAO_NF4, TrainShape, Unit, chunked_loss_tokens,
+from helpers.sizing.training import (FP32, INT64, TORCHAO_NF4, Activations, TrainShape, Unit, chunked_loss_tokens,
                                      saved_activation_bytes)
 
 
@@ -168,7 +168,7 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
              "optimizer_step_temporaries": step_temporary_bytes(tensors, size.state, request.optimizer,
                                                                 request.uses("optimizer-in-backward"))}
     if request.uses("optimizer-in-backward"):  # one unit's gradient shard alive until its parameters are stepped
-        parts["gradients"] = max(sum(_sharded(u.trainable, shards)) for u in mine) * size.grad
+        parts["gradients"] = max(sum(_sharded(unit, shards)) for unit in _fsdp_units(mine)) * size.grad
     host = {}
     weights = [math.ceil(b / shards) for u in mine for b in u.frozen_tensors] + [n * size.held for n in tensors]
     pinned = {"weights": pinned_rounding(weights) if request.pins_host_memory else 0,
@@ -190,28 +190,72 @@ def gpu_training(request: TrainingRequest, shape: TrainShape, device: int, units
                              **options)
     offload = request.uses("activation-offload")
     checkpointed, full = (_on_gpu(acts, in_flight, offload) for acts in (with_ckpt, without))
-    if offload:  # every layer's saved activations in pinned host RAM, the GPU keeping one layer's in flight
+    workspace = _workspace(request, shape, size, mine, first_stage, last_stage)
+    if offload:  # everything forward saves in pinned host RAM, one copy per save; backward brings it back
         chosen = with_ckpt if request.activation_checkpointing else without
-        host["activations (offloaded)"] = chosen.layers * in_flight
-        if request.activation_checkpointing and chosen.largest_layer:  # one pinned tensor per layer input
-            count = round(chosen.layers / chosen.largest_layer) * in_flight
-            host["activations' pinned rounding"] = pinned_rounding([chosen.largest_layer] * count)
+        copies, lump = offloaded_copies(request, shape, size.compute, chosen, first_stage, last_stage)
+        host["activations (offloaded)"] = (sum(copies) + lump) * in_flight
+        host["activations' pinned rounding"] = pinned_rounding(copies) * in_flight
+        workspace["offloaded activations brought back"] = max(chosen.largest_layer, chosen.saved - chosen.layers)
 
     held = {"ddp": "all (a replica)", "fsdp2": f"all (1/{shards} of each)"}.get(request.strategy)
     return GpuTraining(device, request.gpus[device], held or span([u.name for u in mine]),
                        parts["frozen_weights"] + whole, sum(u.constants_bytes for u in mine),
                        parts["trainable_weights"], parts["gradients"], parts["optimizer_state"],
                        checkpointed if request.activation_checkpointing else full, checkpointed, full,
-                       _workspace(request, shape, size, mine, first_stage, last_stage),
-                       parts["optimizer_step_temporaries"], host, loading, request.uses("optimizer-in-backward"))
+                       workspace, parts["optimizer_step_temporaries"], host, loading,
+                       request.uses("optimizer-in-backward"))
 
 
-def _on_gpu(acts, in_flight: int, offload: bool) -> int:
-    """Activation bytes on the GPU for `in_flight` micro-batches (and the layer recomputed under checkpointing):
-    with activation offload the decoder layers' saved tensors leave but for one layer's in flight."""
-    if not offload:
-        return acts.saved * in_flight + acts.recompute
-    return (acts.saved - acts.layers) * in_flight + acts.largest_layer + acts.recompute
+def _fsdp_units(mine: list[Unit]) -> list[list[int]]:
+    """The trainable tensors of each FSDP2 unit: a decoder layer each, and the root holding everything else together
+    (embedding, final norm, head: `fully_shard` on the model, as scripts/train_fsdp2.py wraps it). FSDP2
+    reduce-scatters a unit's gradients into one buffer that its parameters' gradients are views of, so with the step
+    in backward the largest unit's whole shard is alive at once; at Llama-3-8B that is the root's (two 525M-number
+    matrices), twice a lone embedding's."""
+    root = [n for u in mine if u.kind != "decoder" for n in u.trainable]
+    return [list(u.trainable) for u in mine if u.kind == "decoder"] + [root]
+
+
+def _on_gpu(acts: Activations, in_flight: int, offload: bool) -> int:
+    """Activation bytes on the GPU for `in_flight` micro-batches (and the layer recomputed under checkpointing).
+    With activation offload nothing forward saves stays: the course's `offloaded_activations` wraps the whole
+    forward and the loss (the training loop and scripts/train_fsdp2.py alike), so the embedding's ids, the final
+    norm's tensors and the loss's log-softmax leave with the decoder layers' (tests/test_memory_techniques.py
+    measures every saved byte leaving the device); the layer checkpointing recomputes saves inside the checkpoint's
+    own hooks, on the GPU. What backward brings back is workspace (`gpu_training`)."""
+    return acts.recompute if offload else acts.saved * in_flight + acts.recompute
+
+
+def offloaded_copies(request: TrainingRequest, shape: TrainShape, a: int, acts: Activations, first_stage: bool,
+                     last_stage: bool) -> tuple[list[int], int]:
+    """The host copies activation offload makes for one micro-batch: like save_on_cpu, the course's
+    `offloaded_activations` copies a tensor once for every operation that saves it, where `saved_activation_bytes`
+    counts its storage once. Returns the copies tensor by tensor (each a pinned allocation), and the bytes known only
+    as a sum (decoder layers without checkpointing). Outside the layers (as `saved_activation_bytes` lists them): the
+    embedding's token ids; the final RMSNorm's fp32 input, saved by pow and by the rsqrt multiply, and rsqrt's
+    output, saved by rsqrt and by that multiply (two copies each), and its output before the weight when the weight
+    trains; then the chunked loss' checkpoint inputs (the head's input, the labels), or the head's input when it
+    trains, the fp32 log-softmax (saved by log_softmax and by nll_loss: two copies), the labels and nll_loss' total
+    weight. Checkpointed decoder layers: each one's input, once. Without checkpointing, the layers' saved tensors and
+    RoPE's cos and sin are counted once per storage: a lower bound (q, k and v each copy their shared input, each
+    RMSNorm its input twice)."""
+    full = shape.method == "full"
+    tokens, h = request.context * request.batch, shape.base.hidden
+    once = [tokens * INT64] if first_stage and full else []
+    twice = []
+    if last_stage:
+        twice = [tokens * FP32 * h, tokens * FP32]
+        once += twice + ([tokens * a * h] if full else [])
+        if request.uses("chunked-loss"):
+            once += [tokens * a * h, tokens * INT64, FP32]
+        else:
+            twice.append(tokens * FP32 * shape.base.vocab)
+            once += ([tokens * a * h] if full else []) + [twice[-1], tokens * INT64, FP32]
+    layers = acts.saved - sum(once)  # what the decoder layers keep (and, without checkpointing, RoPE's cos and sin)
+    if request.activation_checkpointing and acts.largest_layer:
+        return once + twice + [acts.largest_layer] * round(layers / acts.largest_layer), 0
+    return once + twice, layers
 
 
 def _read_at_once(request: TrainingRequest, shape: TrainShape, mine: list[Unit]) -> list[list[Unit]]:

@@ -259,15 +259,61 @@ def _fits(request: TrainingRequest) -> bool:
         return False
 
 
+def _better(plan: TrainingPlan, other: TrainingPlan) -> bool:
+    """Whether `other` needs less on the fullest GPU than `plan`, or fits host RAM where `plan` does not."""
+    worst = max(d.peak_bytes for d in plan.devices)
+    return max(d.peak_bytes for d in other.devices) < worst or (other.host_fits and not plan.host_fits)
+
+
+def _lowers_peak(plan: TrainingPlan, request: TrainingRequest) -> bool:
+    """Whether `request` (one change to the plan's) is `_better`: a technique is offered only where it helps (the
+    chunked loss's chunk can outweigh a small model's logits; while the optimizer step's temporaries make the peak,
+    neither the chunked loss nor activation offload lowers it)."""
+    try:
+        return _better(plan, _plan(request))
+    except ValueError:
+        return False
+
+
+def _technique(plan: TrainingPlan, name: str) -> TrainingRequest | None:
+    """The request with technique `name` added, where the request lacks it, can take it and it helps."""
+    r = plan.request
+    if r.uses(name):
+        return None
+    changed = dataclasses.replace(r, techniques=(*r.techniques, name))
+    try:
+        check_request(changed)
+    except ValueError:  # optimizer-in-backward: FSDP2 without CPU offload, one micro-batch a step
+        return None
+    return changed if _lowers_peak(plan, changed) else None
+
+
+TECHNIQUE_CHANGES = {  # technique -> what it changes, in words (data/training_memory.json "techniques" says how)
+    "optimizer-in-backward": "step the optimizer in backward, each gradient freed as it is used (same numbers)",
+    "chunked-loss": "the head and loss in chunks of tokens, recomputed in backward (same numbers)",
+    "activation-offload": "offload saved activations to pinned host RAM (same numbers; they cross PCIe twice a step)"}
+
+
 def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
     """One-change alternatives, cheapest first. First the changes that train the same model (same data, same global
-    batch): checkpointing (about one more forward per step), a smaller micro-batch with more accumulation (less work
-    per kernel), FSDP2 sharding (more communication), CPU offload (every layer crosses PCIe each step); then the
-    changes to what is trained: 8-bit AdamW, a smaller LoRA rank, a lighter method (lora, then qlora), and last a
-    shorter context (the model sees less text per sequence). Searches (micro-batch, rank, context) keep the largest
-    value that fits."""
+    batch, the same numbers but for summation order): the step in backward (no extra work; full fine-tuning, where
+    the gradients are large) and the chunked loss (the head's matmul once more), checkpointing (about one more
+    forward per step), a smaller micro-batch with more accumulation (less work per kernel), activation offload
+    (saved activations cross PCIe each step), FSDP2 sharding (more communication), CPU offload (every layer crosses
+    PCIe each step); each technique offered only where it lowers the peak (`_lowers_peak`). Then the changes to what
+    is trained: 8-bit, then 4-bit AdamW (quantized moments), pure bf16 (no fp32 master copy: bf16 weights and
+    moments), a smaller LoRA rank, a lighter method (lora, then qlora), and last a shorter context (the model sees
+    less text per sequence). Searches (micro-batch, rank, context) keep the largest value that fits."""
     r = plan.request
     out = []
+
+    def technique(name: str) -> None:
+        changed = _technique(plan, name) if name != "optimizer-in-backward" or plan.shape.method == "full" else None
+        if changed is not None:
+            out.append((TECHNIQUE_CHANGES[name], f"--technique {name}", changed))
+
+    technique("optimizer-in-backward")
+    technique("chunked-loss")
     if not r.activation_checkpointing:
         out.append(("turn activation checkpointing on (about one more forward per step)",
                     "--activation-checkpointing", dataclasses.replace(r, activation_checkpointing=True)))
@@ -279,17 +325,22 @@ def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
         out.append((f"micro-batch {best} with {accum} accumulation steps (global batch {r.global_batch} kept)",
                     f"--batch {best} --microbatches {accum}",
                     dataclasses.replace(r, batch=best, microbatches=accum)))
+    technique("activation-offload")
     if r.strategy != "fsdp2":
         out.append(("shard weights, gradients and optimizer state with FSDP2", "--strategy fsdp2",
                     dataclasses.replace(r, strategy="fsdp2", microbatches=None if r.pipelined else r.microbatches)))
-    if r.offload == "none":
+    if r.offload == "none" and not r.uses("optimizer-in-backward"):
         out.append(("FSDP2 with CPU offload (shards, gradients and the optimizer step in host RAM)",
                     ("" if r.strategy == "fsdp2" else "--strategy fsdp2 ") + "--offload cpu",
                     dataclasses.replace(r, strategy="fsdp2", offload="cpu",
                                         microbatches=None if r.pipelined else r.microbatches)))
-    if r.optimizer != "adamw-8bit":
-        out.append(("8-bit AdamW (torchao)", "--optimizer adamw-8bit",
-                    dataclasses.replace(r, optimizer="adamw-8bit")))
+    for name, words in (("adamw-8bit", "8-bit AdamW (torchao)"), ("adamw-4bit", "4-bit AdamW (torchao)")):
+        if r.optimizer not in (name, "adamw-4bit"):
+            out.append((words, f"--optimizer {name}", dataclasses.replace(r, optimizer=name)))
+    if r.precision == "mixed" and _lowers_peak(plan, dataclasses.replace(r, precision="pure")):
+        out.append(("pure bf16: weights, gradients and moments in bf16, no fp32 master copy (torchao's low-bit "
+                    "AdamW rounds its updates stochastically)", "--precision pure",
+                    dataclasses.replace(r, precision="pure")))
     rank = plan.shape.lora_rank
     if rank and rank > 1:
         ranks = [rank // 2**k for k in range(1, rank.bit_length()) if rank // 2**k >= 1]
@@ -317,23 +368,64 @@ def _replan(candidates: list[tuple[str, str, TrainingRequest]]) -> list[Suggesti
     return out
 
 
-def suggestions(plan: TrainingPlan) -> tuple[Suggestion, ...]:
-    """What would fit: each one-change alternative re-planned, cheapest first (see `_candidates`). When no single
-    change fits, the cheapest combination found greedily is appended: apply the cheapest change that lowers the
-    fullest GPU's peak, re-plan, repeat until it fits or nothing helps."""
-    single = _replan(_candidates(plan))
-    if any(s.fits for s in single):
-        return tuple(single)
+def _same_model(flags: str) -> bool:
+    """Whether a change keeps the model and the text it trains on: not a lighter method, not a shorter context."""
+    return not flags.startswith(("--method", "--context"))
+
+
+def _delta(before: TrainingRequest, after: TrainingRequest) -> dict:
+    """The fields one change sets (techniques: those it adds)."""
+    changed = {f.name: getattr(after, f.name) for f in dataclasses.fields(after)
+               if getattr(after, f.name) != getattr(before, f.name)}
+    if "techniques" in changed:
+        changed["techniques"] = tuple(t for t in after.techniques if t not in before.techniques)
+    return changed
+
+
+def _applied(request: TrainingRequest, deltas: Sequence[dict]) -> TrainingRequest:
+    for delta in deltas:
+        added = (*request.techniques, *delta.get("techniques", ()))
+        request = check_request(dataclasses.replace(request, **{**delta, "techniques": added}))
+    return request
+
+
+def _stack(plan: TrainingPlan, same_model: bool) -> Suggestion | None:
+    """The cheapest combination found greedily: apply the cheapest change that lowers the fullest GPU's peak (or
+    makes host RAM fit), re-plan, repeat until it fits or nothing helps (`same_model`: changes of method and context
+    left out); then, where it fits, drop each change it still fits without, the dearest first (a 4-bit AdamW taken
+    after an 8-bit one leaves the 8-bit one nothing to do)."""
     current, steps = plan, []
     while not current.fits:
-        worst = max(d.peak_bytes for d in current.devices)
-        better = [s for s in _replan(_candidates(current)) if max(d.peak_bytes for d in s.plan.devices) < worst
-                  or (s.plan.host_fits and not current.host_fits)]
+        better = [s for s in _replan(_candidates(current))
+                  if (not same_model or _same_model(s.flags)) and _better(current, s.plan)]
         if not better:
             break
-        steps.append(better[0])
+        steps.append((better[0], _delta(current.request, better[0].plan.request)))
         current = better[0].plan
-    if steps:
-        single.append(Suggestion(" + ".join(s.change for s in steps), " ".join(s.flags for s in steps), current))
-    return tuple(single)
+    if not steps:
+        return None
+    for step in reversed(steps[:-1] if current.fits else []):
+        rest = [s for s in steps if s is not step]
+        try:
+            without = _plan(_applied(plan.request, [delta for _, delta in rest]))
+        except ValueError:
+            continue
+        if without.fits:
+            steps, current = rest, without
+    return Suggestion(" + ".join(s.change for s, _ in steps), " ".join(s.flags for s, _ in steps), current)
 
+
+def suggestions(plan: TrainingPlan) -> tuple[Suggestion, ...]:
+    """What would fit: each one-change alternative re-planned, cheapest first (see `_candidates`). When no single
+    change that keeps the model and its text fits, the cheapest such combination (`_stack`) is appended if it fits;
+    failing that, when no single change fits at all, the cheapest combination of any changes."""
+    single = _replan(_candidates(plan))
+    if any(s.fits and _same_model(s.flags) for s in single):
+        return tuple(single)
+    stack = _stack(plan, same_model=True)
+    if stack is not None and stack.fits:
+        return (*single, stack)
+    if any(s.fits for s in single):
+        return tuple(single)
+    stack = _stack(plan, same_model=False)
+    return tuple(single) if stack is None else (*single, stack)
