@@ -23,10 +23,11 @@ IGNORE_INDEX = -100
 
 
 def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bool = False,
-          memory: bool = False) -> argparse.Namespace:
+          memory: bool = False, deepspeed: bool = False) -> argparse.Namespace:
     """The flags every script takes (the same everywhere, so switching strategy is switching the script); pipeline
     scripts add --schedule, DP x PP adds --pp (stages per pipeline), LoRA adds the adapters' flags, `memory` the
-    planner's --optimizer and --technique (`memory_flags`). Bad flags stop here, before the process group."""
+    planner's --optimizer and --technique (`memory_flags`), `deepspeed` --stage, --offload and --ds-config
+    (`deepspeed_flags`). Bad flags stop here, before the process group."""
     p = argparse.ArgumentParser(description=description)
     if pipeline:
         p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
@@ -68,6 +69,8 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
     p.add_argument("--seed", type=int, default=0)
     if memory:
         memory_flags(p)
+    if deepspeed:
+        deepspeed_flags(p)
     ns = p.parse_args()
     if ns.batch % ns.microbatches:
         p.error(f"--batch {ns.batch} is not divisible by --microbatches {ns.microbatches}")
@@ -83,7 +86,36 @@ def parse(description: str, pipeline: bool = False, mesh: bool = False, lora: bo
         p.error(f"--lora-rank must be >= 1, got {ns.lora_rank}")
     if memory:
         check_memory_flags(p, ns)
+    if deepspeed:
+        check_deepspeed_flags(p, ns)
     return ns
+
+
+def deepspeed_flags(p: argparse.ArgumentParser) -> None:
+    """DeepSpeed's ZeRO stage, its optimizer offload, and a config of the user's own (checked against the flags);
+    DeepSpeed runs its own mixed precision, so --autocast is none and --dtype bf16 turns on its bf16 section."""
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
+    p.add_argument("--offload", choices=("cpu",), help="ZeRO-Offload: Adam's state and step on the host (CPU Adam)")
+    p.add_argument("--ds-config", help="a DeepSpeed config JSON of your own (default: written from these flags)")
+    p.set_defaults(autocast="none")
+
+
+def check_deepspeed_flags(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """What DeepSpeed cannot run with these flags, refused before the process group, naming the flag or field."""
+    from helpers.training.deepspeed_zero import check_checkpoint, missing
+
+    if missing():
+        p.error(missing())
+    if ns.autocast != "none":
+        p.error("--autocast: DeepSpeed runs its own mixed precision; use --dtype bf16 (its bf16 section)")
+    if ns.offload and ns.stage < 2:
+        p.error("--offload cpu (ZeRO-Offload) needs --stage 2 or 3")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ns.checkpoint_dir and os.path.isfile(os.path.join(ns.checkpoint_dir, "latest")):
+        try:
+            check_checkpoint(ns.checkpoint_dir, ns.stage, world)
+        except ValueError as e:
+            p.error(str(e))
 
 
 # the training planner's names (python -m helpers.plan --train --optimizer ... --technique ...)

@@ -5,6 +5,7 @@ DeepSpeed is optional (requirements-deepspeed.txt): without it these tests skip 
 where LAB_REQUIRE_DEEPSPEED=1 (CI, which installs it: a skip would hide it), where they fail.
 """
 import os
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ from helpers.runtime.rig import cpu_rig
 from helpers.sizing.state import zero_formula
 from helpers.training.deepspeed_zero import INSTALL, check_config, ds_config, missing
 from helpers.training.job import TrainJob, check_job
+from tests.test_scripts import model_dir  # noqa: F401 (a fixture: the scripts' tiny tied GPT-2)
 
 REQUIRE_ENV = "LAB_REQUIRE_DEEPSPEED"
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
@@ -133,3 +135,39 @@ def test_without_deepspeed_a_job_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(ValueError, match=f"ds_zero2 runs DeepSpeed. DeepSpeed is not installed: {INSTALL}"):
         check_job(TrainJob(CFG, "ds_zero2", batch=BATCH), cpu_rig())
+
+
+# --- the take-home script: scripts/train_deepspeed.py under torchrun -------------------------------------------------
+
+@pytest.mark.full
+@pytest.mark.parametrize("stage, extra", [(2, []), (3, ["--offload", "cpu"])])
+def test_the_script_trains_like_one_device_resumes_and_exports(deepspeed, model_dir, tmp_path, stage, extra):
+    """Two ranks: one device's first loss, a falling loss; a second run resumes from the checkpoint; the DeepSpeed
+    checkpoint consolidated on the host (no ranks) loads with from_pretrained and computes the logits of the model
+    the script saved; a resume on another stage is refused before any rank starts, naming both."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers.runtime.launch import run_command
+    from helpers.training.deepspeed_zero import checkpoint_layout, export_checkpoint
+    from tests.test_scripts import REPO, SCRIPTS, _one_device_first_loss, _run
+
+    ckpt = tmp_path / "ckpt"
+    flags = ["--stage", str(stage), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", *extra]
+    losses = _run("train_deepspeed.py", 2, model_dir, tmp_path / "out", *flags)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert abs(losses[0] - _one_device_first_loss(model_dir)) < 1e-4
+    assert checkpoint_layout(str(ckpt)) == (stage, 2, "step4")
+    export_checkpoint(str(ckpt), str(model_dir), str(tmp_path / "exported"))
+    saved, exported = (AutoModelForCausalLM.from_pretrained(tmp_path / d) for d in ("out", "exported"))
+    x = torch.randint(64, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(saved(input_ids=x).logits, exported(input_ids=x).logits, atol=1e-5)
+    resumed = _run("train_deepspeed.py", 2, model_dir, tmp_path / "out2", *flags, "--steps", "6")
+    assert len(resumed) == 2  # steps 4 and 5
+    other = "2" if stage == 3 else "3"
+    proc = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        str(SCRIPTS / "train_deepspeed.py"), "--model", str(model_dir), "--stage", other,
+                        "--seq-len", "16", "--checkpoint-dir", str(ckpt)], timeout_s=120, cwd=REPO,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", TMPDIR=str(tmp_path)))
+    assert proc.returncode != 0 and f"saved by ZeRO-{stage} on 2 ranks; this run is ZeRO-{other} on 2" in proc.stderr

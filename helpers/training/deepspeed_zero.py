@@ -159,3 +159,61 @@ def state_bytes(engine, job) -> tuple[DeviceMemory, int]:
         master = sum(tensor_bytes(t) for t in zero.single_partition_of_fp32_groups)
     state = optimizer_state_bytes(zero.optimizer) + master
     return DeviceMemory(weights, 0, 0 if job.offload else state), state if job.offload else 0
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+
+def checkpoint_layout(folder: str) -> tuple[int, int, str]:
+    """(ZeRO stage, data-parallel ranks, tag) of the latest DeepSpeed checkpoint in `folder` (its `latest` file
+    names the tag; the model-states file, ZeRO-3's per rank, records the config and the world), read on the host."""
+    from pathlib import Path
+
+    root = Path(folder)
+    tag = (root / "latest").read_text().strip()
+    states = sorted((root / tag).glob("*model_states.pt"))
+    if not states:
+        raise ValueError(f"{root / tag} holds no DeepSpeed model states (*model_states.pt)")
+    saved = torch.load(states[0], map_location="cpu", weights_only=False)
+    return saved["ds_config"]["zero_optimization"]["stage"], saved["dp_world_size"], tag
+
+
+def check_checkpoint(folder: str, stage: int, world: int) -> None:
+    """Refuse, before any rank starts, to resume a DeepSpeed checkpoint saved by another ZeRO stage or number of
+    ranks: its optimizer partitions are cut for that layout, and DeepSpeed would fail deep inside loading."""
+    saved_stage, saved_world, tag = checkpoint_layout(folder)
+    if (saved_stage, saved_world) != (stage, world):
+        raise ValueError(f"the DeepSpeed checkpoint {folder}/{tag} was saved by ZeRO-{saved_stage} on {saved_world} "
+                         f"ranks; this run is ZeRO-{stage} on {world}. Resume with the same stage and number of "
+                         "processes, or export it (python -m helpers.training.deepspeed_zero CHECKPOINT MODEL OUT) "
+                         "and train on from the exported model")
+
+
+def export_checkpoint(folder: str, model_dir: str, out: str) -> list[str]:
+    """Consolidate the latest DeepSpeed checkpoint in `folder` (any stage: DeepSpeed's own zero_to_fp32 joins the
+    partitions, on the host, no ranks) into the Hugging Face model saved in `model_dir`, and save it to `out` with
+    its tokenizer if it has one. Returns the model's keys the checkpoint lacked (only the tied copies it shares)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    state = get_fp32_state_dict_from_zero_checkpoint(folder)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    missing_keys, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if unexpected or set(missing_keys) - tied:
+        raise ValueError(f"the checkpoint does not match {model_dir}: missing {sorted(set(missing_keys) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
+    model.save_pretrained(out)
+    try:
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    except (OSError, ValueError):
+        pass  # a model saved without a tokenizer
+    return list(missing_keys)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: python -m helpers.training.deepspeed_zero CHECKPOINT_DIR MODEL_DIR OUT")
+    export_checkpoint(*sys.argv[1:])
+    print(f"exported {sys.argv[1]} (ZeRO-{checkpoint_layout(sys.argv[1])[0]}) to {sys.argv[3]}")
