@@ -17,6 +17,7 @@ from helpers.sizing.state import zero_formula
 from helpers.training.deepspeed_zero import INSTALL, check_config, ds_config, missing
 from helpers.training.job import TrainJob, check_job
 from tests.test_scripts import model_dir  # noqa: F401 (a fixture: the scripts' tiny tied GPT-2)
+from tests.test_train_hf import saved as hf_models  # noqa: F401 (a fixture: Hugging Face models saved locally)
 
 REQUIRE_ENV = "LAB_REQUIRE_DEEPSPEED"
 CFG = StackConfig(hidden=32, n_blocks=4, heads=2, seq_len=8, vocab=64)
@@ -171,3 +172,14 @@ def test_the_script_trains_like_one_device_resumes_and_exports(deepspeed, model_
                         "--seq-len", "16", "--checkpoint-dir", str(ckpt)], timeout_s=120, cwd=REPO,
                        env=dict(os.environ, OMP_NUM_THREADS="1", LAB_FORCE_CPU="1", TMPDIR=str(tmp_path)))
     assert proc.returncode != 0 and f"saved by ZeRO-{stage} on 2 ranks; this run is ZeRO-{other} on 2" in proc.stderr
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("strategy", DEEPSPEED)
+def test_a_hugging_face_model_trained_by_train_saves_one_devices_weights(deepspeed, hf_models, tmp_path, strategy):
+    """train() on a tied Hugging Face GPT-2 with each DeepSpeed stage: four Adam steps to one device's weights, the
+    tied copies identical, and a save_pretrained folder of exactly the trained weights (ZeRO-3's partitions gathered
+    layer by layer)."""
+    from tests.test_train_hf import trains_like_one_device_and_saves
+
+    trains_like_one_device_and_saves(hf_models, tmp_path, strategy, "processes")

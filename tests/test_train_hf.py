@@ -146,6 +146,12 @@ def test_mixed_precision_on_hf_models(saved, name, kw):
 def test_tied_model_trains_like_one_device_and_saves(saved, tmp_path, strategy, engine):
     """Four Adam steps: the embedding and head copies stay identical, the weights equal one device's, and the saved
     checkpoint reloads with exactly the trained weights (the head equal to the embedding, never random)."""
+    trains_like_one_device_and_saves(saved, tmp_path, strategy, engine)
+
+
+def trains_like_one_device_and_saves(saved, tmp_path, strategy: str, engine: str) -> None:
+    """The tied GPT-2 trained by train() and saved: see test_tied_model_trains_like_one_device_and_saves (DeepSpeed's
+    strategies run it in tests/test_deepspeed.py)."""
     model = saved["gpt2-tied"]
     layers = model.meta_layers()
     model.materialize(layers, range(len(layers)), torch.device("cpu"))

@@ -455,10 +455,12 @@ class _Builder:
         self.optimizer(0, 1.0, [])
         self.state[0] = self.state_for(self.w.n_params)
 
-    def buckets(self) -> list[tuple[int, float]]:
-        """DDP's buckets in launch order: (the layer whose backward completes it, its gradient bytes)."""
+    def buckets(self, first_mb: float | None = None) -> list[tuple[int, float]]:
+        """DDP's buckets in launch order: (the layer whose backward completes it, its gradient bytes); the first one
+        `first_mb` (DDP's first_bucket_mb; DeepSpeed's are all bucket_mb)."""
         grad_bytes = self.w.bytes_per_param[1]
-        cap, full_cap = int(self.job.first_bucket_mb * MiB), int(self.job.bucket_mb * MiB)
+        first = self.job.first_bucket_mb if first_mb is None else first_mb
+        cap, full_cap = int(first * MiB), int(self.job.bucket_mb * MiB)
         out, fill, last_layer = [], 0, None
         for i in reversed(range(len(self.layers))):
             remaining = self.layers[i].params * grad_bytes
@@ -514,6 +516,32 @@ class _Builder:
                                                                         layer.tensors), "comm", updates)
         for d in devices:
             self.state[d] = self.state_for(self.w.n_params, shard=r if zero1 else 1)
+
+    def run_deepspeed_zero12(self, stage: int) -> None:
+        """DeepSpeed's ZeRO-1 and ZeRO-2 (its stage_1_and_2.py) with its defaults: each gradient copied into the
+        reduce bucket (contiguous_gradients), each full bucket reduce-scattered to the ranks owning its partitions
+        as backward fills it, on the thread that computes (overlap_comm is off by default, so the reduction holds
+        the compute); the optimizer steps the rank's partition; the updated weights are all-gathered before the
+        next forward. Gradients held: the whole (ZeRO-1) or the rank's partition (ZeRO-2)."""
+        devices = list(range(self.job.dp))
+        r = len(devices)
+        ready = self.local_steps(devices, copy_passes=1)
+        reduced = [self.collective("reducescatter", devices, collective_s(self.coll, "reducescatter", nbytes, r),
+                                   "comm", [ready[(d, layer)] for d in devices], holds_compute=True)
+                   for layer, nbytes in self.buckets(first_mb=self.job.bucket_mb)]
+        updates = [self.optimizer(d, 1 / r, reduced[-1:]) for d in devices]
+        weights = self.w.bytes_per_param[0] * self.w.n_params
+        self.collective("allgather", devices, collective_s(self.coll, "allgather", weights, r), "comm", updates,
+                        holds_compute=True)
+        for d in devices:
+            state = self.state_for(self.w.n_params, shard=r)
+            self.state[d] = DeviceMemory(state.params, state.grads // (r if stage == 2 else 1), state.optimizer)
+
+    @property
+    def reshards(self) -> bool:
+        """The weights released after each layer's forward and gathered again in backward: FSDP2's
+        reshard_after_forward, and DeepSpeed's ZeRO-3 (which keeps no such knob off)."""
+        return self.job.entry.reshard_after_forward is not False
 
     def run_fsdp2(self) -> None:
         """FSDP2 as `fully_shard` runs it: before a layer computes, its parameters are all-gathered (copied into the
@@ -577,7 +605,7 @@ class _Builder:
                     self.forward(d, i, i + 1, k, ready)
             bwd: dict[tuple[int, int], int] = {}
             regathered = {}
-            reshard = lambda i: weight_bytes(i) and self.job.entry.reshard_after_forward  # noqa: E731
+            reshard = lambda i: weight_bytes(i) and self.reshards  # noqa: E731
             if reshard(n - 1):  # the last layer too: only the root unit stays gathered after forward
                 regathered[n - 1] = unshard(n - 1)
             for i in reversed(range(n)):
@@ -598,7 +626,7 @@ class _Builder:
             else:
                 self.optimizer(d, 1 / r, scattered[-1:])
         sizes = [layer.params + layer.frozen_bytes / w for layer in self.layers]  # in trainable parameters' bytes
-        gathered = sum(sizes) if not self.job.entry.reshard_after_forward else max(
+        gathered = sum(sizes) if not self.reshards else max(
             a + b for a, b in zip(sizes, sizes[1:] + [0]))
         total, trainable = sum(sizes), self.w.n_params
         for d in devices:
@@ -634,8 +662,10 @@ class _Builder:
             self.run_pipelines()
         elif entry.bucketed:
             self.run_ddp(zero1=entry.name == "zero1")
-        elif entry.fully_sharded:
+        elif entry.fully_sharded or entry.shards[0]:  # DeepSpeed's ZeRO-3 gathers and reduces layer by layer too
             self.run_fsdp2()
+        elif entry.library == "deepspeed":
+            self.run_deepspeed_zero12(stage=2 if entry.shards[1] else 1)
         else:
             self.run_single()
 

@@ -144,6 +144,14 @@ def full_grad(param: nn.Parameter) -> torch.Tensor | None:
     return safe_get_full_grad(param)
 
 
+def gathered(module: nn.Module):
+    """A context in which `module`'s ZeRO-3 partitions are whole on every rank (a collective: every rank enters it);
+    for ZeRO-1 and ZeRO-2, whose weights are whole already, nothing is gathered."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(list(module.parameters()))
+
+
 def state_bytes(engine, job) -> tuple[DeviceMemory, int]:
     """What the rank holds at rest after a step, on the device and on the host: its weights (ZeRO-3: its partition
     of each), no gradients, and its optimizer state: the moments of its partition plus the fp32 copy of the

@@ -188,19 +188,24 @@ def _gathered(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return to_device(t, device).full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _trained_state(module: Stage, owned: list[int], device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+def _trained_state(module: Stage, owned: list[int], device: torch.device,
+                   deepspeed: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     """This rank's trained weights by global layer index (`owned[k]` is module.layers[k]'s; sharded ones gathered
-    whole). Frozen parameters (a LoRA model's base) are left out: they are the checkpoint's."""
+    whole: FSDP2's DTensors one by one, DeepSpeed's ZeRO-3 partitions a layer at a time, on every rank together).
+    Frozen parameters (a LoRA model's base) are left out: they are the checkpoint's."""
+    if deepspeed:
+        from helpers.training.deepspeed_zero import gathered
     out = {}
     for index, layer in zip(owned, module.layers):
         tensors = {}
         frozen = {name for name, p in layer.named_parameters() if not p.requires_grad}
         if frozen and len(frozen) == len(list(layer.parameters())):
             continue
-        for name, t in layer.state_dict().items():
-            if name in frozen:
-                continue
-            tensors[name] = _gathered(t, device).detach().cpu().clone()
+        with gathered(layer) if deepspeed else nullcontext():
+            for name, t in layer.state_dict().items():
+                if name in frozen:
+                    continue
+                tensors[name] = _gathered(t, device).detach().cpu().clone()
         out[index] = tensors
     return out
 
@@ -468,7 +473,7 @@ def train_worker(job: TrainJob) -> dict:
         checkpoints.close()
     memory.activations = r.ledger.device("device").activations
     events = gather_events(r.rec.events())
-    state = _trained_state(r.module, r.owned, r.device) if job.return_state else {}
+    state = _trained_state(r.module, r.owned, r.device, job.deepspeed) if job.return_state else {}
     r.release_groups()
     return {"dp": r.replica, "pp": r.stage, "losses": losses, "times": times, "phases": phases, "memory": memory,
             "events": events if r.rank == 0 else [], "grads": grads if r.replica == 0 else [],
