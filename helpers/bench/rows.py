@@ -351,10 +351,11 @@ def _rows_in_rounds(launches: dict, config: BenchConfig, desc: str, runner: str,
 
 def process_row(job: TrainJob, got: dict, runner: str, reference: LaunchReference | None = None) -> BenchRow:
     """The row of a multi-process `job` (its key) from its launches pooled (`got`: `pool`'s): a pipeline under its
-    engine; data parallelism under PyTorch's wrappers (engine 'torch'), with Adam, against one device with Adam.
-    With `reference`, its speed-up taken against the one-device step timed around its launches."""
+    engine; data parallelism under PyTorch's wrappers (engine 'torch') or DeepSpeed's ('deepspeed'), with Adam,
+    against one device with Adam. With `reference`, its speed-up taken against the one-device step timed around its
+    launches."""
     replicas_only = job.pp == 1
-    row = BenchRow(job.strategy, "torch" if replicas_only else job.engine, runner,
+    row = BenchRow(job.strategy, ("deepspeed" if job.deepspeed else "torch") if replicas_only else job.engine, runner,
                    None if replicas_only else job.microbatches, optimizer=job.optimizer,
                    reference="single_adam" if job.optimizer == "adam" else "single", calibration_key=job,
                    wire=job.wire, **got)

@@ -293,9 +293,9 @@ class RigModel:
 
         if engine not in ("threads", "processes"):
             raise ValueError(f"unknown engine {engine!r}; choose 'threads' or 'processes'")
-        if job.entry.fully_sharded:  # FSDP2 and ZeRO-2: both fully_shard
+        if job.entry.fully_sharded or job.entry.shards[0]:  # fully_shard (FSDP2, ZeRO-2) and DeepSpeed's ZeRO-3
             job = replace(job, forward_prefetch=not self.host_computes, host_waits=self.host_computes,
-                          fsdp2_host_s=self.fsdp2_host_s)
+                          fsdp2_host_s=self.fsdp2_host_s if job.entry.fully_sharded else 0.0)  # measured for FSDP2
         threads = engine == "threads"
         return simulate(self.calibrated(workload), job, self.threads_link if threads else self.p2p, self.collectives,
                         self.thread_cores if threads else self.process_cores)

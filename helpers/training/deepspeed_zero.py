@@ -169,6 +169,36 @@ def state_bytes(engine, job) -> tuple[DeviceMemory, int]:
     return DeviceMemory(weights, 0, 0 if job.offload else state), state if job.offload else 0
 
 
+# --- the host's optimizer step --------------------------------------------------------------------------------------
+
+def host_adam_step_s(numel: int = 2**22, repeats: int = 7) -> dict[str, float]:
+    """Median seconds of one AdamW step over `numel` fp32 parameters in host memory: DeepSpeed's C++ CPU Adam (what
+    ZeRO-Offload steps) and torch.optim.AdamW (its default implementation), from the same weights and gradient,
+    after one untimed step each (state allocated, the extension loaded), timed in alternation so a disturbed moment
+    slows both; both on this process's threads. `max_weight_diff`: the largest difference of their weights after
+    every step, which says they computed the same update."""
+    import statistics
+    import time
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    start, grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)), torch.randn(numel)
+    weights = {name: nn.Parameter(start.clone()) for name in ("deepspeed", "torch")}
+    for w in weights.values():
+        w.grad = grad.clone()
+    optimizers = {"deepspeed": DeepSpeedCPUAdam([weights["deepspeed"]], lr=1e-3, weight_decay=0.01, adamw_mode=True),
+                  "torch": torch.optim.AdamW([weights["torch"]], lr=1e-3, weight_decay=0.01)}
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for step in range(repeats + 1):
+        for name, optimizer in optimizers.items():
+            t0 = time.perf_counter()
+            optimizer.step()
+            if step:
+                times[name].append(time.perf_counter() - t0)
+    diff = (weights["deepspeed"] - weights["torch"]).abs().max().item()
+    return {**{name: statistics.median(t) for name, t in times.items()}, "max_weight_diff": diff}
+
+
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 
 def checkpoint_layout(folder: str) -> tuple[int, int, str]:
