@@ -24,7 +24,8 @@ import pytest
 from helpers.facts import load_data
 from helpers.hardware import target_rig
 from helpers.simulate.finetune import finetune_workload, rig_host
-from helpers.simulate.strategies import Job, simulate
+from helpers.simulate.job import Job
+from helpers.simulate.strategies import simulate
 from helpers.sizing.training import training_shape
 from tests.test_published_memory import model_config
 

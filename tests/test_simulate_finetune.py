@@ -6,7 +6,8 @@ import pytest
 from helpers.hardware import target_rig
 from helpers.simulate.finetune import HOST_ADAMW_ACCESSES, finetune_workload, rig_host
 from helpers.simulate.guide import transformer_workload
-from helpers.simulate.strategies import Host, Job, simulate
+from helpers.simulate.job import Host, Job
+from helpers.simulate.strategies import simulate
 from helpers.simulate.workload import LayerCost, Workload
 from helpers.sizing.shape import model_shape
 from helpers.sizing.training import training_shape

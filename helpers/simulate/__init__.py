@@ -34,7 +34,8 @@ from helpers.simulate.playground import Knobs, Playground
 from helpers.simulate.published import (bert_workload, fitted_constants, gpu_orders,
                                         predictions_vs_published, resnet50_workload)
 from helpers.simulate.roofline import Kernel, kernels_s, layer_flops, on_gpu, roofline_s, trace_kernels
-from helpers.simulate.strategies import Host, Job, Simulation, simulate, simulate_memory
+from helpers.simulate.job import Host, Job
+from helpers.simulate.strategies import Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
 # every name imported above (the inference speed model's, a floor below, too): the list is the imports

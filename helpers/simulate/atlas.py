@@ -140,7 +140,8 @@ def _training_tokens_per_s(model: str, method: str, options: dict, context: int,
     from helpers.hardware import target_rig
     from helpers.simulate.finetune import rig_host
     from helpers.simulate.guide import relative_speeds
-    from helpers.simulate.strategies import Job, simulate
+    from helpers.simulate.job import Job
+    from helpers.simulate.strategies import simulate
 
     cpu_offload = options.get("offload") == "cpu"
     names = [g.strip() for g in gpus.split(",")] if "," in gpus else ["RTX 3090"] * int(gpus.split(" x ")[0])

@@ -23,7 +23,7 @@ from torch import nn
 
 from helpers.facts import load_data
 from helpers.simulate.roofline import Kernel, optimizer_s
-from helpers.simulate.strategies import Host
+from helpers.simulate.job import Host
 from helpers.simulate.workload import Workload
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.training import TrainShape
@@ -33,33 +33,6 @@ from helpers.sizing.training import TrainShape
 # exp_avg_sq.mul_(beta2) 2, .addcmul_(grad, grad) 3, exp_avg_sq.sqrt() 2, / bias_correction2_sqrt 2, .add_(eps) 2,
 # param.addcdiv_(exp_avg, denom) 4
 HOST_ADAMW_ACCESSES = 20
-LORA_SCALING = 0.25  # alpha / rank: its value costs nothing (one multiply either way)
-
-
-class LoraLinear(nn.Module):
-    """peft's LoRA linear as it computes (peft tuners/lora/layer.py `Linear.forward`): the frozen base's output plus
-    lora_B(lora_A(dropout(x))) * scaling; no dropout module when its probability is 0 (peft's nn.Identity)."""
-
-    def __init__(self, base: nn.Linear, rank: int, dropout: float):
-        super().__init__()
-        self.base = base
-        kw = {"bias": False, "device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_a = nn.Linear(base.in_features, rank, **kw)
-        self.lora_b = nn.Linear(rank, base.out_features, **kw)
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-
-    def forward(self, x):
-        return self.base(x) + self.lora_b(self.lora_a(self.dropout(x))) * LORA_SCALING
-
-
-def adapt(block: nn.Module, rank: int, targets: tuple[str, ...], dropout: float) -> None:
-    """Replace each nn.Linear of `block` whose last name part is in `targets` by its `LoraLinear`, in place."""
-    for name, module in list(block.named_modules()):
-        parent_name, _, leaf = name.rpartition(".")
-        if isinstance(module, nn.Linear) and leaf in targets:
-            setattr(block.get_submodule(parent_name), leaf, LoraLinear(module, rank, dropout))
-
-
 @functools.lru_cache(maxsize=None)
 def dequantize_kernels(train: TrainShape) -> tuple[Kernel, ...]:
     """One decoder layer's dequantizations, one per quantized linear: its packed codes and constants read, the

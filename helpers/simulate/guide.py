@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from helpers.catalog import CATALOG, names, strategy as catalog_entry
 from helpers.partition import equal_count_split, optimal_split, proportional_shares
@@ -26,7 +27,8 @@ from helpers.sizing.shape import ModelShape, decoder_shape
 from helpers.hardware import Efficiency, TargetRig, target_rig
 from helpers.dtypes import BYTES
 from helpers.simulate.roofline import Kernel, kernels_s, optimizer_s, step_s, trace_kernels
-from helpers.simulate.strategies import Job, Simulation, simulate, simulate_memory
+from helpers.simulate.job import Job
+from helpers.simulate.strategies import Simulation, simulate, simulate_memory
 from helpers.simulate.workload import LayerCost, Workload
 
 # the strategies the guide weighs, simplest first (the catalog's order): the data-parallel strategies whose layout a
@@ -76,6 +78,33 @@ MODELS = _Shapes()
 
 ATTENTION_KERNELS = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}  # what the trace runs for each
 
+# LoRA as the trace runs it (helpers.simulate.finetune prices LoRA and QLoRA with it)
+LORA_SCALING = 0.25  # alpha / rank: its value costs nothing (one multiply either way)
+
+
+class LoraLinear(nn.Module):
+    """peft's LoRA linear as it computes (peft tuners/lora/layer.py `Linear.forward`): the frozen base's output plus
+    lora_B(lora_A(dropout(x))) * scaling; no dropout module when its probability is 0 (peft's nn.Identity)."""
+
+    def __init__(self, base: nn.Linear, rank: int, dropout: float):
+        super().__init__()
+        self.base = base
+        kw = {"bias": False, "device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_a = nn.Linear(base.in_features, rank, **kw)
+        self.lora_b = nn.Linear(rank, base.out_features, **kw)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(self.dropout(x))) * LORA_SCALING
+
+
+def adapt(block: nn.Module, rank: int, targets: tuple[str, ...], dropout: float) -> None:
+    """Replace each nn.Linear of `block` whose last name part is in `targets` by its `LoraLinear`, in place."""
+    for name, module in list(block.named_modules()):
+        parent_name, _, leaf = name.rpartition(".")
+        if isinstance(module, nn.Linear) and leaf in targets:
+            setattr(block.get_submodule(parent_name), leaf, LoraLinear(module, rank, dropout))
+
 
 @functools.lru_cache(maxsize=64)
 def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batch: int, dtype: str, attention: str,
@@ -83,7 +112,7 @@ def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batc
     """Kernels (forward, backward) of embedding, one block, final norm and head for `batch` sequences, traced on a
     one-block model built on the meta device, with its parameter and parameter-tensor counts (trainable ones). Dropout
     as the family's Hugging Face default has it in training (GPT-2 0.1, Llama none). `lora` (rank, targets,
-    dropout): the base frozen and the block's target linears adapted (`helpers.simulate.finetune.adapt`), so that
+    dropout): the base frozen and the block's target linears adapted (`adapt`), so that
     backward computes input gradients only, but for the adapters'."""
     from helpers.models import build_hf_model, hf_layers
 
@@ -98,8 +127,6 @@ def _decoder_kernels(shape: ModelShape, seq: int, head_outputs: int | None, batc
         with torch.device("meta"):
             head = torch.nn.Linear(shape.hidden, head_outputs)
     if lora is not None:
-        from helpers.simulate.finetune import adapt
-
         model.requires_grad_(False)
         adapt(block, *lora)
     kernels = trace_kernels([embedding, block, norm, head], torch.zeros(batch, seq, dtype=torch.long), dtype)

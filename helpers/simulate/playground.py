@@ -13,7 +13,8 @@ from helpers.facts import load_data
 from helpers.units import MiB, fmt_bytes
 from helpers.monitor import frontend_attached
 from helpers.hardware import Link
-from helpers.simulate.strategies import Job, Simulation, simulate
+from helpers.simulate.job import Job
+from helpers.simulate.strategies import Simulation, simulate
 from helpers.simulate.workload import Workload
 
 SCHEDULES = ("naive", "gpipe", "1f1b")

@@ -28,7 +28,8 @@ from helpers.dtypes import DTYPES
 from helpers.simulate.roofline import kernels_s, trace_call, trace_kernels, workload_from_traces
 from helpers.sizing.gpus import Gpu
 from helpers.sizing.shape import decoder_shape
-from helpers.simulate.strategies import Job, Simulation, simulate
+from helpers.simulate.job import Job
+from helpers.simulate.strategies import Simulation, simulate
 from helpers.simulate.workload import Workload
 
 BERT = {"BERT-base": (12, 768, 12), "BERT-large": (24, 1024, 16)}  # layers, hidden, heads (intermediate 4 x hidden)
