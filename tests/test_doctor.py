@@ -107,3 +107,14 @@ def test_the_doctor_times_each_device_and_names_the_split(monkeypatch, kind, sec
     by_speed, equal = (int(first) for first in re.search(r"by speed (\d+) \| \d+, for equal devices (\d+)",
                                                          check.detail).groups())
     assert by_speed >= equal, "device 1, the slower, holds the layers from the cut on: never more by speed"
+
+
+def test_every_take_home_script_has_a_doctor_run():
+    """The doctor runs each script of scripts/ (its helpers, _*.py, aside) two steps on this rig: a script added
+    there and not to SCRIPT_RUNS fails here."""
+    from pathlib import Path
+
+    from helpers.doctor.scripts import REPO, SCRIPT_RUNS
+
+    scripts = {p.name for p in Path(REPO, "scripts").glob("*.py") if not p.name.startswith("_")}
+    assert {script for script, *_ in SCRIPT_RUNS} == scripts

@@ -24,7 +24,8 @@ from helpers.runtime.rig import FORCE_CPU_ENV, Rig
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT_RUNS = (("train_naive_split.py", 0, ()), ("train_pipeline.py", 2, ("--schedule", "1f1b")),
                ("train_ddp.py", 2, ()), ("train_fsdp2.py", 2, ()), ("train_dp_x_pp.py", 4, ("--pp", "2")),
-               ("finetune_lora.py", 2, ("--method", "qlora", "--lora-rank", "4", "--checkpointing")))
+               ("finetune_lora.py", 2, ("--method", "qlora", "--lora-rank", "4", "--checkpointing")),
+               ("train_deepspeed.py", 2, ("--stage", "3", "--offload", "cpu")))
 # the Llama-3-8B full fine-tune's flags (scripts/train_fsdp2.py's docstring) plus activation offload: torchao's 4-bit
 # AdamW stepped in backward on each rank's shards, the chunked loss, pinned host copies of what autograd saves
 MEMORY_RUN = ("train_fsdp2.py", 2, ("--microbatches", "1", "--dtype", "bf16", "--autocast", "none", "--optimizer",
@@ -39,6 +40,11 @@ def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], mode
     ranks than GPUs: the script's own refusal, before NCCL, is the expected answer."""
     name = (f"script: {script}" + (" with the memory techniques" if "--technique" in extra else "")
             + (f" on {nproc} ranks" if nproc else ""))
+    if script == "train_deepspeed.py":
+        from helpers.training.deepspeed_zero import missing
+
+        if missing():  # an optional install: said, not failed
+            return Check(name, "REFUSED", missing(), 0.0)
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--nproc-per-node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
