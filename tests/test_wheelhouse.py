@@ -90,3 +90,37 @@ def test_unknown_platform_and_bad_python_are_usage_errors(house):
     with pytest.raises(SystemExit) as exc:
         main(["check", str(house), "--python", "311"])
     assert exc.value.code == 2
+
+
+def make_sdist(folder, name: str, version: str):
+    """A minimal pure-Python source distribution built by setuptools (already installed: no build isolation)."""
+    import io
+    import tarfile
+
+    root = f"{name}-{version}"
+    files = {f"{root}/pyproject.toml": "[build-system]\nrequires = ['setuptools']\nbuild-backend = "
+                                       f"'setuptools.build_meta'\n[project]\nname = '{name}'\nversion = '{version}'\n",
+             f"{root}/{name}/__init__.py": "",
+             f"{root}/PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"}
+    path = folder / f"{root}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for member, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_requirement_published_only_as_an_sdist_is_built_into_a_wheel_for_every_platform(house, tmp_path):
+    """DeepSpeed ships no wheel, and `pip download --platform` takes wheels only: the build makes one here (pure
+    Python: py3-none-any, which every platform takes); a requirement with a wheel is left to the download."""
+    sources = tmp_path / "index"
+    sources.mkdir()
+    make_sdist(sources, "onlysource", "1.0")
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = ["--no-index", "--find-links", str(sources), "--find-links", str(house), "--no-build-isolation"]
+    built = wheelhouse.build_sdist_wheels(out, ["onlysource==1.0", "alpha"], extra)
+    assert [w.name for w in built] == ["onlysource-1.0-py3-none-any.whl"]
+    assert sorted(p.name for p in out.iterdir()) == ["onlysource-1.0-py3-none-any.whl"]

@@ -139,10 +139,13 @@ def _toml_list_without_tomllib(text: str, table: str, key: str) -> list[str]:
     return re.findall(r"""["']([^"']+)["']""", value.group(1)) if value else []
 
 
-def course_requirements(requirements: Path | None = None) -> list[str]:
-    """The requirement strings a learner's `pip install -r requirements.txt` resolves. `-e DIR` (the editable
-    install of `helpers`) becomes what building DIR offline needs: its build-system requirements plus `wheel` (older
-    setuptools asks for it when building; 70 KB) and its own dependencies."""
+def course_requirements(requirements: Path | list[Path] | None = None) -> list[str]:
+    """The requirement strings a learner's `pip install -r requirements.txt` resolves (several files: all of them,
+    e.g. requirements-deepspeed.txt beside it). `-e DIR` (the editable install of `helpers`) becomes what building
+    DIR offline needs: its build-system requirements plus `wheel` (older setuptools asks for it when building; 70 KB)
+    and its own dependencies."""
+    if isinstance(requirements, (list, tuple)):
+        return list(dict.fromkeys(r for path in requirements for r in course_requirements(path)))
     requirements = Path(requirements or REPO / "requirements.txt")
     out: list[str] = []
     for raw in requirements.read_text().splitlines():
@@ -372,6 +375,7 @@ def build(directory, platforms=DEFAULT_PLATFORMS, pythons=PYTHONS, torch_version
     directory.mkdir(parents=True, exist_ok=True)
     reqs = course_requirements(requirements)
     extra = [a for fl in find_links for a in ("--find-links", str(fl))]
+    build_sdist_wheels(directory, reqs, extra)
     failed: dict[tuple[str, str], str] = {}
     for platform in _platforms(platforms):
         if platform.refused:
@@ -420,6 +424,33 @@ def build(directory, platforms=DEFAULT_PLATFORMS, pythons=PYTHONS, torch_version
     return results
 
 
+def build_sdist_wheels(directory: Path, reqs: list[str], extra: list[str]) -> list[Path]:
+    """Wheels built here for the requirements published only as a source distribution (DeepSpeed): `pip download`
+    for another platform takes wheels alone, so each such one is built once with `pip wheel --no-deps`; a
+    pure-Python wheel (py3-none-any) then serves every platform and Python. Returns the wheels built."""
+    import tempfile
+
+    built = []
+    for req in reqs:
+        with tempfile.TemporaryDirectory() as probe:
+            status, _ = run_pip(["download", "--no-deps", "--only-binary=:all:", "-d", probe, "--progress-bar", "off",
+                                 *extra, req])
+        if status == 0:
+            continue
+        before = set(directory.glob("*.whl"))
+        status, output = run_pip(["wheel", "--no-deps", "-w", str(directory), "--progress-bar", "off", *extra, req])
+        new = sorted(set(directory.glob("*.whl")) - before)
+        if status or not new:
+            print(f"{req}: no wheel published, and building one failed:\n{_tail(output)}", flush=True)
+            continue
+        for wheel in new:
+            pure = wheel.name.endswith("-none-any.whl")
+            print(f"{req}: no wheel published; built {wheel.name}" + ("" if pure else
+                  " (for this machine's platform only: learners on others need a compiler)"), flush=True)
+        built += new
+    return built
+
+
 def learner_note(built, torch_version: str = TORCH_VERSION) -> str:
     pythons = {}
     for platform, python in built:
@@ -456,7 +487,8 @@ def main(argv=None) -> int:
                        help=f"default: {' '.join(DEFAULT_PLATFORMS)} (check: what the wheelhouse was built for)")
         p.add_argument("--python", nargs="+", metavar="X.Y",
                        help=f"default: {' '.join(PYTHONS)} (check: what the wheelhouse was built for)")
-        p.add_argument("--requirements", type=Path, default=REPO / "requirements.txt")
+        p.add_argument("--requirements", type=Path, nargs="+", default=[REPO / "requirements.txt"],
+                       help="requirement files (default requirements.txt; add requirements-deepspeed.txt for DeepSpeed)")
         p.add_argument("--torch", help=f"torch version (default {TORCH_VERSION}; check: what the wheelhouse was "
                        "built for)")
     b = sub.choices["build"]
