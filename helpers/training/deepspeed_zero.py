@@ -24,8 +24,16 @@ from torch import nn
 from helpers.sizing.ledger import DeviceMemory, optimizer_state_bytes, param_bytes, tensor_bytes
 
 INSTALL = "pip install -r requirements-deepspeed.txt"
-STAGES = {"ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3}  # catalog name -> ZeRO stage (helpers.catalog)
 ADAM = {"adam": False, "adamw": True}  # job optimizer -> DeepSpeed's adam_w_mode (its CPU Adam under offload)
+
+
+def zero_stage(strategy: str) -> int:
+    """The ZeRO stage of a DeepSpeed strategy, read from its catalog entry's config (helpers.catalog)."""
+    import json
+
+    from helpers.catalog import strategy as catalog_entry
+
+    return json.loads("{%s}" % catalog_entry(strategy).deepspeed)["zero_optimization"]["stage"]
 
 
 def missing() -> str | None:
@@ -52,7 +60,7 @@ def ds_config(job) -> dict:
     written: DeepSpeed's default clips the gradients' norm at 1.0 (GRADIENT_CLIPPING_DEFAULT in
     deepspeed/runtime/constants.py), which PyTorch's engines do only when asked (max_grad_norm)."""
     elements = int(job.bucket_mb * 2**20 // (2 if job.dtype in ("bf16", "fp16") else 4))
-    zero = {"stage": STAGES[job.data_parallel], "reduce_bucket_size": elements, "allgather_bucket_size": elements,
+    zero = {"stage": zero_stage(job.data_parallel), "reduce_bucket_size": elements, "allgather_bucket_size": elements,
             "stage3_prefetch_bucket_size": elements, "stage3_param_persistence_threshold": 0}
     config = {"train_batch_size": job.batch, "gradient_accumulation_steps": job.microbatches,
               "train_micro_batch_size_per_gpu": job.batch // job.dp // job.microbatches,
@@ -85,7 +93,7 @@ def check_job(job, rig) -> None:
         if job.optimizer not in ADAM:
             raise ValueError(f"offload='cpu' steps with DeepSpeed's CPU Adam: optimizer='adam' or 'adamw', not "
                              f"{job.optimizer!r}")
-        if STAGES[job.data_parallel] < 2:
+        if zero_stage(job.data_parallel) < 2:
             raise ValueError("offload='cpu' (ZeRO-Offload) needs ZeRO stage 2 or 3: ds_zero2 or ds_zero3")
         reason = cpu_adam_missing()
         if reason:
@@ -159,7 +167,7 @@ def state_bytes(engine, job) -> tuple[DeviceMemory, int]:
     memories are one)."""
     zero = engine.optimizer
     params = list(engine.module.parameters())
-    if STAGES[job.data_parallel] == 3:
+    if zero_stage(job.data_parallel) == 3:
         weights = sum(tensor_bytes(p.ds_tensor) for p in params)
         master = sum(tensor_bytes(t) for t in zero.fp32_partitioned_groups_flat)
     else:
