@@ -55,8 +55,9 @@ MISSES = {
         "the batch-1 2048 row at +22%, so they are not added. Taken phase by phase (the loss's backward, then each "
         "layer's recompute), this run's peak is the recompute: constants 1.01, checkpointed inputs 5.0, gathered "
         "root 0.98 and two layers 0.83, fp32 logits 0.49, the recomputed layer with dropout and repeated K/V 2.3, its "
-        "transients and dequantized weight 1.2: 11.8 GiB in use (-14% with the margin); the 3 GiB between that and 14.92 is not located "
-        "(untested: the allocator's cache over 80 layers' all-gathers and 960 LoRA FSDP units under CPU offload).",
+        "transients and dequantized weight 1.2: 11.8 GiB in use (-14% with the margin); the 3 GiB between that and "
+        "14.92 is not located (untested: the allocator's cache over 80 layers' all-gathers and 960 LoRA FSDP units "
+        "under CPU offload).",
     "RTX 4090: llama-2-70b qlora cpu-offload, batch 2, context 2048":
         "the same run as on the 3090s (the post prints the same 14.92 GiB): planned 13.30 GiB (-10.8%).",
 }
