@@ -79,6 +79,16 @@ def test_rank_that_dies_is_reported():
 
 
 @pytest.mark.full  # a launcher fault test
+def test_a_native_crash_comes_back_with_the_python_stack_it_happened_in():
+    with pytest.raises(WorkerError) as info:
+        run(bad.crash_in_native_code_on_rank_one, timeout=60, rig=cpu_rig())
+    text = str(info.value)
+    assert f"rank 1 was killed by signal {int(signal.SIGSEGV)}" in text
+    assert "Segmentation fault" in text and "crash_in_native_code_on_rank_one" in text  # faulthandler's stack
+    assert _spawned_children() == []
+
+
+@pytest.mark.full  # a launcher fault test
 def test_no_children_after_success():
     pids = run(bad.pid_then_sleep, 0.1, rig=cpu_rig())
     assert _children_alive(pids) == []

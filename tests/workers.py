@@ -45,6 +45,14 @@ def exit_hard_on_rank_one() -> int:
     return dist.get_rank()
 
 
+def crash_in_native_code_on_rank_one() -> int:
+    """A segmentation fault, as a bug in a C++ extension gives: Python's except clauses never see it."""
+    if dist.get_rank() == 1:
+        import faulthandler
+        faulthandler._sigsegv()
+    return dist.get_rank()
+
+
 def ignore_sigterm_and_hang() -> int:
     """A rank that ignores SIGTERM: only SIGKILL ends it."""
     import signal

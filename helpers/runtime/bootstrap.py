@@ -9,13 +9,15 @@ the worker to the end. So, in this order:
    the kernel closes it, the read returns end-of-file and the rank kills itself (macOS has no death signal);
 3. check that the parent is still the caller (if it died before step 1, we were re-parented: exit at once);
 4. only then read the payload (worker, arguments, the caller's rig and sys.path), import the worker and run it.
-Every failure, an import error included, goes back to the caller with its traceback through the result pipe.
+Every failure, an import error included, goes back to the caller with its traceback through the result pipe; a
+crash in native code (SIGSEGV, SIGABRT) prints the Python stack of every thread to the rank's stderr.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import ctypes.util
+import faulthandler
 import os
 import pickle
 import signal
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--payload", required=True)
     parser.add_argument("--rank", type=int, required=True)
     ns = parser.parse_args(argv)
-    tie_to_parent(ns.parent, ns.lifeline)
+    faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack to stderr,
+    tie_to_parent(ns.parent, ns.lifeline)  # whose tail the caller shows: the crash is located, not just named
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and stops every rank itself
     conn = Connection(ns.result, readable=False)
     code = 1
