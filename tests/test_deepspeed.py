@@ -40,6 +40,16 @@ def _one_device(optimizer: str):
     return run_training(TrainJob(CFG, batch=BATCH, timed_steps=STEPS, optimizer=optimizer), cpu_rig())
 
 
+def test_each_deepspeed_job_gets_processes_of_its_own():
+    """`run_trainings` launches PyTorch's jobs together and each DeepSpeed job alone (`launches`): DeepSpeed keeps
+    process-wide state from one engine to the next."""
+    from helpers.training.loop import launches
+
+    names = ("ddp", "ds_zero2", "fsdp2", "ds_zero3")
+    assert launches([TrainJob(CFG, name, batch=BATCH) for name in names]) == [[0, 2], [1], [3]]
+    assert launches([TrainJob(CFG, "ds_zero1", batch=BATCH)]) == [[0]]
+
+
 @pytest.mark.full
 def test_every_deepspeed_stage_trains_like_one_device_and_pytorchs_engines(deepspeed):
     """Five AdamW steps with two micro-batches of accumulation: every DeepSpeed stage, PyTorch's DDP and FSDP2 and

@@ -87,8 +87,8 @@ def run_training(job: TrainJob, rig: Rig, timeout: float = 300.0, oversubscribe:
 def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, oversubscribe: bool = False,
                   restarts: int = 0) -> list[TrainResult]:
     """Several jobs of one world size in one launch, the same ranks running them one after the other: a comparison
-    pays one start-up of the processes instead of one per job. Every job is checked before anything starts;
-    `timeout` is per job."""
+    pays one start-up of the processes instead of one per job (DeepSpeed's jobs each pay their own: `launches`).
+    Every job is checked before anything starts; `timeout` is per job."""
     if not jobs:
         return []
     worlds = sorted({job.world for job in jobs})
@@ -96,9 +96,21 @@ def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, ov
         raise ValueError(f"jobs launched together need one world size, got {worlds}: launch them separately")
     for job in jobs:
         check_job(job, rig, oversubscribe)
-    parts = run(train_workers, list(jobs), nranks=worlds[0], rig=rig, timeout=timeout * len(jobs),
-                oversubscribe=oversubscribe, restarts=restarts)
-    return [combine_ranks([rank[i] for rank in parts]) for i in range(len(jobs))]
+    results: dict[int, TrainResult] = {}
+    for group in launches(jobs):
+        parts = run(train_workers, [jobs[i] for i in group], nranks=worlds[0], rig=rig, timeout=timeout * len(group),
+                    oversubscribe=oversubscribe, restarts=restarts)
+        results.update((i, combine_ranks([rank[k] for rank in parts])) for k, i in enumerate(group))
+    return [results[i] for i in range(len(jobs))]
+
+
+def launches(jobs: Sequence[TrainJob]) -> list[list[int]]:
+    """Which jobs share a launch (indices, in order): all but DeepSpeed's in one, each DeepSpeed job in its own.
+    DeepSpeed keeps process-wide state from one engine to the next that `engine.destroy()` does not all undo (its
+    communication backend, ZeRO-3's module hooks and parameter bookkeeping): a ZeRO-3 engine built on ranks that had
+    just run a ZeRO-2 one crashed in native code (SIGSEGV) in one of about twenty runs of notebook 07."""
+    plain = [i for i, job in enumerate(jobs) if not job.deepspeed]
+    return ([plain] if plain else []) + [[i] for i, job in enumerate(jobs) if job.deepspeed]
 
 
 def combine_ranks(parts: list[dict]) -> TrainResult:
