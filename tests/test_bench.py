@@ -597,6 +597,29 @@ def test_a_rows_speedup_is_set_against_one_device_timed_in_the_same_minutes():
     assert never.reference_s is None and never.as_dict(batch=32, reference_s=1.0)["speedup"] == pytest.approx(2.0)
 
 
+def test_a_data_parallel_step_is_taken_apart_from_its_recorded_spans():
+    """Per device, the median over launches of: forward, backward, the backward's wall less its thread's CPU (the
+    core taken by the collectives' threads), the collectives running after the backward ended, the optimizer, and
+    the rest of the step; rows that are not data parallel, or have no launches, are left out."""
+    from helpers.bench.extras import data_parallel_rows
+    from helpers.timeline import Event
+
+    def step(tail: float) -> list[Event]:  # forward 0-0.2, backward 0.2-0.6 (0.3 of CPU), all-reduce to 0.6 + tail
+        return [Event(0, "forward", 0.0, 0.2, cpu=0.2), Event(0, "backward", 0.2, 0.6, cpu=0.3),
+                Event(0, "allreduce", 0.4, 0.6 + tail), Event(0, "optimizer", 0.6 + tail, 0.65 + tail, cpu=0.05)]
+
+    ddp = BenchRow("ddp", "torch", "processes", None, 0.7, step(0.02), [0], reference_s=1.0,
+                   launch_events=(step(0.0), step(0.02), step(0.04)))
+    pipeline = BenchRow("1f1b", "ours", "processes", 8, 0.7, step(0.0), [0], reference_s=1.0,
+                        launch_events=(step(0.0),))
+    [row] = data_parallel_rows([ddp, pipeline, BenchRow("zero1", "torch", "processes", None, 0.7, [], [0])])
+    assert row["row"] == "ddp" and row["one device / 2 (ms)"] == pytest.approx(500)
+    assert row["forward (ms)"] == pytest.approx(200) and row["backward (ms)"] == pytest.approx(400)
+    assert row["core taken (ms)"] == pytest.approx(100) and row["exposed comm (ms)"] == pytest.approx(20)
+    assert row["optimizer (ms)"] == pytest.approx(50) and row["recorded step (ms)"] == pytest.approx(670)
+    assert row["rest (ms)"] == pytest.approx(0, abs=1e-9)
+
+
 def test_the_printed_legend_is_docs_bench_and_names_every_column():
     """The legend under the tables is read from docs/bench.md (its one copy): an entry for every column and extra
     table, the target as the bench checks it."""

@@ -3,7 +3,8 @@ prediction calibrated in the same run; the extras; bench.json and the timelines.
 from __future__ import annotations
 
 from helpers.bench.blocks import MachineLoad, model_and_batch
-from helpers.bench.extras import SPLIT_TARGET, checkpoint_sweep_rows, split_backward_rows, split_comparison_rows
+from helpers.bench.extras import (SPLIT_TARGET, checkpoint_sweep_rows, data_parallel_rows, split_backward_rows,
+                                  split_comparison_rows)
 from helpers.bench.predict import TARGET, calibration_record, microbatch_size, predict_rows
 from helpers.bench.records import command_line, keep, source_state
 from helpers.bench.report import (BENCH_COLUMNS, EXTRA_COLUMNS, compare_runs, describe_against,
@@ -94,7 +95,7 @@ def measure(config, rig, progress: Progress, quick: bool, skip_extras: bool) -> 
     mb = min(microbatch_size(r, config.batch) for r in rows)
     rig_model = measure_rig(rig, *model_and_batch(config.cfg, mb, device), lm_loss, config.link_sizes)
     calibrated = predict_rows(rows, config, rig, rig_model, progress, timer)
-    extras = {"split backward": split_backward_rows(rows)}
+    extras = {"split backward": split_backward_rows(rows), "data parallel": data_parallel_rows(rows)}
     if not skip_extras:
         extras |= {"splits": split_comparison_rows(rig, quick, rig_model, progress, config.extra_repeats),
                    "checkpointing": checkpoint_sweep_rows(rig, quick, rig_model, progress, config.extra_repeats)}

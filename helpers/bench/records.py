@@ -113,8 +113,9 @@ def bench_section(name: str, record: dict) -> str:
         rows = [{"row": row_label(d), ratio: d.get(ratio), "error": _percent(d.get("error"), mark=False)}
                 for d in run.get(extra, [])]
         parts += [f"{extra}:", markdown_table(rows, ["row", ratio, "error"])] if rows else []
-    backward = run.get("split backward", [])
-    parts += ["split backward:", markdown_table(backward, EXTRA_COLUMNS["split backward"])] if backward else []
+    for extra in ("split backward", "data parallel"):  # tables of measured parts, no prediction
+        rows = run.get(extra, [])
+        parts += [f"{extra}:", markdown_table(rows, EXTRA_COLUMNS[extra])] if rows else []
     summary = run["calibration"].get("summary", [])
     return "\n\n".join(parts + ["Calibration (measured in the run):\n" + "\n".join(f"- {line}" for line in summary)])
 

@@ -21,6 +21,8 @@ EXTRA_COLUMNS = {
                        "split / plain", "wall: split / plain"],
     "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "forward",
                "backward", "speedup", "busy", "predicted slowest/mean"],
+    "data parallel": ["row", "device", "one device / 2 (ms)", "recorded step (ms)", "forward (ms)", "backward (ms)",
+                      "core taken (ms)", "exposed comm (ms)", "optimizer (ms)", "rest (ms)"],
     "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
                       "step vs none", "activations"],
 }
