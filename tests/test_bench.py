@@ -612,7 +612,8 @@ def test_a_data_parallel_step_is_taken_apart_from_its_recorded_spans():
                    launch_events=(step(0.0), step(0.02), step(0.04)))
     pipeline = BenchRow("1f1b", "ours", "processes", 8, 0.7, step(0.0), [0], reference_s=1.0,
                         launch_events=(step(0.0),))
-    [row] = data_parallel_rows([ddp, pipeline, BenchRow("zero1", "torch", "processes", None, 0.7, [], [0])])
+    single = BenchRow("single_adam", "none", "one thread", None, 1.0, step(0.0), [0], reference_s=1.0)
+    [row] = data_parallel_rows([single, ddp, pipeline, BenchRow("zero1", "torch", "processes", None, 0.7, [], [0])])
     assert row["row"] == "ddp" and row["one device / 2 (ms)"] == pytest.approx(500)
     assert row["forward (ms)"] == pytest.approx(200) and row["backward (ms)"] == pytest.approx(400)
     assert row["core taken (ms)"] == pytest.approx(100) and row["exposed comm (ms)"] == pytest.approx(20)

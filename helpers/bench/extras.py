@@ -165,11 +165,11 @@ def data_parallel_rows(rows: Sequence) -> list[dict]:
     and FSDP2: on its half), and the rest of the step (gaps: zero_grad, the step's own bookkeeping)."""
     import statistics
 
-    from helpers.catalog import strategy as catalog_entry
+    from helpers.catalog import names
 
     out = []
     for row in rows:
-        if catalog_entry(row.strategy).kind != "data_parallel" or not row.reference_s or not row.launch_events:
+        if row.strategy not in names("data_parallel") or not row.reference_s or not row.launch_events:
             continue
         for device in sorted({e.device for e in row.recorded_events()}):
             parts = [_step_parts(events, device) for events in row.launch_events]
