@@ -136,22 +136,17 @@ def split_backward_rows(rows: Sequence) -> list[dict]:
     return out
 
 
-COLLECTIVES = {"allreduce", "reducescatter", "allgather"}
-
-
 def _step_parts(events, device: int) -> dict[str, float]:
     """Where one recorded data-parallel step of `device` went, in seconds of wall time: its forward and backward
     spans, of the backward the part its thread did not run (wall less the thread's CPU: the core went to the
-    collectives' threads or the other rank), the collectives still running after the backward ended (exposed), the
-    optimizer step, and the step's whole length (first span's start to the last span's end)."""
+    collectives' threads or the other rank, or the thread waited for the last bucket's collective, which the
+    engines' backward returns after), the optimizer step, and the whole step (first span's start to last span's
+    end)."""
     mine = [e for e in events if e.device == device]
     spans = {kind: [e for e in mine if e.kind == kind] for kind in ("forward", "backward", "optimizer")}
-    backward_end = max((e.end for e in spans["backward"]), default=0.0)
-    comm_end = max((e.end for e in mine if e.kind in COLLECTIVES), default=backward_end)
     return {"forward": sum(e.duration for e in spans["forward"]),
             "backward": sum(e.duration for e in spans["backward"]),
-            "core taken": sum(e.duration - e.cpu for e in spans["backward"] if e.cpu is not None),
-            "exposed comm": max(0.0, comm_end - backward_end),
+            "waited": sum(e.duration - e.cpu for e in spans["backward"] if e.cpu is not None),
             "optimizer": sum(e.duration for e in spans["optimizer"]),
             "step": max(e.end for e in mine) - min(e.start for e in mine)}
 
@@ -159,10 +154,10 @@ def _step_parts(events, device: int) -> dict[str, float]:
 def data_parallel_rows(rows: Sequence) -> list[dict]:
     """Why a data-parallel row falls short of 2x, per device, from its recorded steps (each launch's, median): one
     device's step (with its optimizer) halved is the ideal; against it, the rank's forward and backward on half the
-    batch, the share of that backward its thread waited for a core (on the CPU rig the collectives' threads run on
-    the cores that compute: an all-reduce hidden behind the backward still costs it), the collectives left after
-    the backward (exposed), the optimizer step each rank runs (DDP: on every weight, as one device does; ZeRO-1
-    and FSDP2: on its half), and the rest of the step (gaps: zero_grad, the step's own bookkeeping)."""
+    batch, the part of that backward its thread did not run (on the CPU rig the collectives' threads run on the
+    cores that compute, so an all-reduce overlapped with the backward still slows it; and the backward returns only
+    when its last bucket is reduced), the optimizer step each rank runs (DDP: on every weight, as one device does;
+    ZeRO-1 and FSDP2: on its half, ZeRO-1's with the broadcast of the updated half), and the rest of the step."""
     import statistics
 
     from helpers.catalog import names
@@ -178,7 +173,5 @@ def data_parallel_rows(rows: Sequence) -> list[dict]:
             out.append({"row": row.strategy + (f", {row.wire} grads" if row.wire != "auto" else ""),
                         "device": device, "one device / 2 (ms)": row.reference_s / 2 * 1e3,
                         "recorded step (ms)": median["step"], **named,
-                        "rest (ms)": median["step"] - median["forward"] - median["backward"]
-                        - median["exposed comm"] - median["optimizer"]})
+                        "rest (ms)": median["step"] - median["forward"] - median["backward"] - median["optimizer"]})
     return out
-

@@ -98,7 +98,7 @@ def machine_load(run: dict) -> str:
 def bench_section(name: str, record: dict) -> str:
     """One bench run: where it came from, the machine load, the verdict, the rows, the extras and the calibration."""
     from helpers.bench.predict import TARGET
-    from helpers.bench.report import (EXTRA_COLUMNS, EXTRA_SPEEDUPS, _percent, describe_launch_to_launch,
+    from helpers.bench.report import (EXTRA_SPEEDUPS, _percent, describe_launch_to_launch,
                                       display_rows, prediction_errors, row_label)
 
     run = record["run"]
@@ -114,8 +114,8 @@ def bench_section(name: str, record: dict) -> str:
                 for d in run.get(extra, [])]
         parts += [f"{extra}:", markdown_table(rows, ["row", ratio, "error"])] if rows else []
     for extra in ("split backward", "data parallel"):  # tables of measured parts, no prediction
-        rows = run.get(extra, [])
-        parts += [f"{extra}:", markdown_table(rows, EXTRA_COLUMNS[extra])] if rows else []
+        rows = run.get(extra, [])  # in the columns the run wrote: a record is never rewritten to newer names
+        parts += [f"{extra}:", markdown_table(rows, list(rows[0]))] if rows else []
     summary = run["calibration"].get("summary", [])
     return "\n\n".join(parts + ["Calibration (measured in the run):\n" + "\n".join(f"- {line}" for line in summary)])
 

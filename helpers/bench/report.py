@@ -22,7 +22,7 @@ EXTRA_COLUMNS = {
     "splits": ["split", "boundaries", "step (ms)", "samples/s", "spread", "predicted", "error", "forward",
                "backward", "speedup", "busy", "predicted slowest/mean"],
     "data parallel": ["row", "device", "one device / 2 (ms)", "recorded step (ms)", "forward (ms)", "backward (ms)",
-                      "core taken (ms)", "exposed comm (ms)", "optimizer (ms)", "rest (ms)"],
+                      "waited (ms)", "optimizer (ms)", "rest (ms)"],
     "checkpointing": ["split", "step (ms)", "samples/s", "spread", "predicted", "error", "forward", "backward",
                       "step vs none", "activations"],
 }
