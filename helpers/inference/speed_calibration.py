@@ -232,7 +232,8 @@ class StageForwards:
         time the thread's CPU time does not account for, both devices at once less alone, per op (layers x ops per
         layer, and the ops outside the layers), the median over the batches. The other thread decodes the same
         model because the wait comes with its many small ops: a streaming sweep beside it waits almost nothing
-        (docs/bench.md, `StageForwards.sample`)."""
+        (docs/bench.md, `StageForwards.sample`). A difference of two timings: where no op waited, noise can take
+        it just below zero, read as 0."""
         waits, steps = [], {}
         for batch, work in zip(self.batches, self.works):
             (both, both_cpu), (alone, alone_cpu) = run_together_with_cpu(work)[0], run_together_with_cpu(work[:1])[0]
@@ -240,7 +241,7 @@ class StageForwards:
             steps[batch] = alone / DECODE_STEPS
         prefills = {case: run_together_with_cpu([work])[0][0] for case, work in zip(self.prefills,
                                                                                    self.prefill_works)}
-        return statistics.median(waits), steps, prefills
+        return max(0.0, statistics.median(waits)), steps, prefills
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
