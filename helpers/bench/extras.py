@@ -7,6 +7,7 @@ from typing import Sequence
 
 from helpers.bench.blocks import (PipelineRun, make_pipeline_run, model_and_batch, one_device_step, run_rows,
                                   time_pipeline_runs)
+from helpers.bench.report import shown_strategy
 from helpers.bench.rows import Progress, _caller_seconds, calibration_samplers, compute_drift
 from helpers.models import StackConfig, lm_loss
 from helpers.timeline import PHASES, median_phases, phase_seconds
@@ -140,8 +141,8 @@ def _step_parts(events, device: int) -> dict[str, float]:
     """Where one recorded data-parallel step of `device` went, in seconds of wall time: its forward and backward
     spans, of the backward the part its thread did not run (wall less the thread's CPU: the core went to the
     collectives' threads or the other rank, or the thread waited for the last bucket's collective, which the
-    engines' backward returns after), the optimizer step, and the whole step (first span's start to last span's
-    end)."""
+    engines' backward returns after; CUDA spans carry no CPU time, so 0 there), the optimizer step, and the whole
+    step (first span's start to last span's end)."""
     mine = [e for e in events if e.device == device]
     spans = {kind: [e for e in mine if e.kind == kind] for kind in ("forward", "backward", "optimizer")}
     return {"forward": sum(e.duration for e in spans["forward"]),
@@ -170,7 +171,7 @@ def data_parallel_rows(rows: Sequence) -> list[dict]:
             parts = [_step_parts(events, device) for events in row.launch_events]
             median = {k: statistics.median(p[k] for p in parts) * 1e3 for k in parts[0]}
             named = {f"{k} (ms)": v for k, v in median.items() if k != "step"}
-            out.append({"row": row.strategy + (f", {row.wire} grads" if row.wire != "auto" else ""),
+            out.append({"row": shown_strategy({"strategy": row.strategy, "wire": row.wire}),
                         "device": device, "one device / 2 (ms)": row.reference_s / 2 * 1e3,
                         "recorded step (ms)": median["step"], **named,
                         "rest (ms)": median["step"] - median["forward"] - median["backward"] - median["optimizer"]})

@@ -107,8 +107,8 @@ def run_trainings(jobs: Sequence[TrainJob], rig: Rig, timeout: float = 300.0, ov
 def launches(jobs: Sequence[TrainJob]) -> list[list[int]]:
     """Which jobs share a launch (indices, in order): all but DeepSpeed's in one, each DeepSpeed job in its own.
     DeepSpeed keeps process-wide state from one engine to the next that `engine.destroy()` does not all undo (its
-    communication backend, ZeRO-3's module hooks and parameter bookkeeping): a ZeRO-3 engine built on ranks that had
-    just run a ZeRO-2 one crashed in native code (SIGSEGV) in one of about twenty runs of notebook 07."""
+    communication backend, ZeRO-3's module hooks and parameter bookkeeping), and a ZeRO-3 engine built on ranks that
+    had just run a ZeRO-2 one has crashed there in native code (SIGSEGV)."""
     plain = [i for i, job in enumerate(jobs) if not job.deepspeed]
     return ([plain] if plain else []) + [[i] for i, job in enumerate(jobs) if job.deepspeed]
 
