@@ -1,4 +1,5 @@
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -388,3 +389,95 @@ def test_the_split_backward_computes_what_a_plain_backward_does_and_frees_the_gr
     assert max_grad_diff(ref, module) <= 1e-6
     with pytest.raises(RuntimeError, match="second time"):
         out2.backward(grad)
+
+
+def _mm_calls(fn) -> int:
+    """How many matrix products (`mm`, `addmm`) `fn` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return len(calls)
+
+
+@pytest.mark.parametrize("make", [_SharedWeight, lambda: build_stack(CFG)[1:3]], ids=["shared", "blocks"])
+def test_weight_passes_of_several_microbatches_run_as_one_product_per_linear_layer(make):
+    """`run_batched` over three micro-batches' weight halves adds what three plain backwards would, with each plain
+    linear layer's weight gradient one product over the micro-batches' rows: a block's four linear layers take 4
+    products where one pass per micro-batch takes 12. A weight used by two pieces of the cut forward (a tie) gets
+    one product over all its uses' rows."""
+    from helpers.pipeline.split_backward import backward_input_cut, forward_cut, run_batched
+
+    torch.manual_seed(0)
+    module = make()
+    width = 8 if isinstance(module, _SharedWeight) else CFG.hidden
+    xs = [torch.randn(2, CFG.seq_len, width) for _ in range(3)]
+    grads = []
+    for x in xs:
+        out = module(x.clone().requires_grad_())
+        grads.append(torch.randn_like(out))
+        out.backward(grads[-1])
+    ref = [p.grad.clone() for p in module.parameters()]
+
+    def halves():
+        module.zero_grad(set_to_none=True)
+        return [backward_input_cut(forward_cut(_pieces(module), x.clone().requires_grad_()), g)[1]
+                for x, g in zip(xs, grads)]
+
+    one_by_one = halves()
+    separate = _mm_calls(lambda: [w.run() for w in one_by_one])
+    batched = halves()
+    together = _mm_calls(lambda: run_batched(batched))
+    assert max_grad_diff(ref, module) <= 1e-6 * max(r.abs().max().item() for r in ref)  # fp32, summed in another order
+    if isinstance(module, _SharedWeight):  # cut between its two uses: each piece's use is a plain linear layer
+        assert (separate, together) == (3 * 2, 1)
+    else:
+        assert (separate, together) == (3 * 8, 8)  # 2 blocks x 4 linear layers
+
+
+@pytest.mark.parametrize("name", [n for n in BEYOND if any(a.kind == "W" for d in make_schedule(n, 2, 4) for a in d)])
+@pytest.mark.parametrize("k", [2, 3])
+def test_weight_passes_in_groups_keep_every_schedule_valid_and_safe_on_nccl(name, k):
+    """Each W waits for the next k-1 of its chunk: still a valid schedule whose communication plan cannot deadlock on
+    NCCL, its Ws in runs of at least k back to back (but a chunk's last), at most k-1 more micro-batches held per
+    chunk."""
+    from helpers.pipeline.schedules import weight_groups, weights_in_groups
+
+    for p, m in ((2, 4), (2, 8), (3, 6)):
+        plain = make_schedule(name, p, m)
+        grouped = weights_in_groups(plain, k)
+        validate(grouped, m)
+        check_p2p_plan(grouped)
+        for before, after in zip(plain, grouped):
+            assert sorted(map(str, before)) == sorted(map(str, after))
+            assert [a for a in after if a.kind != "W"] == [a for a in before if a.kind != "W"]
+            per_chunk = Counter(a.chunk for a in after if a.kind == "W")
+            assert len(weight_groups(after)) <= sum(-(-n // k) for n in per_chunk.values())
+            assert peak_in_flight(after) <= peak_in_flight(before) + (k - 1) * layout_for(name, p).chunks
+
+
+@pytest.mark.parametrize("name", ["zbh1", "zbv"])
+def test_batched_weight_passes_on_threads_equal_one_device(name):
+    """The threaded engine with weight passes two micro-batches at a time: same loss and gradients as one device,
+    and half as many weight spans."""
+    model = build_stack(CFG6)
+    x, y = SyntheticTokens(8, CFG6.seq_len, CFG6.vocab).batch(0, 8)
+    layout = layout_for(name, 2)
+    split = split_model(copy.deepcopy(model), list(equal_count_split(len(model), layout.stages)),
+                        stage_devices(CPU2, layout))
+    pipe = ThreadedPipeline(split, name, 4, batched_weights=2)
+    loss = pipe.step(x, y)
+    ref = lm_loss(model(x), y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert_same_grads(model, split)
+    weights = sum(a.kind == "W" for actions in make_schedule(name, 2, 4) for a in actions)
+    assert sum(e.kind == "weight" for e in pipe.events()) == weights // 2

@@ -9,6 +9,7 @@ from helpers.check import grads_of, max_grad_diff
 from helpers.models import StackConfig, StackModel, SyntheticTokens, build_stack, count_params, lm_loss
 from helpers.models.layered import boundary_shapes, is_meta, owned_layers
 from helpers.partition import proportional_shares
+from helpers.pipeline.schedules import make_schedule
 from helpers.precision import Precision, max_relative_diff
 from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.job import TrainJob, check_job
@@ -74,6 +75,20 @@ def test_pipelines_past_1f1b_equal_one_device(schedule, engine, reference):
     assert sum(e.kind == "forward" for e in res.events) == 2 * chunks * 4
     assert {e.stage for e in res.events if e.kind == "forward"} == set(range(2 * chunks))
     assert (schedule == "interleaved") == (not any(e.kind == "weight" for e in res.events))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_batched_weight_passes_on_processes_equal_one_device(schedule, reference):
+    """Our engine with weight passes two micro-batches at a time (each linear layer's weight gradient one product
+    over their rows): one device's loss and gradients, fewer weight spans than weight passes."""
+    loss, grads, _ = reference
+    res = run_training(TrainJob(CFG, schedule, microbatches=4, batch=BATCH, timed_steps=1, batched_weights=2,
+                                return_grads=True), cpu_rig())
+    assert abs(res.loss - loss) < 1e-5
+    assert max_grad_diff(grads, res.grads) <= 1e-5
+    spans = sum(e.kind == "weight" for e in res.events)
+    passes = sum(a.kind == "W" for actions in make_schedule(schedule, 2, 4) for a in actions)
+    assert 0 < spans < passes
 
 
 @FULL
@@ -255,6 +270,10 @@ def test_a_rank_materialises_only_its_own_layers():
     (TrainJob(CFG, timed_steps=0), "steps must be a whole number >= 1"),
     (TrainJob(CFG, optimizer="lion"), "unknown optimizer"),
     (TrainJob(CFG, dp=2, pp=2, batch=8), "oversubscribe=True"),
+    (TrainJob(CFG, "zbv", microbatches=4, engine="torch", batched_weights=2), "engine='ours'"),
+    (TrainJob(CFG, "1f1b", microbatches=4, batched_weights=2), "has none with 4 micro-batches"),
+    (TrainJob(CFG, "zbv", microbatches=4, batched_weights=0), "batched_weights=0"),
+    (TrainJob(CFG, "ddp", batched_weights=2), "runs no pipeline"),
 ])
 def test_bad_jobs_are_refused_before_spawning(job, msg):
     with pytest.raises(ValueError, match=msg):

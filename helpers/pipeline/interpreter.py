@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from helpers.pipeline.schedules import Action, Layout, as_layout, layout_of, split_backwards
+from helpers.pipeline.schedules import Action, Layout, as_layout, layout_of, split_backwards, weight_groups
 from helpers.pipeline.stages import StageExecutor
 
 
@@ -237,7 +237,7 @@ class MicroBatch:
 
 def run_stage(ex: StageExecutor | Sequence[StageExecutor], actions: Sequence[Action], transport: Transport,
               microbatches: Sequence[MicroBatch], p: int | Layout, normalizer: float, loss_scale: float = 1.0,
-              plan: Sequence[Exchange] | None = None) -> torch.Tensor | None:
+              plan: Sequence[Exchange] | None = None, batched_weights: bool = False) -> torch.Tensor | None:
     """Execute one device's action list with its stage executor (or, for a device holding several stages, one
     executor per chunk, in chunk order); return the summed loss shares where the last stage runs, else None.
 
@@ -245,7 +245,9 @@ def run_stage(ex: StageExecutor | Sequence[StageExecutor], actions: Sequence[Act
     by it, so the shares add up to one device's mean loss however the padding falls. `plan`: this device's part of
     `communication_plan(schedule)` (default: `comm_plan`'s, enough for one stage per device). Tensors between two
     chunks of this device are handed over in place, never sent. A B whose micro-batch and chunk have a W in
-    `actions` computes only the input gradient; the W computes the weight gradients later.
+    `actions` computes only the input gradient; the W computes the weight gradients later. `batched_weights`:
+    weight passes of one chunk back to back (`weights_in_groups`) run as one, where the last of them stands, each
+    linear layer's gradient one product over their micro-batches' rows.
     """
     executors = [ex] if isinstance(ex, StageExecutor) else list(ex)
     layout = as_layout(p)
@@ -256,7 +258,9 @@ def run_stage(ex: StageExecutor | Sequence[StageExecutor], actions: Sequence[Act
     losses: list[torch.Tensor] = []
     outputs: dict[Message, torch.Tensor] = {}  # produced here, waiting to be sent with the next exchange
     local: dict[Message, torch.Tensor] = {}  # produced here for another chunk of this device
-    for action, (sends, recvs, *_) in zip(actions, plan):
+    batch_ends = {start + n - 1: [a.microbatch for a in actions[start:start + n]]
+                  for start, n in weight_groups(actions)} if batched_weights else {}
+    for i, (action, (sends, recvs, *_)) in enumerate(zip(actions, plan)):
         if sends or recvs:
             transport.post([(m, outputs.pop(m)) for m in sends], recvs)
         wanted = needs(action, device, layout)
@@ -275,8 +279,10 @@ def run_stage(ex: StageExecutor | Sequence[StageExecutor], actions: Sequence[Act
         elif action.kind == "B":
             result = chunk.backward(action.microbatch, incoming[0] if incoming else None, loss_scale,
                                     weights_later=(action.chunk, action.microbatch) in split)
-        else:
+        elif not batched_weights:
             chunk.backward_weights(action.microbatch)
+        elif i in batch_ends:
+            chunk.backward_weights(*batch_ends[i])
         for m in makes(action, device, layout):
             (outputs if on_wire(m, device, layout, True) else local)[m] = result
     final_sends = plan[-1][0]

@@ -298,6 +298,47 @@ def make_schedule(name: str, p: int, m: int) -> Sequence[Sequence[Action]]:
     return SCHEDULES[name](p, m)
 
 
+def weights_in_groups(schedule: Sequence[Sequence[Action]], k: int) -> Schedule:
+    """`schedule` with each device's weight passes run `k` micro-batches at a time (per chunk): every W waits for
+    the next k-1 of its chunk and they run back to back where the last of them stood (a last, shorter group where
+    the chunk's final W stood), so an engine can run them as one pass, each linear layer's weight gradient one
+    product over k micro-batches' rows (`StageExecutor.backward_weights`; the zero-bubble papers' W passes batched).
+    A W depends only on its own B, so running it later is always allowed; it holds that micro-batch's activations
+    longer (`peak_in_flight` counts them). k=1: the schedule as it is."""
+    if k < 1:
+        raise ValueError(f"weight passes run k >= 1 micro-batches at a time, got {k}")
+    grouped = []
+    for actions in schedule:
+        last = {a.chunk: i for i, a in enumerate(actions) if a.kind == "W"}
+        waiting: dict[int, list[Action]] = {}
+        out: list[Action] = []
+        for i, a in enumerate(actions):
+            if a.kind != "W":
+                out.append(a)
+                continue
+            group = waiting.setdefault(a.chunk, [])
+            group.append(a)
+            if len(group) == k or i == last[a.chunk]:
+                out.extend(group)
+                waiting[a.chunk] = []
+        grouped.append(out)
+    return Schedule(grouped, layout_of(schedule))
+
+
+def weight_groups(actions: Sequence[Action]) -> list[tuple[int, int]]:
+    """The runs of weight passes of one chunk back to back in `actions`, as (index of the first, how many): what an
+    engine that batches weight passes runs as one."""
+    runs: list[tuple[int, int]] = []
+    for i, a in enumerate(actions):
+        if a.kind != "W":
+            continue
+        if runs and sum(runs[-1]) == i and actions[runs[-1][0]].chunk == a.chunk:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
 def layout_for(name: str, p: int) -> Layout:
     """Where the named schedule puts the stages of a `p`-device pipeline (the model is cut into p x chunks)."""
     if name not in LAYOUTS:

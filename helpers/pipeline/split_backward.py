@@ -95,6 +95,91 @@ class WeightGradients:
         self.calls = []
 
 
+@dataclass
+class LinearWeightPass:
+    """One linear layer's weight half for one micro-batch, read off its fork: the gradient of the layer's output
+    (rows x out) and the input autograd saved for it (rows x in). Its weight's gradient is grad^T @ inp, its bias's
+    the column sums of grad: of several micro-batches, one product over their rows stacked (`run_batched`)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    grad: torch.Tensor
+    inp: torch.Tensor
+
+    @classmethod
+    def of(cls, group: Group) -> LinearWeightPass | None:
+        """The group as a plain linear layer's weight half, or None: one fork, an `addmm` (with a bias) or `mm`
+        (without) of the layer's input by the transpose of a leaf weight, the group's weights exactly that weight
+        and bias, no hook on either (a hook would expect autograd to accumulate). Anything else (a layer norm, a
+        tied weight, a weight cast by autocast on its way in) is left to autograd."""
+        edges, grads, weights = group
+        if len(edges) != 1 or edges[0].output_nr != 0 or grads[0].dim() != 2:
+            return None
+        node = edges[0].node
+        if node.name() == "AddmmBackward0" and node._saved_alpha == 1 and node._saved_beta == 1:
+            (bias_node, _), _, (t_node, _) = node.next_functions
+            inp = node._saved_mat1
+        elif node.name() == "MmBackward0":
+            bias_node, ((_, _), (t_node, _)) = None, node.next_functions
+            inp = node._saved_self
+        else:
+            return None
+        if t_node is None or t_node.name() != "TBackward0":
+            return None
+        weight, bias = _leaf(t_node.next_functions[0][0]), _leaf(bias_node)
+        if weight is None or (bias_node is not None and bias is None):
+            return None
+        mine = [w for w in (weight, bias) if w is not None]
+        if {id(w) for w in weights} != {id(w) for w in mine} or any(_hooked(w) for w in mine):
+            return None
+        return cls(weight, bias, grads[0], inp)
+
+
+def _leaf(node: Node | None) -> torch.Tensor | None:
+    """The leaf tensor an `AccumulateGrad` node adds into (None for any other node)."""
+    return getattr(node, "variable", None) if node is not None else None
+
+
+def _hooked(w: torch.Tensor) -> bool:
+    return bool(w._backward_hooks) or bool(getattr(w, "_post_accumulate_grad_hooks", None))
+
+
+def _accumulate(w: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` into `w.grad`, as autograd's AccumulateGrad does."""
+    if w.grad is None:
+        w.grad = grad
+    else:
+        w.grad.add_(grad)
+
+
+def run_batched(halves: Sequence[WeightGradients]) -> None:
+    """The weight halves of several micro-batches (graphs that share no node), run with each linear layer's
+    weight gradient as one product over all their rows: grad^T @ inp with the micro-batches' rows stacked, instead
+    of one product per micro-batch (the zero-bubble papers' W passes batched). Everything that is not a plain
+    linear layer (`LinearWeightPass.of`) runs through autograd as `WeightGradients.together` would. The same sums
+    as one backward per micro-batch, added in another order (fp32: within rounding)."""
+    linears: dict[int, list[LinearWeightPass]] = {}
+    for half in halves:
+        kept = []
+        for groups in half.calls:
+            rest = []
+            for group in groups:
+                linear = LinearWeightPass.of(group)
+                if linear is None:
+                    rest.append(group)
+                else:
+                    linears.setdefault(id(linear.weight), []).append(linear)
+            kept.append(rest)
+        half.calls = [groups for groups in kept if groups]
+    for parts in linears.values():
+        grad = torch.cat([p.grad for p in parts]) if len(parts) > 1 else parts[0].grad
+        inp = torch.cat([p.inp for p in parts]) if len(parts) > 1 else parts[0].inp
+        _accumulate(parts[0].weight, grad.t().mm(inp))
+        if parts[0].bias is not None:
+            _accumulate(parts[0].bias, grad.sum(0))
+    WeightGradients.together(halves).run()
+
+
 def _pin(edges: list[GradientEdge], grads: list[torch.Tensor], node: Node):
     """A hook replacing whatever gradient reaches `node` in the weight pass by the one the input pass kept there
     (a fork reached both as a starting point and through another fork of its group counts once)."""

@@ -19,7 +19,8 @@ from torch import nn
 
 from helpers.models.data import kept_tokens, lm_loss_sum
 from helpers.models.layered import Stage, call_layer
-from helpers.pipeline.split_backward import Cut, WeightGradients, backward_input, backward_input_cut, forward_cut
+from helpers.pipeline.split_backward import (Cut, WeightGradients, backward_input, backward_input_cut, forward_cut,
+                                             run_batched)
 from helpers.precision import Precision
 from helpers.timeline import Recorder
 
@@ -213,12 +214,17 @@ class StageExecutor:
                 step.out.backward(grad.to(self.device))
         return step.inp.grad if step.inp.requires_grad else None
 
-    def backward_weights(self, mb: int) -> None:
+    def backward_weights(self, mb: int, *more: int) -> None:
         """The weight gradients of micro-batch `mb`, whose input gradient `backward(..., weights_later=True)`
-        computed; then its graph and activations go."""
-        deferred = self.deferred.pop(mb)
+        computed; then its graph and activations go. With `more` micro-batches, one weight pass for all of them,
+        each linear layer's gradient one product over their rows (`split_backward.run_batched`), recorded as one
+        span under the first micro-batch."""
+        deferred = [self.deferred.pop(k) for k in (mb, *more)]
         with self.recorder.span("weight", mb, self.index):
-            deferred.run()
+            if more:
+                run_batched(deferred)
+            else:
+                deferred[0].run()
 
 
 def make_executors(model: SplitModel, recorders: Sequence[Recorder] | None = None,

@@ -19,7 +19,7 @@ from helpers.models.data import kept_tokens
 from helpers.models.layered import with_seed
 from helpers.pipeline.comm import CopyStreams, Wire
 from helpers.pipeline.interpreter import Exchange, MicroBatch, communication_plan, run_stage
-from helpers.pipeline.schedules import Layout, chunks_of, layout_of, make_schedule, validate
+from helpers.pipeline.schedules import Layout, chunks_of, layout_of, make_schedule, validate, weights_in_groups
 from helpers.pipeline.stages import SplitModel, StageExecutor, make_executors
 from helpers.pipeline.transports import Mailboxes, MailboxTransport, PipelineAborted
 from helpers.precision import Precision
@@ -98,9 +98,10 @@ def run_on_device_threads(work: Callable[[int], None], devices: Sequence[torch.d
 def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence], microbatches: Sequence[MicroBatch],
                  normalizer: float, wire: Wire = Wire(), timeout_s: float = 300.0,
                  streams: tuple[list, CopyStreams] | None = None, loss_scale: float = 1.0,
-                 plan: list[list[Exchange]] | None = None) -> torch.Tensor:
+                 plan: list[list[Exchange]] | None = None, batched_weights: bool = False) -> torch.Tensor:
     """Run the action lists with one thread per device (holding one executor per stage of the schedule's layout);
-    return the loss of the global batch. `plan`: the schedule's `communication_plan`, if already made."""
+    return the loss of the global batch. `plan`: the schedule's `communication_plan`, if already made;
+    `batched_weights`: weight passes back to back run as one (`run_stage`)."""
     layout, m = layout_of(schedule), len(microbatches)
     if len(executors) != layout.stages:
         raise ValueError(f"the schedule has {layout.stages} stages but there are {len(executors)} stage executors")
@@ -114,7 +115,8 @@ def run_schedule(executors: Sequence[StageExecutor], schedule: Sequence[Sequence
 
     def stage(s: int) -> None:
         transport = MailboxTransport(s, boxes, devices, wire, mine[s][0].recorder, copies, timeout_s, layout)
-        loss = run_stage(mine[s], schedule[s], transport, microbatches, layout, normalizer, loss_scale, plan[s])
+        loss = run_stage(mine[s], schedule[s], transport, microbatches, layout, normalizer, loss_scale, plan[s],
+                         batched_weights)
         if loss is not None:
             losses.append(loss)
 
@@ -135,15 +137,16 @@ class ThreadedPipeline:
 
     def __init__(self, split: SplitModel, schedule: str = "gpipe", microbatches: int = 4,
                  ledger: MemoryLedger | None = None, wire: Wire | str = "auto", precision: Precision = Precision(),
-                 context: ContextFn | None = None):
+                 context: ContextFn | None = None, batched_weights: int = 1):
         self.split, self.schedule_name, self.m, self.context = split, schedule, microbatches, context
+        self.batched_weights = batched_weights  # weight passes this many micro-batches at a time (weights_in_groups)
         dtype = check_one_dtype(split)
         self.wire = wire if isinstance(wire, Wire) else Wire.of(wire, compute=dtype)  # refuses unsendable dtypes
         stages, chunks = len(split.stages), chunks_of(schedule)
         if stages % chunks:
             raise ValueError(f"{schedule} runs {chunks} stages per device: split the model into a multiple of {chunks} "
                              f"stages (devices x {chunks}), not {stages}")
-        self.schedule = make_schedule(schedule, stages // chunks, microbatches)  # refuses m < p for 1F1B, ...
+        self.schedule = weights_in_groups(make_schedule(schedule, stages // chunks, microbatches), batched_weights)
         self.plan = communication_plan(self.schedule)  # proven safe on NCCL, or refused
         layout = layout_of(self.schedule)
         devices = [split.devices[layout.stage(d)] for d in range(layout.devices)]
@@ -177,7 +180,7 @@ class ThreadedPipeline:
         one dropout seed per micro-batch (models with dropout)."""
         mbs = self.microbatches(x, y, attention_mask, seeds)
         loss = run_schedule(self.executors, self.schedule, mbs, kept_tokens(y), self.wire, streams=self.streams,
-                            loss_scale=loss_scale, plan=self.plan)
+                            loss_scale=loss_scale, plan=self.plan, batched_weights=self.batched_weights > 1)
         self.split.sync_tied_grads()
         return loss
 

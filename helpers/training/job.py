@@ -13,7 +13,7 @@ from helpers.models.layered import LayeredModel
 from helpers.models.stack import StackConfig, StackModel
 from helpers.pipeline.comm import resolve_dtype
 from helpers.pipeline.interpreter import check_p2p_plan
-from helpers.pipeline.schedules import Layout, layout_for, make_schedule
+from helpers.pipeline.schedules import Layout, Schedule, layout_for, make_schedule
 from helpers.pipeline.stages import stage_ranges
 from helpers.precision import Precision
 from helpers.runtime.launch import check_ranks
@@ -66,6 +66,8 @@ class TrainJob:
     wire: str = "auto"  # dtype on the link: pipeline boundaries, or (dp only) DDP's gradient buckets; auto: the
     # model's own
     overlap: bool = True  # False: wait for every send before computing on (the blocking baseline)
+    batched_weights: int = 1  # our engine, schedules that split the backward (zbh1, zbv, dualpipev): weight passes k
+    # micro-batches at a time, each linear layer's weight gradient one product over their rows (notebook 06b)
     dtype: str = "fp32"  # weights: fp32 | bf16 | fp16
     autocast: str | None = None  # None | bf16 | fp16 (fp32 weights, 16-bit matmuls; fp16 adds loss scaling)
     batch: int = 32  # global batch
@@ -264,6 +266,22 @@ def _check_pipeline(job: TrainJob) -> None:
     stage_ranges(job.n_layers, bounds)
     schedule = make_schedule(job.schedule, job.pp, job.microbatches)  # refuses m < p for 1F1B, ...
     check_p2p_plan(schedule)
+    if job.batched_weights != 1:
+        _check_batched_weights(job, schedule)
+
+
+def _check_batched_weights(job: TrainJob, schedule: Schedule) -> None:
+    """Batched weight passes need weight passes to batch, and the engine that runs them (torch's schedules run
+    each W alone)."""
+    if job.batched_weights < 1:
+        raise ValueError(f"batched_weights={job.batched_weights}: give how many micro-batches each weight pass "
+                         "takes at once (1: each its own)")
+    if job.engine != "ours":
+        raise ValueError("batched_weights runs in our pipeline engine (engine='ours'); torch.distributed.pipelining "
+                         "runs each weight pass alone")
+    if not any(a.kind == "W" for actions in schedule for a in actions):
+        raise ValueError(f"batched_weights batches the weight passes of a split backward; schedule "
+                         f"{job.schedule!r} has none with {job.microbatches} micro-batches: use zbh1 or zbv")
 
 
 def _check_data_parallel(job: TrainJob, capacity_bytes: int | None) -> None:
@@ -365,6 +383,8 @@ def check_job(job: TrainJob, rig: Rig, oversubscribe: bool = False) -> None:
     _check_batches(job)
     if job.pp > 1:
         _check_pipeline(job)
+    elif job.batched_weights != 1:
+        raise ValueError(f"batched_weights batches a pipeline's weight passes; {job.strategy} runs no pipeline")
     if job.dp > 1:
         _check_data_parallel(job, rig.capacity_bytes[0])
     if job.world > 1:

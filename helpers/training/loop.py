@@ -345,7 +345,7 @@ class _Rank:
         wire = Wire.of(job.wire, compute=planned[min(first, len(planned) - 1)][1])
         step = apply_pipeline(self.chunks(), stage, job.pp, job.schedule, job.microbatches, job.engine,
                               self.mesh.get_group("pp"), shapes, wire, job.overlap, self.device, self.rec,
-                              self.ledger.trackers()[0], self.precision)
+                              self.ledger.trackers()[0], self.precision, job.batched_weights)
 
         def run_step(i: int) -> torch.Tensor:
             batch = self.batch_at(i)

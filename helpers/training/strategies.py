@@ -17,7 +17,7 @@ from helpers.models.data import lm_loss_sum
 from helpers.models.layered import LayeredModel, Stage, tie_parameters_
 from helpers.pipeline.comm import Wire
 from helpers.pipeline.interpreter import MicroBatch, communication_plan, run_stage
-from helpers.pipeline.schedules import Layout, layout_for, make_schedule
+from helpers.pipeline.schedules import Layout, layout_for, make_schedule, weights_in_groups
 from helpers.pipeline.stages import StageExecutor, stage_ranges
 from helpers.pipeline.transports import P2PTransport
 from helpers.dtypes import DTYPES
@@ -363,19 +363,20 @@ def _torch_pipeline(chunks: Sequence[Stage], device_index: int, layout: Layout, 
 
 def apply_pipeline(chunks: Stage | Sequence[Stage], stage: int, p: int, schedule: str, m: int, engine: str, group,
                    shapes: dict[int, tuple], wire: Wire, overlap: bool, device: torch.device, rec: Recorder,
-                   track: Callable, precision: Precision = Precision()) -> PipelineStep:
+                   track: Callable, precision: Precision = Precision(), batched_weights: int = 1) -> PipelineStep:
     """Device `stage` of a `p`-device pipeline over `group` (whose rank i is device i), holding the model stage
     `chunks` (or, for schedules with several stages per device, one module per chunk, in chunk order). The returned
     step runs one global batch's micro-batches and returns this device's summed loss shares (where the last stage
-    runs) or None. `shapes[b]`: what crosses boundary b."""
+    runs) or None. `shapes[b]`: what crosses boundary b. `batched_weights`: our engine runs the weight passes that
+    many micro-batches at a time (`weights_in_groups`)."""
     chunks = [chunks] if isinstance(chunks, Stage) else list(chunks)
     layout = layout_for(schedule, p)
     if engine == "torch":
         return _torch_pipeline(chunks, stage, layout, schedule, m, device, group, rec, track, precision)
     executors = [StageExecutor(chunk, device, k, rec, track, computes_loss=k == layout.stages - 1,
                                precision=precision) for chunk, k in zip(chunks, layout.stages_of(stage))]
-    full = make_schedule(schedule, p, m)
+    full = weights_in_groups(make_schedule(schedule, p, m), batched_weights)
     actions, plan = full[stage], communication_plan(full)[stage]
     transport = P2PTransport(group, stage, shapes, wire, device, rec, overlap, layout)
     return lambda microbatches, norm, loss_scale=1.0: run_stage(executors, actions, transport, microbatches, layout,
-                                                               norm, loss_scale, plan)
+                                                               norm, loss_scale, plan, batched_weights > 1)
