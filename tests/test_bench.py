@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -263,6 +264,46 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
     assert {p.with_suffix(".json") for p in pngs} == set(tmp_path.glob("timeline_*.json"))  # Perfetto traces
     assert "predicted" in out and "columns:" in out and "calibration (measured in this run)" in out
     assert "around the multi-process launches" in out
+
+
+def test_each_calibration_reading_keeps_its_spread_and_the_summary_prints_it():
+    """A reading the simulator prices with is the median of repeats: it keeps their spread (the rows' own
+    `relative_spread`) and count, bench.json keeps both beside it, and the calibration summary prints them; a figure
+    given as a plain number (and an old record's) prints as before."""
+    from helpers.bench.cli import run_summary
+    from helpers.bench.predict import calibration_record
+    from helpers.bench.report import row_dicts
+    from helpers.measure import relative_spread
+    from helpers.simulate.calibrate_model import Reading, WholeModelTimer
+
+    timer = WholeModelTimer(torch.nn.Linear(2, 2), torch.zeros(4, 2), torch.zeros(4, 2), torch.nn.functional.mse_loss)
+    timer.keyed[("1f1b", 2)] = [(1.0, 3.0)]  # alone: 4 s a micro-batch
+    timer.add_together(2, [4.0, 4.4, 4.8, 5.2], ["1f1b"])  # both ranks at once: 1.0, 1.1, 1.2, 1.3x
+    for seconds in (0.002, 0.0025):  # one receive-post reading per launch
+        timer.add_receive_posts(seconds, ["1f1b"])
+    slowdown, post = timer.slowdown("1f1b"), timer.receive_post_s("1f1b")
+    assert slowdown == pytest.approx(1.15) and slowdown.n == 4
+    assert slowdown.spread == pytest.approx(relative_spread([1.0, 1.1, 1.2, 1.3]))
+    assert post == pytest.approx(0.00225) and (post.spread, post.n) == (relative_spread([0.002, 0.0025]), 2)
+
+    pipe = row("1f1b", "processes", 2, core_slowdown=slowdown, receive_post_s=post,
+               whole_model_s=timer.seconds(2, "1f1b"))
+    lines = run_summary([pipe, row("1f1b", "processes", 2, core_slowdown=slowdown)], {})
+    assert "1.15x (spread ±7%, n=4) slower when both cores are busy" in lines[0]  # once: one launch's reading
+    assert "2.25 ms (spread ±6%, n=2)" in lines[1]
+    single = BenchRow("single", "none", "one thread", None, 1.0, [], [0])
+    assert row_dicts([pipe, single], BATCH)[0]["reading_spreads"] == {
+        "core_slowdown": {"spread": slowdown.spread, "n": 4}, "receive_post_s": {"spread": post.spread, "n": 2},
+        "whole_model_s": [{"spread": None, "n": 1}, {"spread": None, "n": 1}]}  # one sample: n=1, no spread
+
+    rig = replace(rig_model(1.05), fsdp2_host_s=Reading(0.004, 0.1, 15), split_overhead=Reading(0.05, None, 1))
+    record = calibration_record(rig, {})
+    assert "FSDP2's host work: 4.00 ms per collective (spread ±10%, n=15)" in record["summary"]
+    assert "split backward (input pass + weight pass): 1.05x a plain backward (n=1)" in record["summary"]
+    assert "processes: 2 shared cores, 1.05x slower when more than one is busy" in record["summary"]  # by hand
+    assert record["spreads"]["fsdp2_host_s"] == {"spread": 0.1, "n": 15} and record["spreads"]["slowdown"] == {
+        "threads": None, "processes": None}
+    assert json.loads(json.dumps(record))["fsdp2_host_s"] == 0.004  # bench.json: the value a plain number
 
 
 def test_a_pipelines_receive_posts_timed_in_its_own_launches_price_it():

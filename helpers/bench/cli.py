@@ -103,21 +103,32 @@ def measure(config, rig, progress: Progress, quick: bool, skip_extras: bool) -> 
 
 
 def run_summary(rows, extras: dict) -> list[str]:
-    """The calibration summary's lines that this run's rows measured: the busy-core slowdowns (threads, with each
-    part of the run; processes, timed on both ranks inside their launches, one per micro-batch size the jobs compute
-    at), what posting a receive cost in the pipelines' own launches (each row priced with its launches' median, in
-    place of the link calibration's one reading), the one-device step's drift (`one_device_drift`)."""
+    """The calibration summary's lines that this run's rows measured, each reading with its spread and count
+    (`spread_said`): the busy-core slowdowns (threads, with each part of the run; processes, timed on both ranks
+    inside their launches, one per micro-batch size the jobs compute at), what posting a receive cost in the
+    pipelines' own launches (each row priced with its launches' median, in place of the link calibration's one
+    reading), the one-device step's drift (`one_device_drift`)."""
+    from helpers.simulate.calibrate_model import spread_said
+
     timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
                   **{name: extra_rows[0].get("core_slowdown") for name, extra_rows in extras.items() if extra_rows}}
-    lines = [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy"
+    lines = [f"threads, timed with {name}: {s:.3g}x slower when both cores are busy{spread_said(s)}"
              for name, s in timed_with.items() if s is not None]
-    if slowdowns := sorted({round(r.core_slowdown, 3) for r in rows if r.runner == "processes" and r.core_slowdown}):
-        lines.append(f"processes, timed on both ranks in their launches: {' / '.join(f'{s:.3g}x' for s in slowdowns)}"
-                     " slower when both cores are busy (one per micro-batch size)")
-    if posts := sorted({round(r.receive_post_s * 1e3, 2) for r in rows if r.receive_post_s}):
+    if slowdowns := distinct([r.core_slowdown for r in rows if r.runner == "processes" and r.core_slowdown], 3):
+        lines.append("processes, timed on both ranks in their launches: "
+                     f"{' / '.join(f'{s:.3g}x{spread_said(s)}' for s in slowdowns)} slower when both cores are busy "
+                     "(one per micro-batch size)")
+    if posts := distinct([r.receive_post_s for r in rows if r.receive_post_s], 5):
         lines.append("pipelines on processes, posting a receive while both ranks compute, timed in their launches: "
-                     f"{' / '.join(f'{ms:.2f}' for ms in posts)} ms (each row priced with its launches' median)")
+                     f"{' / '.join(f'{s * 1e3:.2f} ms{spread_said(s)}' for s in posts)}; each row priced with its "
+                     "launches' median")
     return lines + ([one_device_drift(rows)] if any(r.reference_s for r in rows) else [])
+
+
+def distinct(readings: list[float], digits: int) -> list[float]:
+    """`readings` without repeats (rows of one launch share theirs), equal to `digits` decimals, in increasing order;
+    each kept as it was read, with its spread."""
+    return sorted({round(s, digits): s for s in readings}.values())
 
 
 def print_tables(dicts: list[dict], extras: dict, calibration: dict, rig) -> None:

@@ -32,7 +32,8 @@ def simulation_job(row: BenchRow, batch: int, boundaries: Sequence[int] = ()):
     if entry.kind == "single":
         return Job("single", batch)
     return Job(entry.name, batch, microbatches=row.microbatches or 1,
-               boundaries=tuple(boundaries) or None if entry.pipeline else None, wire=row.wire)
+               boundaries=tuple(boundaries) or None if entry.pipeline else None, wire=row.wire,
+               batched_weights=row.batched_weights)
 
 
 def predict_row(row: BenchRow, workload, rig_model, batch: int, boundaries: Sequence[int] = (),
@@ -99,10 +100,16 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
 
 
 def calibration_record(rig_model, calibrated: dict) -> dict:
-    """What the predictions were calibrated from, for bench.json and the printout."""
+    """What the predictions were calibrated from, for bench.json and the printout; each reading's spread and count
+    beside it (`spreads`: None for a figure not measured as a `Reading`)."""
+    from helpers.simulate.calibrate_model import spread_record, spread_said
+
     summary = rig_model.describe() + [
-        f"micro-batch {b}: whole model {c.forward_s * 1e3:.1f} ms forward + {c.backward_s * 1e3:.1f} ms backward, "
-        f"{c.stream_factor:.2f}x the per-layer profile's sum" for b, c in sorted(calibrated.items())]
+        f"micro-batch {b}: whole model {c.forward_s * 1e3:.1f} ms forward{spread_said(c.forward_s)} + "
+        f"{c.backward_s * 1e3:.1f} ms backward{spread_said(c.backward_s)}, {c.stream_factor:.2f}x the per-layer "
+        "profile's sum" for b, c in sorted(calibrated.items())]
+    slowdowns = {"threads": getattr(rig_model.thread_cores, "slowdown", None),
+                 "processes": getattr(rig_model.process_cores, "slowdown", None)}
     return {"summary": summary,
             "links": {"p2p": [rig_model.p2p.latency_s, rig_model.p2p.bandwidth],
                       "p2p_receive_s": rig_model.p2p.receive_s,
@@ -111,7 +118,11 @@ def calibration_record(rig_model, calibrated: dict) -> dict:
                          for kind in ("allreduce", "allgather", "reducescatter", "broadcast")}},
             "copy_bandwidth": rig_model.copy_bandwidth, "fsdp2_host_s": rig_model.fsdp2_host_s,
             "split_overhead": rig_model.split_overhead,
-            "slowdown": {"threads": getattr(rig_model.thread_cores, "slowdown", None),
-                         "processes": getattr(rig_model.process_cores, "slowdown", None)},
+            "slowdown": slowdowns,
             "whole_model_s": {b: [c.forward_s, c.backward_s] for b, c in calibrated.items()},
-            "stream_factor": {b: c.stream_factor for b, c in calibrated.items()}}
+            "stream_factor": {b: c.stream_factor for b, c in calibrated.items()},
+            "spreads": {"fsdp2_host_s": spread_record(rig_model.fsdp2_host_s),
+                        "split_overhead": spread_record(rig_model.split_overhead),
+                        "slowdown": {engine: spread_record(s) for engine, s in slowdowns.items()},
+                        "whole_model_s": {b: [spread_record(c.forward_s), spread_record(c.backward_s)]
+                                          for b, c in calibrated.items()}}}

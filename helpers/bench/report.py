@@ -9,6 +9,7 @@ from typing import Sequence
 from helpers.bench.predict import TARGET
 from helpers.bench.jobs import BenchConfig, bench_refusals
 from helpers.bench.rows import BenchRow
+from helpers.simulate.calibrate_model import plus_minus, spread_record
 from helpers.timeline import PHASES, chrome_trace
 
 
@@ -41,9 +42,18 @@ def legend() -> str:
 
 
 def row_dicts(rows: Sequence[BenchRow], batch: int) -> list[dict]:
-    """The rows as bench.json holds them, each speed-up taken against its one-device row."""
+    """The rows as bench.json holds them, each speed-up taken against its one-device row, with the spread and count
+    of the calibration readings it was priced with (`reading_spreads`)."""
     reference = {r.strategy: r.step_s for r in rows if r.engine == "none"}
-    return [r.as_dict(batch, reference[r.reference]) for r in rows]
+    return [{**r.as_dict(batch, reference[r.reference]), "reading_spreads": reading_spreads(r)} for r in rows]
+
+
+def reading_spreads(row: BenchRow) -> dict:
+    """`spread_record` of each calibration reading a row was priced with: its busy-core slowdown, its receive post,
+    its whole model's forward and backward (None for a figure without a spread)."""
+    whole = row.whole_model_s or (None, None)
+    return {"core_slowdown": spread_record(row.core_slowdown), "receive_post_s": spread_record(row.receive_post_s),
+            "whole_model_s": [spread_record(t) for t in whole]}
 
 
 def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
@@ -99,10 +109,6 @@ def _percent(error: float | None, excluded: str | None = None, mark: bool = True
     return f"{error:+.1%}" + ("*" if mark and (excluded or abs(error) > TARGET) else "")
 
 
-def _plus_minus(spread: float | None) -> str:
-    return "-" if spread is None else f"±{spread:.0%}"
-
-
 def display_rows(dicts: Sequence[dict]) -> list[dict]:
     """The printed table's rows: measured, predicted and the error side by side."""
     return [{"strategy": shown_strategy(d), "engine": d["engine"], "runner": d["runner"], "m": d["microbatches"],
@@ -113,16 +119,17 @@ def display_rows(dicts: Sequence[dict]) -> list[dict]:
 def prediction_cells(d: dict) -> dict:
     """A row's (or an extra's row's) prediction as the tables print it: the spread, the predicted samples/s, the error
     ('*' outside the target or excluded) and how far its forward and backward passes drifted."""
-    return {"spread": _plus_minus(d.get("spread")), "predicted": d.get("predicted_samples_per_s"),
+    return {"spread": plus_minus(d.get("spread")), "predicted": d.get("predicted_samples_per_s"),
             "error": _percent(d.get("error"), d.get("excluded_from_target")),
             **{phase: _signed(d.get(f"{phase}_vs_predicted")) for phase in PHASES}}
 
 
 def shown_strategy(d: dict) -> str:
     """A row's strategy as the table prints it: with the dtype its gradients cross the link in, where not their own
-    ('ddp, bf16 grads')."""
-    wire = d.get("wire", "auto")
-    return d["strategy"] if wire == "auto" else f"{d['strategy']}, {wire} grads"
+    ('ddp, bf16 grads'), and how many micro-batches its weight passes take at once, where more than one
+    ('zbv, W x2')."""
+    wire, batched = d.get("wire", "auto"), d.get("batched_weights", 1)
+    return d["strategy"] + (f", {wire} grads" if wire != "auto" else "") + (f", W x{batched}" if batched > 1 else "")
 
 
 def _drift_said(d: dict) -> str:
@@ -146,7 +153,7 @@ def misses(dicts: Sequence[dict]) -> list[str]:
             out.append(f"  {row_label(d)}: excluded from the target: {d['excluded_from_target']}")
         elif d.get("error") is not None and abs(d["error"]) > TARGET:
             spread = d.get("spread")
-            noise = "" if spread is None else f"; the measured step times spread {_plus_minus(spread)}"
+            noise = "" if spread is None else f"; the measured step times spread {plus_minus(spread)}"
             out.append(f"  {row_label(d)}: {d['error']:+.1%} (outside the {TARGET:.0%} target{noise}{_drift_said(d)})")
     return out
 
@@ -157,9 +164,9 @@ EXTRA_SPEEDUPS = {"splits": "speedup", "checkpointing": "step vs none"}  # each 
 
 def row_label(d: dict) -> str:
     """A row's name across runs: strategy (or split), engine, runner and micro-batches."""
-    m, wire = d.get("microbatches"), d.get("wire", "auto")
+    m, wire, batched = d.get("microbatches"), d.get("wire", "auto"), d.get("batched_weights", 1)
     parts = [d.get("strategy") or d.get("split"), d.get("engine"), d.get("runner"), f"m={m}" if m else None,
-             f"wire={wire}" if wire != "auto" else None]
+             f"wire={wire}" if wire != "auto" else None, f"W x{batched}" if batched > 1 else None]
     return " ".join(str(p) for p in parts if p)
 
 

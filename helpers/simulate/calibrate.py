@@ -14,13 +14,15 @@ from torch import nn
 
 from helpers.hardware import COLLECTIVES, COMPUTE_TASKS, FREE_LINK, Collectives, Link, SharedCores, fit_link
 from helpers.measure import synchronize
-from helpers.simulate.calibrate_model import (WholeModelTimer, copy_seconds_per_byte, measure_workload,  # noqa: F401
-                                              forward_backward_seconds, optimizer_seconds, split_backward_overhead,
-                                              typical_slowdown, whole_model_seconds)  # model's names: here too
+from helpers.simulate.calibrate_model import (Reading, WholeModelTimer, copy_seconds_per_byte,  # noqa: F401
+                                              forward_backward_seconds, measure_workload, optimizer_seconds,
+                                              split_backward_overhead, spread_said, typical_slowdown,
+                                              whole_model_seconds)  # model's names: here too
 from helpers.simulate.workload import Workload
 
 
-def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, rounds: int = 7) -> float:
+def thread_slowdown(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                    rounds: int = 7) -> Reading:
     """How much slower forward + backward of (`x`, `y`) runs on two threads of this process at once (each on its
     own copy of `model`) than on one alone: shared caches and memory bandwidth, and the GIL between operators.
     Timed as the bench times it beside its rows (`WholeModelTimer.slowdown`), `rounds` rounds of alone then
@@ -72,7 +74,7 @@ FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_seconds` (one sample each): fewe
 
 
 def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                       repeats: int) -> float:
+                       repeats: int) -> Reading:
     """Rank worker: the host work `fully_shard` does around each collective it issues, beyond the collective and
     the copies the simulator models. A sharded copy of `model` (each layer, then the whole) trains on (`x`, `y`),
     in turns with the same computation unsharded and with the same all-gathers (forward, and again in backward
@@ -81,7 +83,7 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     What the profiler found it to be on the course's CPU rig: DTensor dispatch, copies slower than a plain copy,
     the collectives' wrappers, page faults (docs/bench.md, `fsdp2_host_seconds`). The median of each round's
     difference, not the difference of the medians: the compute is subtracted within a round, so the minute's speed
-    cancels."""
+    cancels; a `Reading` with the rounds' spread."""
     import copy
 
     import torch.distributed as dist
@@ -126,8 +128,9 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     shard_bytes = sum(gathers) / world + sum(units)  # copy-in of the shard, copy-out of what was gathered
     copies = (shard_bytes + sum(units)) * copy_seconds_per_byte(device)  # + gradients into the reduce-scatter
     # each round's difference, then their median: a slow moment slows the three of one round alike and cancels
-    extra = statistics.median(s - p - c for s, p, c in zip(times["sharded"], times["plain"], times["collectives"]))
-    return max(0.0, (extra - copies) / (len(gathers) + len(units)))
+    per_collective = [(s - p - c - copies) / (len(gathers) + len(units))
+                      for s, p, c in zip(times["sharded"], times["plain"], times["collectives"])]
+    return Reading.median_of(per_collective).at_least(0.0)
 
 
 COLLECTIVE_KINDS = ("allgather", "reducescatter", "broadcast")  # measured besides the link benchmark's all-reduce
@@ -256,8 +259,8 @@ class RigModel:
     process_cores: SharedCores | None
     copy_bandwidth: float = float("inf")  # bytes/s one device copies memory at
     samples: tuple = ()  # the link benchmark's LinkSamples
-    fsdp2_host_s: float = 0.0  # fully_shard's host work per collective (fsdp2_host_seconds)
-    split_overhead: float = 0.0  # a split backward beyond a plain one, minus 1 (split_backward_overhead)
+    fsdp2_host_s: float = 0.0  # fully_shard's host work per collective (fsdp2_host_seconds; a Reading if measured)
+    split_overhead: float = 0.0  # a split backward beyond a plain one, minus 1 (split_backward_overhead; a Reading)
 
     @property
     def host_computes(self) -> bool:
@@ -301,13 +304,16 @@ class RigModel:
                         self.thread_cores if threads else self.process_cores)
 
     def describe(self) -> list[str]:
+        """The calibration as the bench prints it, each measured reading with its spread (`spread_said`)."""
         lines = [f"point-to-point (processes): {self.p2p}", f"collectives (processes): {self.collectives}",
                  f"threaded engine's hand-over: {self.threads_link}",
                  f"memory copies: {self.copy_bandwidth / 1e9:.3g} GB/s",
-                 f"FSDP2's host work: {self.fsdp2_host_s * 1e3:.2f} ms per collective",
-                 f"split backward (input pass + weight pass): {1 + self.split_overhead:.3g}x a plain backward"]
+                 f"FSDP2's host work: {self.fsdp2_host_s * 1e3:.2f} ms per collective{spread_said(self.fsdp2_host_s)}",
+                 f"split backward (input pass + weight pass): {1 + self.split_overhead:.3g}x a plain backward"
+                 f"{spread_said(self.split_overhead)}"]
         if self.thread_cores is not None:
-            lines += [f"threads: {self.thread_cores}", f"processes: {self.process_cores}"]
+            lines += [f"{name}: {cores}{spread_said(cores.slowdown)}"
+                      for name, cores in (("threads", self.thread_cores), ("processes", self.process_cores))]
         return lines
 
 
@@ -362,7 +368,7 @@ def measure_rig(rig, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
 
         cores = max(1, usable_cores() // rig.threads_per_device)
         thread_cores = SharedCores(cores, thread_slowdown(model, x, y, loss_fn, rounds), COMPUTE_TASKS)
-        process_cores = SharedCores(cores, max(1.0, typical_slowdown(measured["ratios"])),
+        process_cores = SharedCores(cores, typical_slowdown(measured["ratios"]).at_least(1.0),
                                     COMPUTE_TASKS | COLLECTIVES)
     return RigModel(p2p, collectives, threads_link, thread_cores, process_cores, copy_bandwidth, tuple(samples),
                     measured["fsdp2_host_s"], split_backward_overhead(model, x, y, loss_fn, rounds))

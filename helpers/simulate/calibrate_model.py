@@ -5,6 +5,7 @@ now.
   micro-batch size a run will use, rescaled to the whole model's measured forward and backward time per
   micro-batch (`Calibrated`: the workload, the profile it came from, and the factor between them);
   `WholeModelTimer`: the whole model timed between the measurements a calibration is for;
+- `Reading`: a calibration's median as the simulator prices with it, keeping the spread and count of its samples;
 - `optimizer_seconds(optimizer)`: one optimizer step, measured; `copy_seconds_per_byte`, `split_backward_overhead`.
 
 Why the rescale (`Workload.rescaled`): at small micro-batches the whole model is slower than the sum of its layers
@@ -20,7 +21,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from helpers.measure import median_time, synchronize
+from helpers.measure import median_time, relative_spread, synchronize
 from helpers.profile import Profile, profile_layers
 from helpers.runtime.rig import run_together
 from helpers.simulate.workload import Workload
@@ -39,9 +40,56 @@ def forward_backward_seconds(loss: Callable[[], torch.Tensor], device: torch.dev
     return t1 - t0, time.perf_counter() - t1
 
 
-def _medians(timed: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Median forward and median backward seconds of (forward, backward) samples."""
-    return statistics.median(f for f, _ in timed), statistics.median(b for _, b in timed)
+class Reading(float):
+    """A calibration reading: the median the simulator prices with (a plain float wherever a number is wanted), that
+    keeps the spread of the samples it is the median of (`helpers.measure.relative_spread`, the bench rows' spread
+    column: None for one sample) and their count `n`, as `helpers.measure.Timings` keeps its samples: every row of a
+    run is priced with the run's readings, and a reading that a disturbed minute moved should say so beside it."""
+
+    spread: float | None
+    n: int
+
+    def __new__(cls, value: float, spread: float | None = None, n: int = 1):
+        out = super().__new__(cls, value)
+        out.spread, out.n = spread, n
+        return out
+
+    def __reduce__(self):  # pickled with its spread: rank workers return readings
+        return Reading, (float(self), self.spread, self.n)
+
+    @classmethod
+    def median_of(cls, samples: Sequence[float]) -> Reading:
+        """The median of `samples` with their relative spread (None where the median is not positive: a spread
+        relative to it would say nothing)."""
+        median = statistics.median(samples)
+        return cls(median, relative_spread(list(samples)) if median > 0 else None, len(samples))
+
+    def at_least(self, floor: float) -> Reading:
+        """This reading raised to `floor` (a slowdown below 1, a host time below 0: noise), its spread kept."""
+        return Reading(max(floor, float(self)), self.spread, self.n)
+
+
+def spread_said(value: float | None) -> str:
+    """' (spread ±3%, n=6)' after a `Reading` (' (n=1)' for a single sample); '' for a plain number, whose spread
+    is not known (a figure given by hand, or read from an old record)."""
+    if not isinstance(value, Reading):
+        return ""
+    return f" (n={value.n})" if value.spread is None else f" (spread {plus_minus(value.spread)}, n={value.n})"
+
+
+def plus_minus(spread: float | None) -> str:
+    """'±3%': a relative spread as the bench prints it; '-' for none."""
+    return "-" if spread is None else f"±{spread:.0%}"
+
+
+def spread_record(value: float | None) -> dict | None:
+    """A `Reading`'s spread and count as bench.json keeps them beside its value; None for a plain number."""
+    return {"spread": value.spread, "n": value.n} if isinstance(value, Reading) else None
+
+
+def _medians(timed: Sequence[tuple[float, float]]) -> tuple[Reading, Reading]:
+    """Median forward and median backward seconds of (forward, backward) samples, with their spreads."""
+    return Reading.median_of([f for f, _ in timed]), Reading.median_of([b for _, b in timed])
 
 
 @dataclass(frozen=True)
@@ -62,9 +110,9 @@ class Calibrated:
 
 
 def whole_model_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                        repeats: int = 4) -> tuple[float, float]:
+                        repeats: int = 4) -> tuple[Reading, Reading]:
     """Median forward and backward seconds of one micro-batch (`x`, `y`) through the whole model, gradients
-    accumulating as in a training step with micro-batches."""
+    accumulating as in a training step with micro-batches (each a `Reading` of the `repeats`)."""
     timed = [forward_backward_seconds(lambda: loss_fn(model(x), y), x.device) for _ in range(1 + repeats)][1:]
     model.zero_grad(set_to_none=True)
     return _medians(timed)
@@ -118,9 +166,9 @@ class WholeModelTimer:
     def sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
         return lambda: self.sample(microbatch, key)
 
-    def seconds(self, microbatch: int, key: Hashable | None = None) -> tuple[float, float] | None:
+    def seconds(self, microbatch: int, key: Hashable | None = None) -> tuple[Reading, Reading] | None:
         """Median forward and backward seconds at `microbatch` (of `key`'s samples, where it has any; otherwise
-        of all), or None before any sample."""
+        of all; each a `Reading`, with the samples' spread), or None before any sample."""
         got = self.keyed.get((key, microbatch)) if key is not None else None
         got = got or self.samples.get(microbatch)
         return _medians(got) if got else None
@@ -153,23 +201,24 @@ class WholeModelTimer:
         for key in keys:
             self.receive_posts.setdefault(key, []).append(seconds)
 
-    def receive_post_s(self, key: Hashable) -> float | None:
-        """The median of `key`'s receive posts (`add_receive_posts`), or None where none was measured."""
+    def receive_post_s(self, key: Hashable) -> Reading | None:
+        """The median of `key`'s receive posts (`add_receive_posts`: one a launch) with their spread, or None where
+        none was measured."""
         got = self.receive_posts.get(key)
-        return statistics.median(got) if got else None
+        return Reading.median_of(got) if got else None
 
     def together_sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:
         return lambda: self.sample_together(microbatch, key)
 
-    def slowdown(self, key: Hashable | None = None) -> float | None:
+    def slowdown(self, key: Hashable | None = None) -> Reading | None:
         """How much slower one copy computed while both ran at once than alone, from the samples under `key`
-        (the median of each together-time over the median alone-time at its micro-batch size; at least 1), or None
-        without both kinds of samples."""
+        (the median of each together-time over the median alone-time at its micro-batch size; at least 1; with the
+        ratios' spread), or None without both kinds of samples."""
         ratios = []
         for (k, microbatch), together in self.together.items():
             alone = self.seconds(microbatch, key) if k == key else None
             ratios += [t / sum(alone) for t in together] if alone else []
-        return max(1.0, typical_slowdown(ratios)) if ratios else None
+        return typical_slowdown(ratios).at_least(1.0) if ratios else None
 
 
 def measure_workload(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, microbatch: int,
@@ -222,14 +271,15 @@ def copy_seconds_per_byte(device: torch.device, nbytes: int = 64 * 2**20, repeat
 
 
 def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                            rounds: int = 7) -> float:
+                            rounds: int = 7) -> Reading:
     """What splitting a backward costs beyond a plain one (`Workload.split_overhead`): on the second half of `model`'s
     layers, a pipeline's last stage (its input, the first half's output, needs a gradient, as every stage's but the
     first does), for one micro-batch (`x`, `y`), each round times (on a CPU in CPU seconds) a plain backward and
     then the zero-bubble engines' input pass plus weight pass, each after its own forward (the split one run layer by
     layer, as the engines run it: `helpers.pipeline.split_backward.forward_cut`); the median of the rounds' ratios,
     minus 1, never below 0 (the two halves compute exactly a plain backward's FLOPs: what is left is the host work
-    of their autograd calls and each weight gradient reading its saved tensors a second time)."""
+    of their autograd calls and each weight gradient reading its saved tensors a second time). A `Reading` whose
+    spread is the ratios' (the figure the bench prints is 1 + it)."""
     from helpers.pipeline.split_backward import backward_input_cut, forward_cut
     from helpers.pipeline.stages import as_layers
 
@@ -271,13 +321,17 @@ def split_backward_overhead(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         if r and plain_s > 0:
             ratios.append(split_s / plain_s)
     model.zero_grad(set_to_none=True)
-    return max(0.0, statistics.median(ratios) - 1) if ratios else 0.0
+    if not ratios:
+        return Reading(0.0, None, 0)
+    ratio = Reading.median_of(ratios)
+    return Reading(max(0.0, ratio - 1), ratio.spread, ratio.n)
 
 
-def typical_slowdown(ratios: Sequence[float]) -> float:
-    """The busy-core slowdown from rounds of (together / alone) ratios: their median. Each ratio divides two noisy
-    times, and on a shared or virtual machine either can be disturbed; the smallest ratio picks the round whose
-    "alone" was slowed and makes every two-device prediction too fast (docs/bench.md, `typical_slowdown`)."""
+def typical_slowdown(ratios: Sequence[float]) -> Reading:
+    """The busy-core slowdown from rounds of (together / alone) ratios: their median, with their spread. Each ratio
+    divides two noisy times, and on a shared or virtual machine either can be disturbed; the smallest ratio picks the
+    round whose "alone" was slowed and makes every two-device prediction too fast (docs/bench.md,
+    `typical_slowdown`)."""
     if not ratios:
         raise ValueError("no rounds measured")
-    return statistics.median(ratios)
+    return Reading.median_of(ratios)
