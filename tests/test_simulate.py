@@ -121,6 +121,36 @@ def test_the_first_stage_defers_its_whole_backward_and_local_messages_are_free()
     assert len(sends) == 2 * 4 * 2  # boundaries 0 and 2, each way, each micro-batch
 
 
+@pytest.mark.parametrize("name", ["zbh1", "zbv"])
+def test_batched_weight_passes_run_the_grouped_schedule_at_the_same_cost(name):
+    """A job whose weight passes take two micro-batches at a time simulates `weights_in_groups`' action lists: the
+    same weight seconds in all (a batched pass priced as its passes' sum), each W where its group's last stood,
+    and more activations held at the peak (the deferred Ws keep theirs)."""
+    from helpers.pipeline.schedules import make_schedule, peak_in_flight, weights_in_groups
+
+    v = 2 if name == "zbv" else 1
+    work = Workload.from_lists([F / v] * (2 * v), [B / v] * (2 * v), params=[1] * (2 * v),
+                               activations=[1024.0 / v] * (2 * v))
+    plain, batched = (simulate(work, Job(name, batch=8, microbatches=8, pp=2, batched_weights=k)) for k in (1, 2))
+    weight_s = lambda sim: sum(e.duration for e in sim.events if e.kind == "weight")  # noqa: E731
+    assert weight_s(batched) == pytest.approx(weight_s(plain))
+    grouped = weights_in_groups(make_schedule(name, 2, 8), 2)
+    assert batched.in_flight == {d: peak_in_flight(a) for d, a in enumerate(grouped)}
+    assert max(batched.in_flight.values()) > max(plain.in_flight.values())
+
+
+def test_a_batched_weight_gradient_pays_on_a_gpu_only_below_its_ridge():
+    """The roofline's price of one linear layer's weight gradient over two micro-batches (Llama-3-8B's MLP,
+    4096 x 14336, bf16, an RTX 3090): one product over the stacked rows is cheaper where a micro-batch has few rows
+    (the product memory-bound: reading and writing the 4096 x 14336 gradient dominates), dearer where it has many
+    (compute-bound: the same FLOPs, plus the copy that stacks the rows)."""
+    from helpers.simulate.roofline import weight_gradient_s
+
+    few, many = (weight_gradient_s("RTX 3090", rows, 4096, 14336, 2) for rows in (64, 2048))
+    assert few[1] < 0.8 * few[0]
+    assert many[0] < many[1] < 1.1 * many[0]
+
+
 def test_a_split_backward_pays_its_measured_overhead_in_the_weight_pass():
     """Workload.split_overhead (measured by calibrate.split_backward_overhead): every weight pass of a stage whose
     input needs a gradient costs that share of the stage's backward more; the first stage's weight pass (its whole

@@ -119,7 +119,7 @@ def split_backward_rows(rows: Sequence) -> list[dict]:
     thread that ran them (not stretched by other processes on the cores) and, beside it, in wall time. The first
     stage's input needs no gradient: its input pass is empty and its weight pass is its whole backward."""
     out = []
-    by_key = {(r.strategy, r.engine, r.runner): r for r in rows}
+    by_key = {(r.strategy, r.engine, r.runner): r for r in rows if r.batched_weights == 1}
     for (strategy, engine, runner), split in by_key.items():
         plain = by_key.get(("1f1b", engine, runner))
         if strategy != "zbh1" or plain is None:

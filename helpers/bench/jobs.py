@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from helpers.bench.blocks import bench_cut
 from helpers.catalog import BEYOND_1F1B, CATALOG, DEEPSPEED, Strategy, strategy as catalog_entry
 from helpers.models import StackConfig
-from helpers.pipeline.schedules import chunks_of
+from helpers.pipeline.schedules import chunks_of, make_schedule
 from helpers.training.support import support
 
 if TYPE_CHECKING:
@@ -129,8 +129,9 @@ def pipeline_microbatches(entry: Strategy, engine: str, config: BenchConfig) -> 
 def strategy_jobs(entry: Strategy, engine: str, config: BenchConfig) -> list[TrainJob]:
     """The bench's `TrainJob`s of a catalog strategy on `engine` (`job_for`: two devices a dimension), each the key
     of its row: a pipeline at each of its `pipeline_microbatches`, cut as `bench_cut` cuts it (DP x PP: equal
-    layers), the naive split with blocking sends (the baseline notebook 01 measures); data parallelism with Adam,
-    DDP also with its gradients sent in bf16 (notebook 07's compression hook)."""
+    layers), the naive split with blocking sends (the baseline notebook 01 measures), on our engine a schedule that
+    splits every backward also with its weight passes two micro-batches at a time (notebook 06b's batched W); data
+    parallelism with Adam, DDP also with its gradients sent in bf16 (notebook 07's compression hook)."""
     from helpers.training.job import job_for
 
     common = dict(batch=config.batch, timed_steps=config.steps)
@@ -139,8 +140,20 @@ def strategy_jobs(entry: Strategy, engine: str, config: BenchConfig) -> list[Tra
                 for wire in (("auto", "bf16") if entry.name == "ddp" else ("auto",))]
     naive = entry.schedule != entry.name
     cut = () if entry.data_parallel else bench_cut(entry.schedule, config.cfg.n_blocks + 2)
-    return [job_for(config.cfg, entry.name, engine, microbatches=m, boundaries=cut, overlap=not naive, **common)
-            for m in pipeline_microbatches(entry, engine, config)]
+    return [job_for(config.cfg, entry.name, engine, microbatches=m, boundaries=cut, overlap=not naive,
+                    batched_weights=k, **common)
+            for m in pipeline_microbatches(entry, engine, config) for k in weight_batches(entry, engine, m)]
+
+
+def weight_batches(entry: Strategy, engine: str, m: int) -> tuple[int, ...]:
+    """How many micro-batches at a time the bench runs a pipeline's weight passes: 1, and on our engine 2 as well
+    where the schedule splits every backward (ZB-H1, ZB-V: a W for each B), so that the batched passes have
+    something to batch all through the step."""
+    if engine != "processes" or entry.kind != "pipeline":
+        return (1,)
+    actions = make_schedule(entry.schedule, 2, m)
+    every = all(sum(a.kind == "W" for a in d) == sum(a.kind == "B" for a in d) for d in actions)
+    return (1, 2) if every else (1,)
 
 
 def bench_jobs(config: BenchConfig, rig) -> list[TrainJob]:

@@ -60,6 +60,7 @@ class BenchRow:
     optimizer_s: float = 0.0  # of caller_s, the optimizer step (single_adam: one device's Adam, measured)
     reference_s: float | None = None  # the one-device step timed around this row's launches (multi-process rows)
     wire: str = "auto"  # what DDP's gradients cross the link in (TrainJob's `wire`); auto: their own dtype
+    batched_weights: int = 1  # pipelines: weight passes this many micro-batches at a time (TrainJob's)
     speedup: float | None = None  # threads: median of the ratios of one device's step to this row's, each round's
     # pair timed together; None: `reference_s` over `step_s` (multi-process rows, timed around their launches)
     predicted_s: float | None = None  # the simulator's step time for this row (see `predict_rows`)
@@ -87,6 +88,7 @@ class BenchRow:
         reference_s = self.reference_s or reference_s
         predicted = batch / self.predicted_s if self.predicted_s else None
         return {"strategy": self.strategy, "engine": self.engine, "runner": self.runner, "wire": self.wire,
+                "batched_weights": self.batched_weights,
                 "microbatches": self.microbatches, "optimizer": self.optimizer, "step_s": self.step_s,
                 "samples_per_s": batch / self.step_s, "predicted_samples_per_s": predicted,
                 "error": self.step_s / self.predicted_s - 1 if self.predicted_s else None,
@@ -358,7 +360,7 @@ def process_row(job: TrainJob, got: dict, runner: str, reference: LaunchReferenc
     row = BenchRow(job.strategy, ("deepspeed" if job.deepspeed else "torch") if replicas_only else job.engine, runner,
                    None if replicas_only else job.microbatches, optimizer=job.optimizer,
                    reference="single_adam" if job.optimizer == "adam" else "single", calibration_key=job,
-                   wire=job.wire, **got)
+                   wire=job.wire, batched_weights=job.batched_weights, **got)
     if reference is not None:
         reference.apply(row, job, adam=job.optimizer == "adam")
     return row

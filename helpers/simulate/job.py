@@ -61,6 +61,8 @@ class Job:
     shares: tuple[int, ...] | None = None  # samples of the global batch per data-parallel replica; None: equal
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, their gradients and the optimizer step on the host
     activation_offload: bool = False  # what autograd saves in forward kept in host memory (save_on_cpu)
+    batched_weights: int = 1  # a pipeline's weight passes this many micro-batches at a time (weights_in_groups);
+    # a batched pass costs its passes' sum (see Simulation.backward_weights)
 
     def __post_init__(self):
         for name, value in zip(("pp", "dp"), devices(self.entry, self.pp, self.dp, self.microbatches)):
@@ -111,7 +113,7 @@ class Job:
                    schedule=job.schedule, boundaries=job.cut() if job.pp > 1 else None, bucket_mb=job.bucket_mb,
                    wire=job.wire if job.pp == 1 else "auto",
                    speeds=tuple(1.0 / f for f in job.slowdown) if job.slowdown else None,
-                   shares=job.shares or None)
+                   shares=job.shares or None, batched_weights=job.batched_weights)
 
     @property
     def world(self) -> int:

@@ -266,6 +266,24 @@ def roofline_s(flops: float, nbytes: float, gpu: Gpu, dtype: str, eff: Efficienc
     return kernel_s(Kernel("matmul", flops, nbytes), gpu, dtype, eff or efficiency())
 
 
+def weight_gradient_s(gpu: Gpu | str, rows: int, fan_in: int, fan_out: int, k: int,
+                      dtype: str = "bf16") -> tuple[float, float]:
+    """One linear layer's weight gradient over `k` micro-batches of `rows` rows each on `gpu`: (k products, each
+    read grad and input and add into .grad; the rows stacked and one product), batched weight passes
+    (`split_backward.run_batched`). The product's FLOPs are the same either way; stacking saves k-1 reads and
+    writes of the fan_out x fan_in gradient and k-1 launches, and costs a copy of both operands. So it pays where a
+    micro-batch's rows are few enough that the product is memory-bound (rows below about the GPU's FLOPs per byte),
+    not where it is compute-bound."""
+    gpu = gpu_named(gpu) if isinstance(gpu, str) else gpu
+    eff, size = efficiency(), BYTES[dtype]
+    flops, operands, grad = 2.0 * rows * fan_in * fan_out, size * rows * (fan_in + fan_out), size * fan_in * fan_out
+    separate = sum(kernel_s(Kernel("matmul", flops, operands + grad * (1 if i == 0 else 2)), gpu, dtype, eff)
+                   for i in range(k))
+    stack = kernel_s(Kernel("memory", 0.0, 2 * k * operands), gpu, dtype, eff)
+    batched = stack + kernel_s(Kernel("matmul", k * flops, k * operands + grad), gpu, dtype, eff)
+    return separate, batched
+
+
 def on_gpu(workload: Workload, flops: Sequence[tuple[float, float]], gpu: Gpu | str, dtype: str = "bf16",
            value_bytes_here: int = 4) -> Workload:
     """`workload` (e.g. profiled on this rig) as it would run on `gpu` in `dtype`, from per-layer FLOP totals only:

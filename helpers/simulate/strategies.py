@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 from helpers.sizing.ledger import DeviceMemory
 from helpers.partition import optimal_split
-from helpers.pipeline.schedules import Action, dependencies, layout_of, make_schedule, split_backwards
+from helpers.pipeline.schedules import (Action, dependencies, layout_of, make_schedule, split_backwards,
+                                        weights_in_groups)
 from helpers.simulate.events import TaskGraph
 from helpers.simulate.job import FREE_HOST, Host, Job
 from helpers.hardware import FREE_LINK, Collectives, Link, SharedCores, collective_s
@@ -204,7 +205,10 @@ class _Builder:
     def backward_weights(self, dev: int, a: int, b: int, mb: int, after, stage: int) -> int:
         """The weight gradients a split backward left for later; they free the micro-batch's activations. Where the
         stage's input needs a gradient (not the first: its weight pass is its whole backward, one call), the split
-        costs the workload's `split_overhead` of the backward beyond it, paid in the weight pass."""
+        costs the workload's `split_overhead` of the backward beyond it, paid in the weight pass. Weight passes
+        batched (`Job.batched_weights`) run back to back, each priced as alone: one product over k micro-batches'
+        rows does the same FLOPs, and on the CPU rig measured within 2% of k products (docs/bench.md); on a GPU it
+        saves only where a micro-batch's rows leave the product memory-bound (`roofline.weight_gradient_s`)."""
         self.traces[dev].backward(self.held(dev, a, b), 0.0, (stage, mb), True)
         overhead = self.w.split_overhead * self.sizes[dev] * self._sum(a, b, "backward_s") if a > 0 else 0.0
         return self.compute(dev, self.weight_s(dev, a, b) + overhead, "weight", after, mb, stage)
@@ -267,7 +271,7 @@ class _Builder:
         """Run the schedule's action lists on `devices` (`ranges`: the layers of each model stage); return each
         device's last compute task."""
         p = len(devices)
-        actions = make_schedule(schedule, p, microbatches)
+        actions = weights_in_groups(make_schedule(schedule, p, microbatches), self.job.batched_weights)
         layout = layout_of(actions)
         split = [split_backwards(a) for a in actions]
         done: dict[tuple[int, Action], int] = {}
