@@ -477,7 +477,8 @@ def test_every_two_rank_job_shares_one_launch_per_round_in_alternating_order():
     config = default_config("default", reference_rigs()["CPU (2 cores)"])
     assert config.rounds == 2 and config.steps == 2 and config.thread_repeats == 5
     keys = two_rank_jobs(config, reference_rigs()["CPU (2 cores)"])
-    assert len(keys) == 15 and {k.strategy for k in keys if k.pp == 1} == {"ddp", "zero1", "fsdp2"}
+    assert len(keys) == 17 and {k.strategy for k in keys if k.pp == 1} == {"ddp", "zero1", "fsdp2"}
+    assert {(k.strategy, k.engine) for k in keys if k.batched_weights == 2} == {("zbh1", "ours"), ("zbv", "ours")}
     precise = two_rank_jobs(default_config("precise", reference_rigs()["CPU (2 cores)"]),
                             reference_rigs()["CPU (2 cores)"])
     what = lambda jobs: {(k.strategy, k.engine, k.microbatches, k.overlap, k.wire) for k in jobs}  # noqa: E731

@@ -437,6 +437,7 @@ def test_weight_passes_of_several_microbatches_run_as_one_product_per_linear_lay
     batched = halves()
     together = _mm_calls(lambda: run_batched(batched))
     assert max_grad_diff(ref, module) <= 1e-6 * max(r.abs().max().item() for r in ref)  # fp32, summed in another order
+    assert not any(p.grad.requires_grad for p in module.parameters()), "a gradient, not a graph (a cut input needs one)"
     if isinstance(module, _SharedWeight):  # cut between its two uses: each piece's use is a plain linear layer
         assert (separate, together) == (3 * 2, 1)
     else:
@@ -467,17 +468,29 @@ def test_weight_passes_in_groups_keep_every_schedule_valid_and_safe_on_nccl(name
 @pytest.mark.parametrize("name", ["zbh1", "zbv"])
 def test_batched_weight_passes_on_threads_equal_one_device(name):
     """The threaded engine with weight passes two micro-batches at a time: same loss and gradients as one device,
-    and half as many weight spans."""
+    half as many weight spans, every graph freed after the step, and the activations the ledger counts at the
+    peak as many more as the grouped schedule holds micro-batches (`peak_in_flight`, within 10%)."""
+    from helpers.pipeline.schedules import weights_in_groups
+
     model = build_stack(CFG6)
     x, y = SyntheticTokens(8, CFG6.seq_len, CFG6.vocab).batch(0, 8)
     layout = layout_for(name, 2)
-    split = split_model(copy.deepcopy(model), list(equal_count_split(len(model), layout.stages)),
-                        stage_devices(CPU2, layout))
-    pipe = ThreadedPipeline(split, name, 4, batched_weights=2)
-    loss = pipe.step(x, y)
+    peaks = {}
+    for k in (1, 2):
+        split = split_model(copy.deepcopy(model), list(equal_count_split(len(model), layout.stages)),
+                            stage_devices(CPU2, layout))
+        devices = [torch.nn.ModuleList([split.stages[j] for j in layout.stages_of(d)]) for d in range(2)]
+        ledger = ledger_for(devices, ["d0", "d1"])
+        pipe = ThreadedPipeline(split, name, 4, ledger, batched_weights=k)
+        loss = pipe.step(x, y)
+        assert all(ledger.live_activations(d) == 0 for d in ("d0", "d1")), "every graph freed after the step"
+        peaks[k] = [ledger.device(d).activations for d in ("d0", "d1")]
     ref = lm_loss(model(x), y)
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-5
     assert_same_grads(model, split)
     weights = sum(a.kind == "W" for actions in make_schedule(name, 2, 4) for a in actions)
     assert sum(e.kind == "weight" for e in pipe.events()) == weights // 2
+    units = {k: [peak_in_flight(a) for a in weights_in_groups(make_schedule(name, 2, 4), k)] for k in (1, 2)}
+    for d in range(2):
+        assert peaks[2][d] / peaks[1][d] == pytest.approx(units[2][d] / units[1][d], rel=0.1)

@@ -171,12 +171,13 @@ def run_batched(halves: Sequence[WeightGradients]) -> None:
                     linears.setdefault(id(linear.weight), []).append(linear)
             kept.append(rest)
         half.calls = [groups for groups in kept if groups]
-    for parts in linears.values():
-        grad = torch.cat([p.grad for p in parts]) if len(parts) > 1 else parts[0].grad
-        inp = torch.cat([p.inp for p in parts]) if len(parts) > 1 else parts[0].inp
-        _accumulate(parts[0].weight, grad.t().mm(inp))
-        if parts[0].bias is not None:
-            _accumulate(parts[0].bias, grad.sum(0))
+    with torch.no_grad():  # as autograd's engine computes gradients: the saved input may require one (a cut)
+        for parts in linears.values():
+            grad = torch.cat([p.grad for p in parts]) if len(parts) > 1 else parts[0].grad
+            inp = torch.cat([p.inp for p in parts]) if len(parts) > 1 else parts[0].inp
+            _accumulate(parts[0].weight, grad.t().mm(inp))
+            if parts[0].bias is not None:
+                _accumulate(parts[0].bias, grad.sum(0))
     WeightGradients.together(halves).run()
 
 
