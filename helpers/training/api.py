@@ -137,7 +137,8 @@ def train(model, strategy: str = "1f1b", engine: str = "processes", steps: int =
     padding, data_seed, activation_checkpointing (recompute each decoder layer in backward: the data-parallel
     strategies), offload="cpu" (FSDP2's CPU offload: fsdp2, zero2), max_grad_norm, and the memory techniques of
     helpers.training.memory_techniques: optimizer="adamw-8bit" | "adamw-4bit", optimizer_in_backward, loss_chunks,
-    activation_offload). Bad input is refused before anything starts."""
+    activation_offload; batched_weights=2: a zero-bubble pipeline's weight passes two micro-batches at a time). Bad
+    input is refused before anything starts."""
     check_choice(strategy, engine)  # before a config is built and saved
     hf = as_hf_model(model, seed=model_seed)
     out = train_each({"model": hf}, strategy, engine, steps=steps, save_to={"model": save_to}, **options)["model"]
