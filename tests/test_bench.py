@@ -119,6 +119,9 @@ def test_timeline_names_are_plain():
     compressed.wire = "bf16"  # DDP's two rows keep a timeline each
     assert timeline_name(compressed) == "timeline_ddp_ours_processes_bf16.png"
     assert timeline_name(row("dp_x_pp", "processes (4 ranks)", 2)) == "timeline_dp_x_pp_ours_processes-4-ranks_m2.png"
+    batched = row("zbv", "processes", 4)
+    batched.batched_weights = 2  # ZB-V's two rows on our engine keep a timeline each
+    assert timeline_name(batched) == "timeline_zbv_ours_processes_m4_w2.png"
 
 
 def test_links_fitted_from_link_benchmark_samples():

@@ -90,11 +90,12 @@ def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,
 
 
 def timeline_name(row: BenchRow) -> str:
-    """timeline_<strategy>_<engine>_<runner>[_m<m>][_<wire>].png, with only letters, digits, '-' and '_'."""
+    """timeline_<strategy>_<engine>_<runner>[_m<m>][_<wire>][_w<k>].png (one a row: k, the micro-batches a weight
+    pass takes, where more than one), with only letters, digits, '-' and '_'."""
     import re
 
     parts = [row.strategy, row.engine, row.runner] + ([f"m{row.microbatches}"] if row.microbatches else []) + \
-        ([row.wire] if row.wire != "auto" else [])
+        ([row.wire] if row.wire != "auto" else []) + ([f"w{row.batched_weights}"] if row.batched_weights > 1 else [])
     return "timeline_" + "_".join(re.sub(r"[^A-Za-z0-9_]+", "-", p).strip("-") for p in parts) + ".png"
 
 
