@@ -10,7 +10,7 @@ from helpers.bench.predict import TARGET, microbatch_size, predict_row, simulati
 from helpers.bench.report import BENCH_COLUMNS, EXTRA_COLUMNS, display_rows, legend, misses, timeline_name
 from helpers.bench.jobs import default_config
 from helpers.bench.rows import BenchRow, Progress
-from helpers.catalog import BEYOND_1F1B, DATA_PARALLEL, DEEPSPEED
+from helpers.catalog import BEYOND_1F1B, CATALOG, DATA_PARALLEL, DEEPSPEED
 from helpers.simulate import FREE_LINK, Link, SharedCores, Workload
 from helpers.simulate.calibrate import RigModel, links_from_samples
 from helpers.simulate.calibrate_model import typical_slowdown
@@ -260,6 +260,10 @@ def test_bench_quick_writes_json_and_pngs(tmp_path, capsys):
         # a two-rank pipeline is priced with the receive posts timed in its own launches
         pipelined = r["runner"] == "processes" and r["microbatches"] is not None
         assert (r["receive_post_s"] is not None and r["receive_post_s"] > 0) == pipelined
+        # a row on FSDP2's fully_shard is priced with its host work timed in its own launches, with its spread
+        on_fully_shard = r["strategy"] in {s.name for s in CATALOG if s.fully_sharded} and r["engine"] == "torch"
+        assert (r["fsdp2_host_s"] is not None) == (on_fully_shard and r["runner"] == "processes")
+        assert (r["fsdp2_host_s"] is not None) == (r["reading_spreads"]["fsdp2_host_s"] is not None)
     assert all(r["core_slowdown"] >= 1 for r in data["splits"] + data["checkpointing"])
     assert data["calibration"]["links"]["allgather"][1] > 0
     pngs = list(tmp_path.glob("timeline_*.png"))
@@ -283,8 +287,8 @@ def test_each_calibration_reading_keeps_its_spread_and_the_summary_prints_it():
     timer.keyed[("1f1b", 2)] = [(1.0, 3.0)]  # alone: 4 s a micro-batch
     timer.add_together(2, [4.0, 4.4, 4.8, 5.2], ["1f1b"])  # both ranks at once: 1.0, 1.1, 1.2, 1.3x
     for seconds in (0.002, 0.0025):  # one receive-post reading per launch
-        timer.add_receive_posts(seconds, ["1f1b"])
-    slowdown, post = timer.slowdown("1f1b"), timer.receive_post_s("1f1b")
+        timer.add_launch_reading("receive_post_s", [seconds], ["1f1b"])
+    slowdown, post = timer.slowdown("1f1b"), timer.launch_reading("receive_post_s", "1f1b")
     assert slowdown == pytest.approx(1.15) and slowdown.n == 4
     assert slowdown.spread == pytest.approx(relative_spread([1.0, 1.1, 1.2, 1.3]))
     assert post == pytest.approx(0.00225) and (post.spread, post.n) == (relative_spread([0.002, 0.0025]), 2)
@@ -297,7 +301,7 @@ def test_each_calibration_reading_keeps_its_spread_and_the_summary_prints_it():
     single = BenchRow("single", "none", "one thread", None, 1.0, [], [0])
     assert row_dicts([pipe, single], BATCH)[0]["reading_spreads"] == {
         "core_slowdown": {"spread": slowdown.spread, "n": 4}, "receive_post_s": {"spread": post.spread, "n": 2},
-        "whole_model_s": [{"spread": None, "n": 1}, {"spread": None, "n": 1}]}  # one sample: n=1, no spread
+        "fsdp2_host_s": None, "whole_model_s": [{"spread": None, "n": 1}, {"spread": None, "n": 1}]}  # one sample: n=1, no spread
 
     rig = replace(rig_model(1.05), fsdp2_host_s=Reading(0.004, 0.1, 15), split_overhead=Reading(0.05, None, 1))
     record = calibration_record(rig, {})
@@ -310,15 +314,16 @@ def test_each_calibration_reading_keeps_its_spread_and_the_summary_prints_it():
 
 
 def test_a_pipelines_receive_posts_timed_in_its_own_launches_price_it():
-    """What posting a receive cost inside a row's launches (`WholeModelTimer.add_receive_posts`, after the jobs) is
+    """What posting a receive cost inside a row's launches (`WholeModelTimer.add_launch_reading`, after the jobs) is
     what its prediction charges: their median, in place of the link calibration's one reading."""
     from helpers.simulate.calibrate_model import WholeModelTimer
 
     timer = WholeModelTimer(torch.nn.Linear(2, 2), torch.zeros(4, 2), torch.zeros(4, 2), torch.nn.functional.mse_loss)
     pipe, other = ("gpipe", "ours", "gpipe", 2, True), ("ddp", "dp", "auto")
     for seconds in (0.5, 0.25, 0.125):
-        timer.add_receive_posts(seconds, [pipe])
-    assert timer.receive_post_s(pipe) == 0.25 and timer.receive_post_s(other) is None
+        timer.add_launch_reading("receive_post_s", [seconds], [pipe])
+    assert timer.launch_reading("receive_post_s", pipe) == 0.25
+    assert timer.launch_reading("receive_post_s", other) is None and timer.launch_reading("fsdp2_host_s", pipe) is None
     base = rig_model()
     assert base.with_receive_post(None) is base and base.with_receive_post(0.25).p2p.receive_s == 0.25
     work = Workload.from_lists([F] * 4, [B] * 4)
@@ -327,6 +332,28 @@ def test_a_pipelines_receive_posts_timed_in_its_own_launches_price_it():
     predict_row(charged, work, base.with_receive_post(0.25), BATCH, boundaries=[2])
     # GPipe m=2: the second micro-batch's forward on stage 2 and its backward on stage 1 wait for their posts
     assert charged.predicted_s == plain.predicted_s + 2 * 0.25
+
+
+def test_fsdp2s_host_work_timed_in_its_own_launches_prices_its_row():
+    """FSDP2's host work per collective, sampled inside its row's launches (every launch's rounds pooled), is what
+    that row's prediction charges in place of the link calibration's: on the CPU rig it holds the thread that
+    computes, so each collective of the step adds it once."""
+    from helpers.simulate.calibrate_model import WholeModelTimer
+
+    timer = WholeModelTimer(torch.nn.Linear(2, 2), torch.zeros(4, 2), torch.zeros(4, 2), torch.nn.functional.mse_loss)
+    fsdp2 = ("fsdp2", "dp", "auto")
+    timer.add_launch_reading("fsdp2_host_s", [0.001, 0.003], [fsdp2])  # one launch's rounds
+    timer.add_launch_reading("fsdp2_host_s", [0.002], [fsdp2])  # another's
+    host = timer.launch_reading("fsdp2_host_s", fsdp2)
+    assert host == 0.002 and host.n == 3
+    base = replace(rig_model(), fsdp2_host_s=0.0)
+    assert base.with_fsdp2_host(None) is base and base.with_fsdp2_host(host).fsdp2_host_s == 0.002
+    work = Workload.from_lists([F] * 4, [B] * 4, params=[1000] * 4)
+    plain, charged = row("fsdp2", "processes", None), row("fsdp2", "processes", None)
+    predict_row(plain, work, base, BATCH)
+    predict_row(charged, work, base.with_fsdp2_host(host), BATCH)
+    # 4 layers: 4 all-gathers in forward, 4 again in backward (resharded after forward), 4 reduce-scatters
+    assert charged.predicted_s == pytest.approx(plain.predicted_s + 12 * 0.002)
 
 
 def test_a_rows_forward_and_backward_passes_are_set_against_the_simulated_ones():

@@ -107,7 +107,7 @@ def run_summary(rows, extras: dict) -> list[str]:
     (`spread_said`): the busy-core slowdowns (threads, with each part of the run; processes, timed on both ranks
     inside their launches, one per micro-batch size the jobs compute at), what posting a receive cost in the
     pipelines' own launches (each row priced with its launches' median, in place of the link calibration's one
-    reading), the one-device step's drift (`one_device_drift`)."""
+    reading) and FSDP2's host work in its rows' own (likewise), the one-device step's drift (`one_device_drift`)."""
     from helpers.simulate.calibrate_model import spread_said
 
     timed_with = {"the threaded rows": next((r.core_slowdown for r in rows if r.runner == "threads"), None),
@@ -122,6 +122,10 @@ def run_summary(rows, extras: dict) -> list[str]:
         lines.append("pipelines on processes, posting a receive while both ranks compute, timed in their launches: "
                      f"{' / '.join(f'{s * 1e3:.2f} ms{spread_said(s)}' for s in posts)}; each row priced with its "
                      "launches' median")
+    if hosts := distinct([r.fsdp2_host_s for r in rows if r.fsdp2_host_s is not None], 5):
+        lines.append("rows on FSDP2's fully_shard, its host work per collective timed in their launches, at their "
+                     f"micro-batch size: {' / '.join(f'{s * 1e3:.2f} ms{spread_said(s)}' for s in hosts)}; each row "
+                     "priced with it in place of the calibration's")
     return lines + ([one_device_drift(rows)] if any(r.reference_s for r in rows) else [])
 
 

@@ -83,9 +83,11 @@ def predict_rows(rows: Sequence[BenchRow], config: BenchConfig, rig, rig_model, 
                 row_rig = rig_model.with_core_slowdown(timer.slowdown(row.calibration_key), row.runner)
                 row.core_slowdown = getattr(row_rig.thread_cores if row.runner == "threads"
                                             else row_rig.process_cores, "slowdown", None)
-            if row.runner == "processes":  # posting a receive, measured inside the row's launches
-                row.receive_post_s = timer.receive_post_s(row.calibration_key)
-                row_rig = row_rig.with_receive_post(row.receive_post_s)
+            if row.runner == "processes":  # posting a receive and FSDP2's host work, measured in the row's launches
+                row.receive_post_s = timer.launch_reading("receive_post_s", row.calibration_key)
+                row.fsdp2_host_s = timer.launch_reading("fsdp2_host_s", row.calibration_key)
+                row_rig = row_rig.with_receive_post(row.receive_post_s).with_fsdp2_host(
+                    row.fsdp2_host_s and row.fsdp2_host_s.at_least(0.0))
         predict_row(row, workload, row_rig, config.batch, bench_cut(row.strategy, len(model)), adam_s)
         if row.runner == "processes (4 ranks)" and rig.is_cpu and abs(row.step_s / row.predicted_s - 1) > TARGET:
             from helpers.simulate import simulate

@@ -50,10 +50,10 @@ def row_dicts(rows: Sequence[BenchRow], batch: int) -> list[dict]:
 
 def reading_spreads(row: BenchRow) -> dict:
     """`spread_record` of each calibration reading a row was priced with: its busy-core slowdown, its receive post,
-    its whole model's forward and backward (None for a figure without a spread)."""
+    FSDP2's host work, its whole model's forward and backward (None for a figure without a spread)."""
     whole = row.whole_model_s or (None, None)
     return {"core_slowdown": spread_record(row.core_slowdown), "receive_post_s": spread_record(row.receive_post_s),
-            "whole_model_s": [spread_record(t) for t in whole]}
+            "fsdp2_host_s": spread_record(row.fsdp2_host_s), "whole_model_s": [spread_record(t) for t in whole]}
 
 
 def write_results(rows: Sequence[BenchRow], config: BenchConfig, rig, out_dir,

@@ -73,6 +73,7 @@ class BenchRow:
     whole_model_s: tuple[float, float] | None = None  # forward, backward of one micro-batch, as calibrated
     core_slowdown: float | None = None  # threaded and two-rank rows: the busy-core slowdown their prediction used
     receive_post_s: float | None = None  # two-rank pipelines: posting a receive, measured in their launches
+    fsdp2_host_s: float | None = None  # rows on fully_shard: its host work per collective, measured in their launches
     cpu_s: list[float] | None = None  # multi-process rows: per rank, the median step's CPU seconds of its thread
     predicted_busy: float | None = None  # the simulated step's compute share, averaged over devices
     launch_times: tuple[tuple[float, ...], ...] = ()  # multi-process rows: every launch's `launch_samples`, in order
@@ -96,7 +97,7 @@ class BenchRow:
                 **{f"{phase}_vs_predicted": compute_drift(self.strategy, phase, self.measured_phase_s,
                                                           self.predicted_phase_s) for phase in PHASES},
                 "whole_model_s": self.whole_model_s, "core_slowdown": self.core_slowdown,
-                "receive_post_s": self.receive_post_s, "cpu_s": self.cpu_s,
+                "receive_post_s": self.receive_post_s, "fsdp2_host_s": self.fsdp2_host_s, "cpu_s": self.cpu_s,
                 "cpu_share": sum(self.cpu_s) / len(self.cpu_s) / self.step_s if self.cpu_s else None,
                 "predicted_busy": self.predicted_busy,
                 "speedup": self.speedup or reference_s / self.step_s, "speedup_vs": self.reference,
@@ -253,6 +254,7 @@ def jobs_by_size(jobs: Sequence[TrainJob]) -> dict[int, list[TrainJob]]:
 
 
 TOGETHER_REPEATS = 6  # both ranks' whole-model steps at each size, after a launch's last job
+FSDP2_HOST_ROUNDS_IN_LAUNCH = 6  # `fsdp2_host_samples` rounds after an FSDP2 job (its launches' rounds are pooled)
 
 
 def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequence[int],
@@ -262,13 +264,15 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
     micro-batch size of `sizes`: how fast a rank computes while the other rank computes too, in its launch's
     minutes. The parent times the same model alone beside the launch (`_rows_in_rounds`); the ratio is the busy-core
     slowdown of the launch's rows. Where a job is a pipeline, then what posting a receive costs while both ranks
-    compute (`receive_post_seconds`, a hidden state of the pipelines' micro-batch). Both are read inside each launch
-    because one reading for the whole run, from a launch of its own, mispriced the rows (docs/bench.md). Timed after
-    the last job, so that no job runs after it (a job's step can depend on what ran before it: `launch_groups`)."""
+    compute (`receive_post_seconds`, a hidden state of the pipelines' micro-batch); where a job is built on FSDP2's
+    `fully_shard`, its host work per collective at the job's micro-batch size (`fsdp2_host_samples`). Each is read
+    inside each launch because one reading for the whole run, from a launch of its own, mispriced the rows
+    (docs/bench.md). Timed after the last job, so that no job runs after it (a job's step can depend on what ran
+    before it: `launch_groups`)."""
     import torch.distributed as dist
 
     from helpers.runtime.launch import rank_device
-    from helpers.simulate.calibrate import receive_post_seconds
+    from helpers.simulate.calibrate import fsdp2_host_samples, receive_post_seconds
     from helpers.simulate.calibrate_model import WholeModelTimer
     from helpers.training.loop import train_workers
 
@@ -281,14 +285,18 @@ def train_workers_timed_together(jobs: Sequence, cfg: StackConfig, sizes: Sequen
             timer.sample(size)
     pipelined = [job.batch // job.microbatches for job in jobs if job.pp > 1]  # their micro-batches' samples
     posts = receive_post_seconds(timer.model, timer.x[:min(pipelined)]) if pipelined else None
+    sharded = [job_microbatch(job) for job in jobs if job.fully_sharded]
+    host = fsdp2_host_samples(timer.model, timer.x[:sharded[0]], timer.y[:sharded[0]], lm_loss,
+                              FSDP2_HOST_ROUNDS_IN_LAUNCH) if sharded else []
     return {"jobs": results, "together": {size: [f + b for f, b in timer.samples[size]] for size in sizes},
-            "receive_post_s": posts}
+            "receive_post_s": posts, "fsdp2_host_s": host}
 
 
 def launch_jobs(jobs: Sequence[TrainJob], config: BenchConfig, rig, timer=None) -> list:
     """One launch of the bench's two-rank `jobs`, in that order: a `TrainResult` each. With `timer`, the
     ranks' whole model timed both at once after the jobs is kept as the jobs' together samples, by micro-batch size,
-    and what posting a receive cost there as their receive posts (`train_workers_timed_together`)."""
+    and what posting a receive and FSDP2's host work cost there as their launch readings
+    (`train_workers_timed_together`)."""
     from helpers.runtime.launch import run
     from helpers.training.job import check_job
     from helpers.training.loop import combine_ranks, run_trainings
@@ -303,7 +311,8 @@ def launch_jobs(jobs: Sequence[TrainJob], config: BenchConfig, rig, timer=None) 
         for size, seconds in part["together"].items():
             timer.add_together(size, seconds, by_size[size])
     if parts[0]["receive_post_s"] is not None:  # the mean over both ranks: every rank returns it
-        timer.add_receive_posts(parts[0]["receive_post_s"], [job for job in jobs if job.pp > 1])
+        timer.add_launch_reading("receive_post_s", [parts[0]["receive_post_s"]], [job for job in jobs if job.pp > 1])
+    timer.add_launch_reading("fsdp2_host_s", parts[0]["fsdp2_host_s"], [job for job in jobs if job.fully_sharded])
     return [combine_ranks([part["jobs"][i] for part in parts]) for i in range(len(jobs))]
 
 

@@ -121,7 +121,7 @@ def bench_launch_check(rig: Rig) -> Check | str:
         return Check(BENCH_LAUNCH, "REFUSED", "none of the bench's two-rank jobs runs on this rig", 0.0)
     timer = WholeModelTimer(*model_and_batch(config.cfg, config.batch, rig.devices[0]), lm_loss)
     results = launch_jobs(jobs, config, rig, timer)
-    posts = {job: timer.receive_post_s(job) for job in jobs}
+    posts = {job: timer.launch_reading("receive_post_s", job) for job in jobs}
     if any((posts[job] is not None) != (job.pp > 1) for job in jobs):
         raise AssertionError(f"receive posts timed for the wrong jobs: {list(posts.values())}")
     return "; ".join(f"{job.strategy} step {res.step_s * 1e3:.1f} ms" + (

@@ -70,20 +70,20 @@ def fit_small_messages(sizes: Sequence[float], seconds: Sequence[float], name: s
     return link
 
 
-FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_seconds` (one sample each): fewer leave its median too noisy
+FSDP2_HOST_ROUNDS = 15  # rounds of `fsdp2_host_samples` (one sample each): fewer leave its median too noisy
 
 
-def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                       repeats: int) -> Reading:
+def fsdp2_host_samples(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                       repeats: int) -> list[float]:
     """Rank worker: the host work `fully_shard` does around each collective it issues, beyond the collective and
     the copies the simulator models. A sharded copy of `model` (each layer, then the whole) trains on (`x`, `y`),
     in turns with the same computation unsharded and with the same all-gathers (forward, and again in backward
     for every unit resharded after forward) and reduce-scatters made by hand; the difference, less the copies in
     and out of the collectives' buffers at this device's measured copy speed, shared over the collectives.
     What the profiler found it to be on the course's CPU rig: DTensor dispatch, copies slower than a plain copy,
-    the collectives' wrappers, page faults (docs/bench.md, `fsdp2_host_seconds`). The median of each round's
-    difference, not the difference of the medians: the compute is subtracted within a round, so the minute's speed
-    cancels; a `Reading` with the rounds' spread."""
+    the collectives' wrappers, page faults (docs/bench.md, `fsdp2_host_samples`). One sample per round, each
+    round's own difference: the compute is subtracted within a round, so the minute's speed cancels (take their
+    median, not the difference of the medians)."""
     import copy
 
     import torch.distributed as dist
@@ -127,10 +127,9 @@ def fsdp2_host_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
     model.zero_grad(set_to_none=True)
     shard_bytes = sum(gathers) / world + sum(units)  # copy-in of the shard, copy-out of what was gathered
     copies = (shard_bytes + sum(units)) * copy_seconds_per_byte(device)  # + gradients into the reduce-scatter
-    # each round's difference, then their median: a slow moment slows the three of one round alike and cancels
-    per_collective = [(s - p - c - copies) / (len(gathers) + len(units))
-                      for s, p, c in zip(times["sharded"], times["plain"], times["collectives"])]
-    return Reading.median_of(per_collective).at_least(0.0)
+    # each round's difference: a slow moment slows the three of one round alike and cancels
+    return [(s - p - c - copies) / (len(gathers) + len(units))
+            for s, p, c in zip(times["sharded"], times["plain"], times["collectives"])]
 
 
 COLLECTIVE_KINDS = ("allgather", "reducescatter", "broadcast")  # measured besides the link benchmark's all-reduce
@@ -225,7 +224,8 @@ def process_calibration_worker(model: nn.Module, x: torch.Tensor, y: torch.Tenso
     sharded = all(k in samples for k in ("allgather", "reducescatter"))  # else FSDP2 cannot run on this rig
     return {"ratios": ratios, "collectives": samples, "receive_post_s": receive_post_seconds(model, x),
             "broadcast_message_s": broadcast_message_seconds(device, max(repeats, 5)),
-            "fsdp2_host_s": fsdp2_host_seconds(model, x[:1], y[:1], loss_fn, max(repeats, FSDP2_HOST_ROUNDS))
+            "fsdp2_host_s": Reading.median_of(fsdp2_host_samples(model, x[:1], y[:1], loss_fn,
+                                                                 max(repeats, FSDP2_HOST_ROUNDS))).at_least(0.0)
             if sharded else 0.0}
 
 
@@ -259,7 +259,7 @@ class RigModel:
     process_cores: SharedCores | None
     copy_bandwidth: float = float("inf")  # bytes/s one device copies memory at
     samples: tuple = ()  # the link benchmark's LinkSamples
-    fsdp2_host_s: float = 0.0  # fully_shard's host work per collective (fsdp2_host_seconds; a Reading if measured)
+    fsdp2_host_s: float = 0.0  # fully_shard's host work per collective (fsdp2_host_samples' median; a Reading if measured)
     split_overhead: float = 0.0  # a split backward beyond a plain one, minus 1 (split_backward_overhead; a Reading)
 
     @property
@@ -282,6 +282,11 @@ class RigModel:
         """This rig with posting a receive measured elsewhere (the point-to-point link's `receive_s`: e.g. inside the
         launch of the runs predicted, `WholeModelTimer.receive_post_s`); unchanged for None."""
         return self if seconds is None else replace(self, p2p=replace(self.p2p, receive_s=seconds))
+
+    def with_fsdp2_host(self, seconds: float | None) -> RigModel:
+        """This rig with FSDP2's host work per collective measured elsewhere (e.g. inside the launches of the FSDP2
+        row predicted, `WholeModelTimer.launch_reading`); unchanged for None."""
+        return self if seconds is None else replace(self, fsdp2_host_s=seconds)
 
     def calibrated(self, workload: Workload) -> Workload:
         """`workload` with this rig's measured copy bandwidth and split backward's overhead."""

@@ -135,7 +135,7 @@ class WholeModelTimer:
         self.together: dict[tuple[Hashable, int], list[float]] = {}  # seconds per copy, both copies at once
         self.twin: nn.Module | None = None  # the second copy, made on the first `sample_together`
         self.ledgers: dict[int, MemoryLedger] = {}  # by id() of the copy it counts for
-        self.receive_posts: dict[Hashable, list[float]] = {}  # seconds a receive's post took, by key
+        self.in_launch: dict[tuple[str, Hashable], list[float]] = {}  # (reading, key): its samples, `add_launch_reading`
 
     def _microbatch(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 1 <= microbatch <= self.x.shape[0]:
@@ -193,18 +193,20 @@ class WholeModelTimer:
         for key in keys:
             self.together.setdefault((key, microbatch), []).extend(seconds)
 
-    def add_receive_posts(self, seconds: float, keys: Sequence[Hashable]) -> None:
-        """What posting a receive cost a rank while both ranks computed (`receive_post_seconds`), measured inside the
-        launch that ran `keys` (the bench's two ranks, after its jobs), kept under each of `keys`: like the compute's
-        speed, it moves from minute to minute, and ranks that have run jobs read it higher than fresh ones
-        (docs/bench.md, `receive_post_seconds`)."""
+    def add_launch_reading(self, reading: str, samples: Sequence[float], keys: Sequence[Hashable]) -> None:
+        """Samples of a calibration `reading` measured inside the launch that ran `keys` (the bench's two ranks,
+        after its jobs), kept under each of `keys`: e.g. "receive_post_s", what posting a receive cost a rank while
+        both ranks computed (`receive_post_seconds`), or "fsdp2_host_s", FSDP2's host work per collective
+        (`fsdp2_host_samples`). Like the compute's speed, such a reading moves from minute to minute, and ranks that
+        have run jobs read it otherwise than fresh ones (docs/bench.md, `receive_post_seconds` and
+        `fsdp2_host_samples`)."""
         for key in keys:
-            self.receive_posts.setdefault(key, []).append(seconds)
+            self.in_launch.setdefault((reading, key), []).extend(samples)
 
-    def receive_post_s(self, key: Hashable) -> Reading | None:
-        """The median of `key`'s receive posts (`add_receive_posts`: one a launch) with their spread, or None where
-        none was measured."""
-        got = self.receive_posts.get(key)
+    def launch_reading(self, reading: str, key: Hashable) -> Reading | None:
+        """The median of `key`'s samples of `reading` (`add_launch_reading`, from all its launches) with their
+        spread, or None where none was measured."""
+        got = self.in_launch.get((reading, key))
         return Reading.median_of(got) if got else None
 
     def together_sampler(self, microbatch: int, key: Hashable | None = None) -> Callable[[], None]:

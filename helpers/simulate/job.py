@@ -55,7 +55,7 @@ class Job:
     # before and back after each all-reduce); auto: in the gradients' own
     forward_prefetch: bool = True  # FSDP2 gathers the next layer while one computes (implicit on GPUs, see run_fsdp2)
     host_waits: bool = False  # FSDP2's collectives hold the thread that computes (the CPU rig, see run_fsdp2)
-    fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_seconds)
+    fsdp2_host_s: float = 0.0  # FSDP2's host work per collective beyond it (measured: calibrate.fsdp2_host_samples)
     speeds: tuple[float, ...] | None = None  # per device, relative (larger is faster): a device's compute takes
     # the workload's time / its speed; None: equal devices
     shares: tuple[int, ...] | None = None  # samples of the global batch per data-parallel replica; None: equal

@@ -420,7 +420,7 @@ class _Builder:
         async_op=False (`unshard_async_op` in torch/distributed/fsdp/_fully_shard), which on gloo waits in the
         calling thread, so nothing overlaps compute (docs/bench.md, `run_fsdp2`).
         Before each collective the host does `fsdp2_host_s` of work of its own (DTensor dispatch, the collectives'
-        wrappers: measured in the same run by `calibrate.fsdp2_host_seconds`); it holds the compute where the host
+        wrappers: measured in the same run by `calibrate.fsdp2_host_samples`); it holds the compute where the host
         computes, and runs beside the device elsewhere.
         A layer's gathered bytes are its trainable parameters' and its frozen ones (`LayerCost.frozen_bytes`); only the
         trainable ones are reduce-scattered. With `cpu_offload` the copy into the all-gather's input is the shard's
