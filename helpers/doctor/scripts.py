@@ -105,27 +105,30 @@ BENCH_LAUNCH = "bench: a launch of its jobs"
 
 
 def bench_launch_check(rig: Rig) -> Check | str:
-    """One launch of the bench's two-rank jobs as the bench runs it (`launch_jobs` with its timer: our 1F1B and DDP,
-    then the whole model timed on both ranks at once and a receive's post timed, in the same processes): on GPUs
-    the timer's model and micro-batches and the probe's buffers live on each rank's device, which no other check
-    runs. The jobs are the bench's own (`two_rank_jobs` of its quick run), those this rig can run."""
+    """One launch of the bench's two-rank jobs as the bench runs it (`launch_jobs` with its timer: our 1F1B, DDP and
+    FSDP2, then the whole model timed on both ranks at once, a receive's post and FSDP2's host work timed, in the same
+    processes): on GPUs the timer's model and micro-batches and the probes' buffers live on each rank's device, which
+    no other check runs. The jobs are the bench's own (`two_rank_jobs` of its quick run), those this rig can run."""
     from helpers.bench.blocks import model_and_batch
     from helpers.bench.jobs import default_config, two_rank_jobs
     from helpers.bench.rows import launch_jobs
     from helpers.simulate.calibrate_model import WholeModelTimer
 
     config = default_config("quick", rig)
-    jobs = [job for job in two_rank_jobs(config, rig) if job.strategy in ("1f1b", "ddp") and job.engine == "ours"
-            and job.wire == "auto"]
+    jobs = [job for job in two_rank_jobs(config, rig) if job.strategy in ("1f1b", "ddp", "fsdp2")
+            and job.engine == "ours" and job.wire == "auto"]
     if not jobs:
         return Check(BENCH_LAUNCH, "REFUSED", "none of the bench's two-rank jobs runs on this rig", 0.0)
     timer = WholeModelTimer(*model_and_batch(config.cfg, config.batch, rig.devices[0]), lm_loss)
     results = launch_jobs(jobs, config, rig, timer)
-    posts = {job: timer.launch_reading("receive_post_s", job) for job in jobs}
-    if any((posts[job] is not None) != (job.pp > 1) for job in jobs):
-        raise AssertionError(f"receive posts timed for the wrong jobs: {list(posts.values())}")
-    return "; ".join(f"{job.strategy} step {res.step_s * 1e3:.1f} ms" + (
-        f", a receive posted in {posts[job] * 1e3:.2f} ms" if posts[job] is not None else "")
+    said = {"receive_post_s": "a receive posted in", "fsdp2_host_s": "FSDP2's host work per collective"}
+    readings = {job: {name: timer.launch_reading(name, job) for name in said} for job in jobs}
+    for job in jobs:  # each reading timed for the jobs it prices, and for no other
+        wanted = {"receive_post_s": job.pp > 1, "fsdp2_host_s": job.fully_sharded}
+        if any((readings[job][name] is not None) != wanted[name] for name in said):
+            raise AssertionError(f"launch readings timed for the wrong jobs: {job.strategy} got {readings[job]}")
+    return "; ".join(f"{job.strategy} step {res.step_s * 1e3:.1f} ms" + "".join(
+        f", {said[name]} {value * 1e3:.2f} ms" for name, value in readings[job].items() if value is not None)
         for job, res in zip(jobs, results))
 
 
