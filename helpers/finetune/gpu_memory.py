@@ -12,7 +12,7 @@ from helpers.partition import equal_count_split
 from helpers.sizing.activations import activation_workspace_bytes
 from helpers.sizing.gpus import GpuShare
 from helpers.sizing.shape import span
-from helpers.sizing.state import moment_bytes, training_data
+from helpers.sizing.state import training_data
 from helpers.sizing.training import (FP32, INT64, TORCHAO_NF4, Activations, TrainShape, Unit, chunked_loss_tokens,
                                      saved_activation_bytes)
 
@@ -131,7 +131,7 @@ def optimizer_state_bytes(tensors: Sequence[int], state_bytes: int, optimizer: s
     spec = training_data()["optimizers"][optimizer]
     q = spec["quantized_moments"]
     if q is None:
-        return moment_bytes(tensors, state_bytes, optimizer)
+        return spec["moment_tensors"] * state_bytes * sum(tensors)
     total = 0
     for n in tensors:
         if n >= q["min_elements"] and (not q.get("whole_blocks") or n % q["block"] == 0):

@@ -7,9 +7,7 @@ per parameter. The optimizers' tensors are PyTorch's own (data/training_memory.j
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
-from typing import Sequence
 
 from helpers.catalog import DATA_PARALLEL, strategy as catalog_entry
 from helpers.dtypes import BYTES
@@ -39,18 +37,6 @@ def training_data() -> dict:
 def known_optimizers() -> list[str]:
     """The optimizers the training planner prices (data/training_memory.json)."""
     return sorted(training_data()["optimizers"])
-
-
-def moment_bytes(tensors: Sequence[int], state_bytes: int, optimizer: str) -> int:
-    """Bytes of `optimizer`'s moments (data/training_memory.json) for trainable tensors of these element counts,
-    in `state_bytes` per value, or quantized blockwise (8-bit AdamW)."""
-    spec = training_data()["optimizers"][optimizer]
-    q = spec["quantized_moments"]
-    if q is None:
-        return spec["moment_tensors"] * state_bytes * sum(tensors)
-    per_tensor = (n * q["bits"] // 8 + math.ceil(n / q["block"]) * q["absmax_bits"] // 8
-                  if n >= q["min_elements"] else n * q["small_tensor_bytes"] for n in tensors)
-    return spec["moment_tensors"] * sum(per_tensor)
 
 
 def training_state_bytes(n_params: int, recipe: str = "fp32 + Adam") -> DeviceMemory:
