@@ -11,10 +11,11 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import accumulate
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -376,21 +377,8 @@ class _Rank:
                 wrapped.set_requires_gradient_sync(last)
             return nullcontext()
 
-        def run_step(i: int) -> torch.Tensor:
-            total = torch.zeros((), device=self.device)
-            batch = self.batch_at(i)
-            share_of = batch.normalizer / job.dp  # DDP and FSDP2 average over replicas: undo it, to sum tokens
-            mbs = _seeded(batch, job.data_seed, i)
-            for k, mb in enumerate(mbs):
-                with sync_context(k == len(mbs) - 1):
-                    with self.rec.span("forward", k), self.saving():
-                        loss = self._loss(wrapped, mb) / share_of
-                    with self.rec.span("backward", k):
-                        (loss * self.loss_scale).backward()
-                total = total + loss.detach() * share_of
-            return total
-
-        return wrapped, run_step
+        return wrapped, partial(self._accumulate, wrapped, lambda loss: (loss * self.loss_scale).backward(),
+                                sync_context)
 
     def _deepspeed(self) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
         """DeepSpeed's engine over this rank's module and the job's optimizer, one step: each micro-batch's
@@ -403,22 +391,31 @@ class _Rank:
         optimizer = make_optimizer(job.optimizer, self.module.parameters(), job.lr) if job.offload is None else None
         engine = deepspeed_zero.initialize(self.module, job, optimizer)
 
-        def run_step(i: int) -> torch.Tensor:
-            total = torch.zeros((), device=self.device)
-            batch = self.batch_at(i)
-            share_of = batch.normalizer / job.dp
-            mbs = _seeded(batch, job.data_seed, i)
-            for k, mb in enumerate(mbs):
-                with self.rec.span("forward", k), self.saving():
-                    loss = self._loss(engine, mb) / share_of
-                with self.rec.span("backward", k):
-                    engine.backward(loss, scale_wrt_gas=False)
-                if k < len(mbs) - 1:
-                    engine.step()
-                total = total + loss.detach() * share_of
-            return total
+        @contextmanager
+        def counted(last: bool) -> Iterator[None]:  # the engine told of each micro-batch but the last
+            yield
+            if not last:
+                engine.step()
 
-        return engine, run_step
+        return engine, partial(self._accumulate, engine, lambda loss: engine.backward(loss, scale_wrt_gas=False),
+                               counted)
+
+    def _accumulate(self, wrapped: nn.Module, backward: Callable[[torch.Tensor], None],
+                    around: Callable[[bool], AbstractContextManager], i: int) -> torch.Tensor:
+        """Step `i`'s micro-batches through `wrapped`, each one's forward and `backward` inside `around(last)`: the
+        summed loss (DDP, FSDP2 and DeepSpeed average over replicas: undone, to sum tokens)."""
+        total = torch.zeros((), device=self.device)
+        batch = self.batch_at(i)
+        share_of = batch.normalizer / self.job.dp
+        mbs = _seeded(batch, self.job.data_seed, i)
+        for k, mb in enumerate(mbs):
+            with around(k == len(mbs) - 1):
+                with self.rec.span("forward", k), self.saving():
+                    loss = self._loss(wrapped, mb) / share_of
+                with self.rec.span("backward", k):
+                    backward(loss)
+            total = total + loss.detach() * share_of
+        return total
 
     def _loss(self, wrapped: nn.Module, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's summed loss: from the logits, or (loss_chunks) from the stage that computes it."""
