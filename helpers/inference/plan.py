@@ -294,13 +294,10 @@ def plan_shape(shape: ModelShape, gpus: Sequence[Gpu], context: int, batch: int 
 # --- when nothing fits --------------------------------------------------------------------------------------------
 
 def _shortfall(problem: _Problem) -> int:
-    """The fewest extra bytes per GPU that would make some split fit."""
-    upper = sum(problem.memory) + max(0, -min(problem.caps)) + 1
-    lo, hi = 1, upper
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if problem.split(mid) is not None else (mid + 1, hi)
-    return lo
+    """The fewest extra bytes per GPU that would make some split fit: one past the most that still leave none fitting
+    (with all the weights and KV cache added to every cap, any split fits)."""
+    most = sum(problem.memory) + max(0, -min(problem.caps))
+    return largest_fitting(lambda extra: problem.split(extra) is None, most) + 1
 
 
 @dataclass(frozen=True)
