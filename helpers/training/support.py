@@ -9,6 +9,7 @@ with PyTorch's own wrappers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 from helpers.catalog import TRAINED, strategy as catalog_entry
 from helpers.runtime.rig import Rig
@@ -85,19 +86,22 @@ def reference_rigs() -> dict[str, Rig]:
     }
 
 
+def _matrix(rigs: dict[str, Rig]) -> Iterator[tuple[str, str, dict[str, Support]]]:
+    """Each strategy and engine with its support on each named rig: what both tables format."""
+    for strategy in TRAINED:
+        for engine in engines_for(strategy):
+            yield strategy, engine, {name: support(rig, strategy, engine) for name, rig in rigs.items()}
+
+
 def support_markdown() -> str:
     """The matrix as a Markdown table, with each refusal's reason below it (README shows exactly this)."""
     rigs = reference_rigs()
     reasons: dict[str, int] = {}
     lines = ["| strategy | engine | " + " | ".join(rigs) + " |", "|---|---|" + "---|" * len(rigs)]
-    for strategy in TRAINED:
-        for engine in engines_for(strategy):
-            cells = []
-            for rig in rigs.values():
-                s = support(rig, strategy, engine)
-                note = f" ({reasons.setdefault(s.reason, len(reasons) + 1)})" if s.reason else ""  # the reason below
-                cells.append(("yes" if s.ok else "no") + note)
-            lines.append(f"| {strategy} | {engine} | " + " | ".join(cells) + " |")
+    for strategy, engine, found in _matrix(rigs):
+        notes = [f" ({reasons.setdefault(s.reason, len(reasons) + 1)})" if s.reason else "" for s in found.values()]
+        cells = [("yes" if s.ok else "no") + note for s, note in zip(found.values(), notes)]
+        lines.append(f"| {strategy} | {engine} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"({n}) {reason}." for reason, n in reasons.items()]
     return "\n".join(lines)
@@ -106,15 +110,9 @@ def support_markdown() -> str:
 def support_rows(rigs: dict[str, Rig]) -> list[dict]:
     """The whole matrix: one row per strategy and engine, one column per named rig ('yes', 'yes*' with a note,
     or 'no: reason')."""
-    rows = []
-    for strategy in TRAINED:
-        for engine in engines_for(strategy):
-            row = {"strategy": strategy, "engine": engine}
-            for name, rig in rigs.items():
-                s = support(rig, strategy, engine)
-                row[name] = ("yes" if not s.reason else "yes*") if s.ok else f"no: {s.reason}"
-            rows.append(row)
-    return rows
+    return [{"strategy": strategy, "engine": engine,
+             **{name: ("yes" if not s.reason else "yes*") if s.ok else f"no: {s.reason}" for name, s in found.items()}}
+            for strategy, engine, found in _matrix(rigs)]
 
 
 if __name__ == "__main__":
