@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from helpers.pipeline.schedules import Action, Layout, as_layout, layout_of, split_backwards, weight_groups
+from helpers.pipeline.schedules import Action, Layout, as_layout, layout_of, replay, split_backwards, weight_groups
 from helpers.pipeline.stages import StageExecutor
 
 
@@ -103,28 +103,20 @@ def early_receive_plans(schedule: Sequence[Sequence[Action]]) -> list[list[Excha
     p = len(schedule)
     plans: list[list[Exchange]] = [[([], [], []) for _ in range(len(actions) + 1)] for actions in schedule]
     posted: list[set[Message]] = [set() for _ in range(p)]
-    position = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for d in range(p):
-            if position[d] == len(schedule[d]):
-                continue
-            action = schedule[d][position[d]]
-            waits = _wire(needs(action, d, layout), d, layout, False)
-            if not all(m in posted[d] for m in waits):
-                continue
-            plans[d][position[d]][2].extend(waits)
-            position[d] += 1
-            for m in _wire(makes(action, d, layout), d, layout, True):
-                plans[d][position[d]][0].append(m)
-                receiver = m.peer(d, True, layout)
-                plans[receiver][position[receiver]][1].append(m)
-                posted[receiver].add(m)
-            progress = True
-    stuck = [f"device {d} at {schedule[d][position[d]]}" for d in range(p) if position[d] < len(schedule[d])]
-    if stuck:
-        raise ValueError(f"the schedule deadlocks (a dependency cycle): {', '.join(stuck)}")
+
+    def runs(d: int, action: Action, position: list[int]) -> bool:
+        waits = _wire(needs(action, d, layout), d, layout, False)
+        if not all(m in posted[d] for m in waits):
+            return False
+        plans[d][position[d]][2].extend(waits)
+        for m in _wire(makes(action, d, layout), d, layout, True):
+            plans[d][position[d] + 1][0].append(m)
+            receiver = m.peer(d, True, layout)
+            plans[receiver][position[receiver]][1].append(m)
+            posted[receiver].add(m)
+        return True
+
+    replay(schedule, runs)
     return plans
 
 

@@ -394,22 +394,32 @@ def validate(schedule: Sequence[Sequence[Action]], m: int) -> None:
                 what += f" on each of its {layout.chunks} chunks"
             raise ValueError(f"{_named(layout, d)} must run {what}; it has {[str(a) for a in actions]}")
     done: set[tuple[int, Action]] = set()
+
+    def runs(s: int, action: Action, position: list[int]) -> bool:
+        ready = all(d in done for d in dependencies(s, action, layout))
+        if ready:
+            done.add((s, action))
+        return ready
+
+    replay(schedule, runs, lambda s: _named(layout, s), " wait for actions that never come")
+
+
+def replay(schedule: Sequence[Sequence[Action]], runs: Callable[[int, Action, list[int]], bool],
+           named: Callable[[int], str] = lambda d: f"device {d}", waiting: str = "") -> None:
+    """Run `schedule` in rounds, one action per device per round: `runs(device, action, position)` runs it if it can
+    (True; `position`: actions run per device). Once a round runs nothing, refuse it with the devices still waiting."""
+    p = len(schedule)
     position = [0] * p
     progress = True
     while progress:
         progress = False
-        for s in range(p):
-            while position[s] < len(schedule[s]):
-                action = schedule[s][position[s]]
-                if not all(d in done for d in dependencies(s, action, layout)):
-                    break
-                done.add((s, action))
-                position[s] += 1
+        for d in range(p):
+            if position[d] < len(schedule[d]) and runs(d, schedule[d][position[d]], position):
+                position[d] += 1
                 progress = True
-    stuck = [f"{_named(layout, s)} at {schedule[s][position[s]]}" for s in range(p) if position[s] < len(schedule[s])]
+    stuck = [f"{named(d)} at {schedule[d][position[d]]}" for d in range(p) if position[d] < len(schedule[d])]
     if stuck:
-        raise ValueError(f"the schedule deadlocks (a dependency cycle): {', '.join(stuck)} wait for actions that "
-                         "never come")
+        raise ValueError(f"the schedule deadlocks (a dependency cycle): {', '.join(stuck)}{waiting}")
 
 
 def split_backwards(actions: Sequence[Action]) -> set[tuple[int, int]]:
