@@ -98,15 +98,20 @@ def _untie_across(stages: Sequence[nn.Module]) -> list[tuple[nn.Parameter, nn.Pa
     return pairs
 
 
+def _ranges(n_layers: int, boundaries: int | Sequence[int], devices: Sequence[torch.device]) -> list[tuple[int, int]]:
+    """Each stage's layer range, cut at `boundaries` (one split point or several); refused past one per device."""
+    ranges = stage_ranges(n_layers, [boundaries] if isinstance(boundaries, int) else list(boundaries))
+    if len(ranges) > len(devices):
+        raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
+    return ranges
+
+
 def split_model(model: nn.Module | Sequence[nn.Module], boundaries: int | Sequence[int],
                 devices: Sequence[torch.device]) -> SplitModel:
     """Move consecutive layers onto `devices` (one stage per device), cut at `boundaries`. A weight shared by two
     stages (tied embeddings) becomes one copy per stage, kept equal by `SplitModel.sync_tied_grads`."""
     layers = as_layers(model)
-    bounds = [boundaries] if isinstance(boundaries, int) else list(boundaries)
-    ranges = stage_ranges(len(layers), bounds)
-    if len(ranges) > len(devices):
-        raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
+    ranges = _ranges(len(layers), boundaries, devices)
     stages = [Stage(layers[a:b]) for a, b in ranges]
     tied = _untie_across(stages)
     stages = [stage.to(dev) for stage, dev in zip(stages, devices)]
@@ -118,10 +123,7 @@ def split_layered(model, boundaries: int | Sequence[int], devices: Sequence[torc
     own layers, on its own device (a checkpoint's tensors are read once, stage by stage). Tied weights whose two
     uses land on different stages are two copies, registered for `sync_tied_grads`; on one stage, one weight."""
     layers = model.meta_layers()
-    bounds = [boundaries] if isinstance(boundaries, int) else list(boundaries)
-    ranges = stage_ranges(len(layers), bounds)
-    if len(ranges) > len(devices):
-        raise ValueError(f"{len(ranges)} stages but only {len(devices)} devices: one stage per device")
+    ranges = _ranges(len(layers), boundaries, devices)
     for (a, b), device in zip(ranges, devices):
         model.materialize(layers, range(a, b), device)
     stage_of = {i: s for s, (a, b) in enumerate(ranges) for i in range(a, b)}
