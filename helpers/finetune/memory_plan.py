@@ -252,11 +252,16 @@ def plan_training(model="llama-2-7b", method: str = "qlora", context: int = 2048
 
 # --- when it does not fit ---------------------------------------------------------------------------------------
 
-def _fits(request: TrainingRequest) -> bool:
+def _try_plan(request: TrainingRequest) -> TrainingPlan | None:
+    """The plan, or None for a change this model cannot take (e.g. a pipeline deeper than its layers)."""
     try:
-        return _plan(request).fits
+        return _plan(request)
     except ValueError:
-        return False
+        return None
+
+
+def _fits(request: TrainingRequest) -> bool:
+    return (plan := _try_plan(request)) is not None and plan.fits
 
 
 def _better(plan: TrainingPlan, other: TrainingPlan) -> bool:
@@ -269,10 +274,7 @@ def _lowers_peak(plan: TrainingPlan, request: TrainingRequest) -> bool:
     """Whether `request` (one change to the plan's) is `_better`: a technique is offered only where it helps (the
     chunked loss's chunk can outweigh a small model's logits; while the optimizer step's temporaries make the peak,
     neither the chunked loss nor activation offload lowers it)."""
-    try:
-        return _better(plan, _plan(request))
-    except ValueError:
-        return False
+    return (other := _try_plan(request)) is not None and _better(plan, other)
 
 
 def _technique(plan: TrainingPlan, name: str) -> TrainingRequest | None:
@@ -359,13 +361,8 @@ def _candidates(plan: TrainingPlan) -> list[tuple[str, str, TrainingRequest]]:
 
 
 def _replan(candidates: list[tuple[str, str, TrainingRequest]]) -> list[Suggestion]:
-    out = []
-    for change, flags, request in candidates:
-        try:
-            out.append(Suggestion(change, flags, _plan(request)))
-        except ValueError:  # a change this model cannot take (e.g. a pipeline deeper than its layers)
-            continue
-    return out
+    return [Suggestion(change, flags, plan) for change, flags, request in candidates
+            if (plan := _try_plan(request)) is not None]
 
 
 def _same_model(flags: str) -> bool:
