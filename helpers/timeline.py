@@ -166,6 +166,13 @@ def median_phases(steps: Sequence[dict[str, float]]) -> dict[str, float]:
     return {phase: statistics.median(s[phase] for s in steps) for phase in PHASES} if steps else {}
 
 
+def median_span_s(events: Iterable[Event], device: int, kind: str, cpu: bool = False) -> float:
+    """Median seconds of `device`'s spans of `kind`: the thread's CPU seconds where recorded (`cpu`; CUDA spans have
+    none: their GPU time), else the wall time; 0 where there are none."""
+    spans = [e for e in events if e.device == device and e.kind == kind]
+    return statistics.median(e.cpu if cpu and e.cpu is not None else e.duration for e in spans) if spans else 0.0
+
+
 def busy_fraction(events: Iterable[Event], busy_kinds: set[str] | None = None) -> dict[int, float]:
     """Per device: time spent computing (merged spans of `busy_kinds`, by default the compute kinds: waiting for a
     message is not work) / the whole makespan."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from helpers.models import StackConfig, SyntheticTokens, build_stack, lm_loss
 from helpers.pipeline.schedules import LAYOUTS, chunks_of, layout_for
 from helpers.pipeline.stages import split_model
 from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
-from helpers.timeline import Event, Recorder, busy_fraction, phase_seconds
+from helpers.timeline import Event, Recorder, busy_fraction, median_span_s, phase_seconds
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -136,12 +135,8 @@ def run_rows(runs: Sequence[PipelineRun], times: dict[str, float], batch: int,
 
 def stage_costs_per_microbatch(events: Sequence[Event]) -> dict[int, float]:
     """Median forward + median backward duration per micro-batch, per device, from a run's own timeline."""
-    costs = {}
-    for dev in sorted({e.device for e in events}):
-        fwd = [e.duration for e in events if e.device == dev and e.kind == "forward"]
-        bwd = [e.duration for e in events if e.device == dev and e.kind == "backward"]
-        costs[dev] = (statistics.median(fwd) if fwd else 0.0) + (statistics.median(bwd) if bwd else 0.0)
-    return costs
+    return {dev: median_span_s(events, dev, "forward") + median_span_s(events, dev, "backward")
+            for dev in sorted({e.device for e in events})}
 
 
 class MachineLoad:

@@ -10,7 +10,7 @@ from helpers.bench.blocks import (PipelineRun, make_pipeline_run, model_and_batc
 from helpers.bench.report import shown_strategy
 from helpers.bench.rows import Progress, _caller_seconds, calibration_samplers, compute_drift
 from helpers.models import StackConfig, lm_loss
-from helpers.timeline import PHASES, median_phases, phase_seconds
+from helpers.timeline import PHASES, median_phases, median_span_s, phase_seconds
 
 
 def _predict_threaded(rows: list[dict], runs: Sequence[PipelineRun], times: dict, workload, batch: int, m: int,
@@ -100,17 +100,6 @@ def checkpoint_sweep_rows(rig, quick: bool = False, rig_model=None, progress: bo
 SPLIT_TARGET = 1.1  # a split backward (input pass + weight pass) costs at most 1.1x a plain backward
 
 
-def _median_span_s(events, device: int, kind: str, cpu: bool) -> float:
-    """Median seconds of `device`'s spans of `kind` in a recorded step: the thread's CPU seconds where recorded
-    (`cpu`; CUDA spans have none: their GPU time), else the wall time; 0 where there are none."""
-    import statistics
-
-    spans = [e for e in events if e.device == device and e.kind == kind]
-    if not spans:
-        return 0.0
-    return statistics.median(e.cpu if cpu and e.cpu is not None else e.duration for e in spans)
-
-
 def split_backward_rows(rows: Sequence) -> list[dict]:
     """What the split backward costs, per engine and device: in each engine's ZB-H1 row, the median input pass
     ("backward" spans) plus the median weight pass ("weight"), over the median backward of the same engine's 1F1B
@@ -126,9 +115,9 @@ def split_backward_rows(rows: Sequence) -> list[dict]:
             continue
         plain_spans, split_spans = plain.recorded_events(), split.recorded_events()
         for device in sorted({e.device for e in split_spans if e.kind == "weight"}):
-            cost = {how: (_median_span_s(plain_spans, device, "backward", how == "cpu"),
-                          _median_span_s(split_spans, device, "backward", how == "cpu"),
-                          _median_span_s(split_spans, device, "weight", how == "cpu")) for how in ("cpu", "wall")}
+            cost = {how: (median_span_s(plain_spans, device, "backward", how == "cpu"),
+                          median_span_s(split_spans, device, "backward", how == "cpu"),
+                          median_span_s(split_spans, device, "weight", how == "cpu")) for how in ("cpu", "wall")}
             b, i, w = cost["cpu"]
             out.append({"engine": engine, "runner": runner, "device": device, "plain backward (ms)": b * 1e3,
                         "input pass (ms)": i * 1e3, "weight pass (ms)": w * 1e3,
