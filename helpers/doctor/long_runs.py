@@ -6,7 +6,6 @@ communicators' buffers, the CUDA context, the allocator's slack) against the pla
 two or three steps between saves: seconds each."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -19,10 +18,10 @@ import torch
 
 from helpers.doctor.checks import Check, guarded
 from helpers.doctor.engines import BATCH, CFG
-from helpers.doctor.scripts import REPO, SCRIPT_TIMEOUT_S, script_check
+from helpers.doctor.scripts import REPO, SCRIPT_TIMEOUT_S, printed_steps, script_check, script_env
 from helpers.models import SyntheticTokens, build_stack, lm_loss
 from helpers.runtime.launch import run_command
-from helpers.runtime.rig import FORCE_CPU_ENV, Rig, cpu_rig
+from helpers.runtime.rig import Rig, cpu_rig
 from helpers.training.checkpoint import KILL_ENV, Checkpointer, CheckpointSpec, complete_steps, step_folder
 
 OFFLOAD = "long run: FSDP2 CPU offload, its end gather through the device"
@@ -132,20 +131,17 @@ def killed_script(rig: Rig, workdir: Path, model_dir: str) -> list[Check]:
     from transformers import AutoModelForCausalLM
 
     folder, saved = workdir / "killed-ckpt", workdir / "killed-saved"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(workdir), **{KILL_ENV: "0:5"},
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    if rig.is_cpu:
-        env[FORCE_CPU_ENV] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts",
            "1", str(REPO / "scripts" / "train_fsdp2.py"), "--model", model_dir, "--steps", "6", "--batch", "4",
            "--seq-len", "16", "--lr", "3e-3", "--autocast", "none", "--checkpoint-dir", str(folder),
            "--checkpoint-every", "3", "--save-to", str(saved)]
     t0 = time.perf_counter()
-    proc = run_command(cmd, timeout_s=SCRIPT_TIMEOUT_S, env=env, cwd=REPO)
+    proc = run_command(cmd, timeout_s=SCRIPT_TIMEOUT_S, env=script_env(rig, str(workdir), **{KILL_ENV: "0:5"}),
+                       cwd=REPO)
     t1 = time.perf_counter()
     if proc.returncode != 0:
         raise RuntimeError(f"exit code {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
-    printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    printed = printed_steps(proc.stdout)
     restart = max((i for i in range(1, len(printed)) if printed[i]["step"] <= printed[i - 1]["step"]), default=0)
     first, again = ({r["step"]: r["loss"] for r in part} for part in (printed[:restart], printed[restart:]))
     if not (folder / "killed-at-5").exists() or sorted(again) != [3, 4, 5]:

@@ -35,6 +35,18 @@ SCRIPT_TIMEOUT_S = 300  # two steps of a tiny model take 5-15 s: anything near t
 SCRIPT_FLAGS = ("--steps", "2", "--batch", "4", "--seq-len", "16", "--microbatches", "2", "--lr", "1e-3")
 
 
+def script_env(rig: Rig, tmpdir: str, **extra: str) -> dict[str, str]:
+    """The environment a take-home script runs in: one thread per rank, this repository importable, torchrun's temp
+    folders in `tmpdir` (removed with ours), LAB_FORCE_CPU=1 on the CPU rig; and `extra`."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
+        "PYTHONPATH", "")]), TMPDIR=tmpdir, **extra, **({FORCE_CPU_ENV: "1"} if rig.is_cpu else {}))
+
+
+def printed_steps(stdout: str) -> list[dict]:
+    """The lines a take-home script prints per step (`{"step": ..., "loss": ...}`), parsed."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"step"')]
+
+
 def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], model_dir: str) -> Check:
     """One take-home script, two steps, as a user starts it (torchrun; on the CPU rig with LAB_FORCE_CPU=1). More
     ranks than GPUs: the script's own refusal, before NCCL, is the expected answer."""
@@ -47,19 +59,15 @@ def script_check(rig: Rig, script: str, nproc: int, extra: tuple[str, ...], mode
             return Check(name, "REFUSED", missing(), 0.0)
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--nproc-per-node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
-        "PYTHONPATH", "")]), TMPDIR=os.path.dirname(model_dir))  # torchrun's temp folders, removed with ours
-    if rig.is_cpu:
-        env[FORCE_CPU_ENV] = "1"
     cmd = [*launcher, str(REPO / "scripts" / script), "--model", model_dir, *SCRIPT_FLAGS, *extra]
     t0 = time.perf_counter()
     try:
-        proc = run_command(cmd, timeout_s=SCRIPT_TIMEOUT_S, env=env, cwd=REPO)
+        proc = run_command(cmd, timeout_s=SCRIPT_TIMEOUT_S, env=script_env(rig, os.path.dirname(model_dir)), cwd=REPO)
     except subprocess.TimeoutExpired as hung:
         return Check(name, "FAIL", f"no answer in {SCRIPT_TIMEOUT_S} s (its ranks were stopped); it printed:\n"
                      f"{(hung.stdout or '')[-1000:]}\n{(hung.stderr or '')[-2000:]}", time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
-    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    losses = [printed["loss"] for printed in printed_steps(proc.stdout)]
     if proc.returncode == 0 and len(losses) == 2 and all(math.isfinite(v) for v in losses):
         said = next((line for line in proc.stdout.splitlines() if line.startswith("naive split:")), "")
         return Check(name, "PASS", f"losses {losses[0]:.4f} -> {losses[1]:.4f}" + (f"; {said}" if said else ""),
