@@ -5,6 +5,7 @@ speed model read these facts, and none of them should import a notebook's setup 
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -17,3 +18,6 @@ def load_data(name: str) -> dict:
         raise FileNotFoundError(f"no data file {path.name} in {DATA_DIR}; available: "
                                 f"{sorted(p.stem for p in DATA_DIR.glob('*.json'))}")
     return json.loads(path.read_text())
+
+
+cached_data = lru_cache(maxsize=None)(load_data)  # each file read once, for the tables read on every call: read-only

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import partial
 from typing import Sequence
 
-from helpers.facts import load_data
+from helpers.facts import cached_data, load_data
 from helpers.hardware import Link, efficiency, gpu_named, link_named
 from helpers.hardware import allreduce_link as ring_allreduce_link
 
 RING_STEPS = 2  # a 2-rank ring all-reduce: one reduce-scatter step, one all-gather step
 
 
-@lru_cache(maxsize=1)
-def speed_data() -> dict:
-    """data/inference_speed.json (read once; treat it as read-only)."""
-    return load_data("inference_speed")
+speed_data = partial(cached_data, "inference_speed")  # data/inference_speed.json, read once: treat it as read-only
 
 
 # --- devices and rigs ---------------------------------------------------------------------------------------------

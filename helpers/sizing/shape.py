@@ -9,20 +9,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from helpers.facts import load_data
+from helpers.facts import cached_data
 
 
-@lru_cache(maxsize=1)
-def inference_data() -> dict:
-    """data/inference.json (read once; treat it as read-only)."""
-    return load_data("inference")
+inference_data = partial(cached_data, "inference")  # data/inference.json, read once: treat it as read-only
 
 
 # --- weight formats -----------------------------------------------------------------------------------------------

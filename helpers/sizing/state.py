@@ -7,11 +7,11 @@ per parameter. The optimizers' tensors are PyTorch's own (data/training_memory.j
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import partial
 
 from helpers.catalog import DATA_PARALLEL, strategy as catalog_entry
 from helpers.dtypes import BYTES
-from helpers.facts import load_data
+from helpers.facts import cached_data
 from helpers.sizing.ledger import DeviceMemory
 
 # state tensors shaped like each parameter: SGD none, SGD's momentum_buffer, Adam's exp_avg and exp_avg_sq
@@ -28,10 +28,7 @@ BYTES_PER_PARAM = {  # (weights, grads, optimizer state) per parameter
 }
 
 
-@lru_cache(maxsize=1)
-def training_data() -> dict:
-    """data/training_memory.json (read once; treat it as read-only)."""
-    return load_data("training_memory")
+training_data = partial(cached_data, "training_memory")  # data/training_memory.json, read once: treat it as read-only
 
 
 def known_optimizers() -> list[str]:
