@@ -106,13 +106,12 @@ def _hf(rig: Rig, strategy: str, engine: str, workdir: str) -> str:
     """A tied GPT-2 (embedding and head on different stages, right-padded batch) through `strategy` on `engine`,
     four Adam steps, against one device doing the same: the path a user's own Hugging Face model takes."""
     from helpers.models.hf import hf_config, save_hf_model
-    from helpers.models.layered import Stage
+    from helpers.models.layered import Stage, owned_layers
     from helpers.training import train
 
     model = save_hf_model(hf_config("gpt2", 2, 64, 4, CFG.vocab, CFG.seq_len, tie_embeddings=True),
                           f"{workdir}/gpt2-tied")
-    layers = model.meta_layers()
-    model.materialize(layers, range(len(layers)), rig.devices[0])
+    layers = owned_layers(model, range(model.n_layers), rig.devices[0])
     stage = Stage(layers)
     opt = torch.optim.Adam(stage.parameters(), lr=1e-3)
     x, y, mask = SyntheticTokens(BATCH, CFG.seq_len, CFG.vocab, padding="right").masked_batch(0, BATCH)

@@ -24,7 +24,7 @@ import torch
 
 from helpers.models.text import load_rows
 from helpers.models.hf import HFModel, save_hf_model
-from helpers.models.layered import microbatch_seed
+from helpers.models.layered import microbatch_seed, owned_layers
 from helpers.pipeline.stages import split_model
 from helpers.precision import make_scaler
 from helpers.runtime.rig import Rig, detect_rig
@@ -74,8 +74,7 @@ def _train_threads(model: HFModel, job: TrainJob, rig: Rig) -> Trained:
     """The in-process engine: the whole model loaded here, split over the rig's devices, one thread per stage."""
     from helpers.pipeline.threaded import ThreadedPipeline, stage_devices
 
-    layers = model.meta_layers()
-    model.materialize(layers, range(len(layers)), torch.device("cpu"))
+    layers = owned_layers(model, range(model.n_layers), torch.device("cpu"))
     split = split_model([layer.to(job.precision.weights) for layer in layers], job.cut(),
                         stage_devices(rig.devices, job.layout))
     pipe = ThreadedPipeline(split, job.schedule, job.microbatches, wire=job.wire, precision=job.precision,
