@@ -78,6 +78,19 @@ def test_readme_results_quote_the_records():
                    for cell in re.findall(r"[-+±]?\d[\d,]*(?:\.\d+)?%?", line.split("|", 2)[2])]
         missing = [f for f in figures if f not in record]
         assert figures and not missing, f"README's table from {named[0]}: not in that record's section {missing}"
+        prose = " ".join(part.split())  # its sentences as one line
+        for count, rows, error in re.findall(r"(\d+) of (\d+) predicted rows within 15% \(mean absolute error "
+                                             r"([\d.]+%)\)", prose):  # the verdict the prose quotes is the record's
+            assert f"{count} of {rows} predicted rows within 15%, mean absolute error {error}" in record, named[0]
+        for runs, count, rows, low, high in re.findall(r"in each of the (\w+) runs of that commit kept beside it, "
+                                                       r"(\d+) of (\d+) \(mean ([\d.]+)-([\d.]+)%\)", prose):
+            commit = named[0].rsplit("-", 1)[0]  # e.g. bench-e93a8d4: every record of that commit, rendered
+            verdicts = re.findall(rf"### {commit}-\d+\n.*?(\d+ of \d+) predicted rows within 15%, mean absolute "
+                                  r"error ([\d.]+)%", page, flags=re.S)
+            assert len(verdicts) == ["one", "two", "three", "four", "five"].index(runs) + 1, commit
+            assert {v for v, _ in verdicts} == {f"{count} of {rows}"}, verdicts
+            means = sorted(float(m) for _, m in verdicts)
+            assert (means[0], means[-1]) == (float(low), float(high)), verdicts
         quoted += 1
     assert quoted >= 2, "README's Results: one table from a bench record and one from a speed-bench record"
 
